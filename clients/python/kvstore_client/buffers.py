@@ -1,0 +1,80 @@
+"""Turn what callers hand us into page segments: lists of (address, nbytes) per page.
+
+Accepted, for put (read) and get (written):
+  - one C-contiguous numpy array or CPU torch tensor holding n pages back to back;
+  - a list with one entry per page, each a buffer (numpy array, torch tensor, bytes,
+    bytearray, memoryview), a raw (pointer, nbytes) pair, or a list of such segments
+    whose sizes add up to one page (K and V kept apart);
+that is also what SGLang's zero-copy path hands a backend: host pointers and lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore_client.errors import InvalidArgument, PageSizeMismatch
+
+Segment = tuple[int, int]
+
+
+def page_segments(buffers: Any, pages: int, page_bytes: int, writable: bool) -> tuple[list[list[Segment]], list[Any]]:
+    """Segments of each page, and the objects that must stay alive while they are used."""
+    keepalive: list[Any] = []
+    if _is_array_like(buffers):
+        base, nbytes = _address(buffers, writable, keepalive)
+        if nbytes != pages * page_bytes:
+            raise PageSizeMismatch(
+                f"buffer holds {nbytes} bytes, expected {pages} pages x {page_bytes} bytes")
+        return [[(base + i * page_bytes, page_bytes)] for i in range(pages)], keepalive
+    if len(buffers) != pages:
+        raise InvalidArgument(f"got {len(buffers)} page buffers for {pages} keys")
+    result = []
+    for index, page in enumerate(buffers):
+        segments = [_segment(s, writable, keepalive) for s in _as_segment_list(page)]
+        total = sum(n for _, n in segments)
+        if total != page_bytes:
+            raise PageSizeMismatch(f"page {index} has {total} bytes, the namespace's pages have {page_bytes}")
+        result.append(segments)
+    return result, keepalive
+
+
+def _as_segment_list(page: Any) -> Sequence[Any]:
+    if isinstance(page, (list, tuple)) and not _is_pointer_pair(page):
+        return page
+    return [page]
+
+
+def _is_pointer_pair(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj)
+
+
+def _is_array_like(obj: Any) -> bool:
+    return isinstance(obj, np.ndarray) or type(obj).__module__.startswith("torch")
+
+
+def _segment(obj: Any, writable: bool, keepalive: list[Any]) -> Segment:
+    if _is_pointer_pair(obj):
+        address, nbytes = obj
+        if address <= 0 or nbytes < 0:
+            raise InvalidArgument(f"bad (pointer, nbytes) segment: {obj}")
+        return address, nbytes
+    return _address(obj, writable, keepalive)
+
+
+def _address(obj: Any, writable: bool, keepalive: list[Any]) -> Segment:
+    if type(obj).__module__.startswith("torch"):
+        if obj.device.type != "cpu":
+            raise InvalidArgument(f"tensor on {obj.device}: only CPU tensors can be copied over shared memory")
+        if not obj.is_contiguous():
+            raise InvalidArgument("tensor is not contiguous")
+        keepalive.append(obj)
+        return obj.data_ptr(), obj.numel() * obj.element_size()
+    array = obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, dtype=np.uint8)
+    if not array.flags.c_contiguous:
+        raise InvalidArgument("array is not C-contiguous")
+    if writable and not array.flags.writeable:
+        raise InvalidArgument("output buffer is read-only")
+    keepalive.append(array)
+    return array.ctypes.data, array.nbytes

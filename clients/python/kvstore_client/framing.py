@@ -1,0 +1,56 @@
+"""Frames of the local control channel: the same protobuf messages as gRPC, over a Unix socket.
+
+Why a second carrier: a unary gRPC call from Python costs about 0.7 ms here, while moving a
+batch of 128 pages of 64 KiB through shared memory takes about 1 ms. Two calls per batch
+(reserve + commit, or acquire + release) would cap the same-host data plane near half of
+memcpy. On the Unix socket that already hands out the arena fd, one request/response costs
+tens of microseconds and requests can be pipelined (a release is sent without waiting).
+
+Pure encoding, no I/O. Requests and responses are answered in order on one connection.
+
+    request  = u32 payload_bytes | u8 method | payload (the request message)
+    response = u32 payload_bytes | u8 error_code | payload (response message, or UTF-8
+               error text when error_code != 0)
+"""
+
+from __future__ import annotations
+
+import struct
+
+from kvstore_client.proto import pb
+
+HEADER = struct.Struct("<IB")
+FRAME_BYTES_MAX = 16 << 20
+
+# Method 0 asks for the arena file descriptor (sent with SCM_RIGHTS beside the response).
+MAP_ARENA = 0
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
+# method id -> (name, request class, response class); ids follow the order in the .proto.
+METHODS: dict[int, tuple[str, type, type]] = {
+    index + 1: (
+        method.name,
+        getattr(pb, method.input_type.name),
+        getattr(pb, method.output_type.name),
+    )
+    for index, method in enumerate(_SERVICE.methods)
+}
+METHOD_IDS: dict[str, int] = {name: method_id for method_id, (name, _, _) in METHODS.items()}
+
+
+class FrameError(ValueError):
+    """The byte stream cannot be read as frames; the connection must be closed."""
+
+
+def encode(kind: int, payload: bytes) -> bytes:
+    if len(payload) > FRAME_BYTES_MAX:
+        raise FrameError(f"frame of {len(payload)} bytes exceeds {FRAME_BYTES_MAX}")
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def decode_header(header: bytes) -> tuple[int, int]:
+    """(payload_bytes, kind) of a frame header; rejects lengths over the limit."""
+    length, kind = HEADER.unpack(header)
+    if length > FRAME_BYTES_MAX:
+        raise FrameError(f"frame of {length} bytes exceeds {FRAME_BYTES_MAX}")
+    return length, kind

@@ -1,0 +1,89 @@
+"""Namespaces and prefix hashes.
+
+A page's key names its whole prefix: key_i = SHA-256(key_{i-1} || tokens_i as uint32 LE),
+byte-identical to SGLang's `get_hash_str`, so an engine and this SDK agree on the key of
+the same prefix. Engines that bring their own keys pass them as they are: `str` keys
+travel as their UTF-8 bytes (SGLang's 64-character hex digests fit exactly), `bytes`
+keys travel unchanged; either way at most KEY_BYTES_MAX bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Iterable, Sequence, Union
+
+import numpy as np
+
+from kvstore_client.proto import pb
+
+KEY_BYTES_MAX = 64
+
+Key = Union[str, bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """What makes pages comparable; fixes page_bytes. Pages of different namespaces never mix."""
+
+    model: str
+    page_bytes: int
+    page_tokens: int = 0
+    tenant: str = ""
+    kv_dtype: str = ""
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    layout: str = ""
+    hash_seed: str = ""
+
+    def to_proto(self) -> pb.NamespaceSpec:
+        return pb.NamespaceSpec(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_proto(cls, spec: pb.NamespaceSpec) -> "Namespace":
+        return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(cls)})
+
+
+def namespace_id(namespace: Namespace) -> int:
+    """A stable 64-bit id: the same spec gets the same id on every server and restart."""
+    canonical = json.dumps(dataclasses.asdict(namespace), sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "little")
+
+
+def page_hash(page_tokens: Sequence[int] | np.ndarray, prior_hash: str | None = None) -> str:
+    """SGLang's get_hash_str: SHA-256 over the prior digest, then each token as uint32 LE."""
+    hasher = hashlib.sha256()
+    if prior_hash:
+        hasher.update(bytes.fromhex(prior_hash))
+    hasher.update(np.asarray(page_tokens, dtype="<u4").tobytes())
+    return hasher.hexdigest()
+
+
+def prefix_hashes(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: str = "") -> list[str]:
+    """Keys of every full page of `tokens`; a trailing partial page gets no key."""
+    if page_tokens <= 0:
+        raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+    array = np.asarray(tokens, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    keys: list[str] = []
+    prior = seed or None
+    for start in range(0, len(array) - page_tokens + 1, page_tokens):
+        prior = page_hash(array[start:start + page_tokens], prior)
+        keys.append(prior)
+    return keys
+
+
+def encode_key(key: Key) -> bytes:
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if not 0 < len(raw) <= KEY_BYTES_MAX:
+        raise ValueError(f"a key must be 1 to {KEY_BYTES_MAX} bytes, got {len(raw)}")
+    return raw
+
+
+def encode_keys(keys: Iterable[Key]) -> list[bytes]:
+    return [encode_key(k) for k in keys]

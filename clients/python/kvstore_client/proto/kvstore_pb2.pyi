@@ -1,0 +1,324 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    INVALID_ARGUMENT: _ClassVar[ErrorCode]
+    NAMESPACE_NOT_FOUND: _ClassVar[ErrorCode]
+    PAGE_SIZE_MISMATCH: _ClassVar[ErrorCode]
+    LEASE_NOT_FOUND: _ClassVar[ErrorCode]
+    CHECKSUM_MISMATCH: _ClassVar[ErrorCode]
+    DUPLICATE_KEY: _ClassVar[ErrorCode]
+    BATCH_TOO_LARGE: _ClassVar[ErrorCode]
+    CAPACITY_EXHAUSTED: _ClassVar[ErrorCode]
+    DRAINING: _ClassVar[ErrorCode]
+    PERMISSION_DENIED: _ClassVar[ErrorCode]
+    MALFORMED_REQUEST: _ClassVar[ErrorCode]
+    INTERNAL: _ClassVar[ErrorCode]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    HBM: _ClassVar[Tier]
+    DRAM: _ClassVar[Tier]
+    NVME: _ClassVar[Tier]
+    REMOTE: _ClassVar[Tier]
+    ENGINE: _ClassVar[Tier]
+
+class ReserveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESERVED: _ClassVar[ReserveState]
+    PRESENT: _ClassVar[ReserveState]
+    IN_FLIGHT: _ClassVar[ReserveState]
+    PARENT_MISSING: _ClassVar[ReserveState]
+    NO_SPACE: _ClassVar[ReserveState]
+
+class CommitState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMITTED: _ClassVar[CommitState]
+    COMMIT_PARENT_MISSING: _ClassVar[CommitState]
+ERROR_CODE_UNSPECIFIED: ErrorCode
+INVALID_ARGUMENT: ErrorCode
+NAMESPACE_NOT_FOUND: ErrorCode
+PAGE_SIZE_MISMATCH: ErrorCode
+LEASE_NOT_FOUND: ErrorCode
+CHECKSUM_MISMATCH: ErrorCode
+DUPLICATE_KEY: ErrorCode
+BATCH_TOO_LARGE: ErrorCode
+CAPACITY_EXHAUSTED: ErrorCode
+DRAINING: ErrorCode
+PERMISSION_DENIED: ErrorCode
+MALFORMED_REQUEST: ErrorCode
+INTERNAL: ErrorCode
+TIER_UNSPECIFIED: Tier
+HBM: Tier
+DRAM: Tier
+NVME: Tier
+REMOTE: Tier
+ENGINE: Tier
+RESERVED: ReserveState
+PRESENT: ReserveState
+IN_FLIGHT: ReserveState
+PARENT_MISSING: ReserveState
+NO_SPACE: ReserveState
+COMMITTED: CommitState
+COMMIT_PARENT_MISSING: CommitState
+
+class NamespaceSpec(_message.Message):
+    __slots__ = ("model", "tenant", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "page_tokens", "tp_rank", "tp_size", "layout", "page_bytes", "hash_seed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tenant: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_tokens: int
+    tp_rank: int
+    tp_size: int
+    layout: str
+    page_bytes: int
+    hash_seed: str
+    def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_tokens: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[str] = ..., page_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max")
+    BATCH_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
+    READ_LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
+    batch_pages_max: int
+    page_bytes_max: int
+    key_bytes_max: int
+    read_lease_ttl_ms: int
+    write_lease_ttl_ms: int
+    frame_bytes_max: int
+    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("client_name",)
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    shm_socket: str
+    arena_bytes: int
+    limits: Limits
+    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+
+class OpenNamespaceRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: NamespaceSpec
+    def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+
+class OpenNamespaceResponse(_message.Message):
+    __slots__ = ("namespace_id",)
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    def __init__(self, namespace_id: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "tokens")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_pages", "tiers")
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    hit_pages: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    parent_key: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    page_bytes: int
+    lease_ttl_ms: int
+    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    states: _containers.RepeatedScalarFieldContainer[ReserveState]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lease_ttl_ms: int
+    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease_id", "indices", "checksums")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("states", "checksums")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[CommitState]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, states: _Optional[_Iterable[_Union[CommitState, str]]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted_pages",)
+    ABORTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    aborted_pages: int
+    def __init__(self, aborted_pages: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "lease_ttl_ms")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ttl_ms: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    hit_pages: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    page_bytes: int
+    lease_ttl_ms: int
+    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted_pages",)
+    DELETED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    deleted_pages: int
+    def __init__(self, deleted_pages: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    pages: int
+    hits: int
+    misses: int
+    evictions: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace_id", "model", "tenant", "page_bytes", "pages")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    model: str
+    tenant: str
+    page_bytes: int
+    pages: int
+    def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    leases_open: int
+    leases_expired: int
+    pages_committed: int
+    checksum_failures: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,212 @@
+"""Configuration: one tree of frozen dataclasses, loaded once.
+
+Order: defaults, then a TOML file, then KVSTORE_<SECTION>_<FIELD> environment variables,
+then command-line `--set section.field=value` overrides. An unknown key or an unparsable
+value stops start-up with a ConfigError naming the dotted path. Nothing else in the
+server reads os.environ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+import tomllib
+import typing
+from typing import Any, Mapping
+
+ENV_PREFIX = "KVSTORE_"
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or invalid; the message names its dotted path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    grpc_address: str = "127.0.0.1:50051"   # host:port; port 0 picks a free one
+    ready_file: str = ""                    # written with the bound endpoints once serving
+    drain_timeout_s: float = 30.0           # SIGTERM waits this long for open leases
+    log_level: str = "INFO"
+    grpc_workers: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DramConfig:
+    arena_bytes: int = 1 << 30              # the whole DRAM tier, allocated at start-up
+    slab_bytes: int = 64 << 20              # arena unit handed to one page size at a time
+    hugepages: bool = False                 # MFD_HUGETLB; needs reserved huge pages
+    prefault: bool = True                   # touch every page at start-up, fail early if short
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmConfig:
+    enabled: bool = True
+    socket_path: str = ""                   # "" = <tmp>/kvstore-<uid>/kvstore.sock
+    allowed_uids: tuple[int, ...] = ()      # () = only the server's own uid
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseConfig:
+    read_ttl_ms: int = 10_000
+    write_ttl_ms: int = 30_000
+    ttl_ms_max: int = 300_000               # the most a client may ask for
+    reap_interval_ms: int = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitsConfig:
+    batch_pages_max: int = 1024
+    page_bytes_max: int = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    server: ServerConfig = ServerConfig()
+    dram: DramConfig = DramConfig()
+    shm: ShmConfig = ShmConfig()
+    leases: LeaseConfig = LeaseConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+    @property
+    def shm_socket_path(self) -> str:
+        if self.shm.socket_path:
+            return self.shm.socket_path
+        return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}", "kvstore.sock")
+
+    @property
+    def allowed_uids(self) -> frozenset[int]:
+        return frozenset(self.shm.allowed_uids or (os.getuid(),))
+
+
+def load(path: str | None = None, environ: Mapping[str, str] | None = None,
+         overrides: list[str] | None = None) -> Config:
+    """Build the effective configuration; raises ConfigError naming the bad dotted path."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                document = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        for section, values in document.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{section}: expected a [{section}] table")
+            for key, value in values.items():
+                _put(tree, f"{section}.{key}", value)
+    for name, value in sorted((environ if environ is not None else os.environ).items()):
+        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG":
+            _put(tree, _env_to_dotted(name), value)
+    for item in overrides or ():
+        dotted, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        _put(tree, dotted.strip(), value.strip())
+    return _build(tree)
+
+
+def _env_to_dotted(name: str) -> str:
+    rest = name[len(ENV_PREFIX):].lower()
+    section, _, field = rest.partition("_")
+    return f"{section}.{field}"
+
+
+def _put(tree: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
+    section, _, field = dotted.partition(".")
+    if section not in _SECTION_TYPES or not field:
+        raise ConfigError(f"{dotted}: unknown setting (sections: {', '.join(_SECTION_TYPES)})")
+    section_cls = _SECTION_TYPES[section]
+    fields = {f.name: f for f in dataclasses.fields(section_cls)}
+    if field not in fields:
+        raise ConfigError(f"{dotted}: unknown setting (known in [{section}]: {', '.join(fields)})")
+    tree.setdefault(section, {})[field] = _parse(dotted, _FIELD_TYPES[section][field], value)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _parse(dotted: str, kind: Any, value: Any) -> Any:
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, int):
+                return value
+            match = _SIZE.match(str(value))
+            if not match:
+                raise ValueError
+            number, unit = match.groups()
+            result = float(number) * _UNITS[(unit or "")[:1].lower()]
+            if result != int(result):
+                raise ValueError
+            return int(result)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if kind is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if typing.get_origin(kind) is tuple:
+            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+            return tuple(_parse(dotted, int, v) for v in items)
+    except (ValueError, TypeError):
+        pass
+    raise ConfigError(f"{dotted}: cannot read {value!r} as {getattr(kind, '__name__', kind)}")
+
+
+def _build(tree: dict[str, dict[str, Any]]) -> Config:
+    config = Config(**{name: _SECTION_TYPES[name](**values) for name, values in tree.items()})
+    _validate(config)
+    return config
+
+
+def _validate(config: Config) -> None:
+    checks = [
+        ("dram.arena_bytes", config.dram.arena_bytes >= config.dram.slab_bytes,
+         f"must be at least dram.slab_bytes ({config.dram.slab_bytes})"),
+        ("dram.slab_bytes", config.dram.slab_bytes >= 4096 and config.dram.slab_bytes % 4096 == 0,
+         "must be a positive multiple of 4096"),
+        ("limits.page_bytes_max", 0 < config.limits.page_bytes_max <= config.dram.slab_bytes,
+         f"must be between 1 and dram.slab_bytes ({config.dram.slab_bytes})"),
+        ("limits.batch_pages_max", 0 < config.limits.batch_pages_max <= 65536, "must be 1 to 65536"),
+        ("leases.read_ttl_ms", 0 < config.leases.read_ttl_ms <= config.leases.ttl_ms_max,
+         "must be positive and at most leases.ttl_ms_max"),
+        ("leases.write_ttl_ms", 0 < config.leases.write_ttl_ms <= config.leases.ttl_ms_max,
+         "must be positive and at most leases.ttl_ms_max"),
+        ("leases.reap_interval_ms", config.leases.reap_interval_ms > 0, "must be positive"),
+        ("server.drain_timeout_s", config.server.drain_timeout_s >= 0, "must not be negative"),
+        ("server.grpc_workers", config.server.grpc_workers > 0, "must be positive"),
+        ("server.log_level", config.server.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+         "must be DEBUG, INFO, WARNING or ERROR"),
+        ("server.grpc_address", ":" in config.server.grpc_address, "must look like host:port"),
+    ]
+    for dotted, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{dotted}: {why}")
+
+
+def as_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "server": ServerConfig, "dram": DramConfig, "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
+}
+_FIELD_TYPES: dict[str, dict[str, Any]] = {
+    name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()
+}

@@ -1,0 +1,55 @@
+"""kvstore.v1.KVStore over gRPC: a thin carrier from wire bytes to KVStoreService.
+
+Requests are parsed here rather than by gRPC, so a malformed message gets
+INVALID_ARGUMENT with a readable reason instead of gRPC's generic INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Any, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvstore.control.service import KVStoreService
+from kvstore_client import errors, framing
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvstore.v1.KVStore"
+
+
+def _unary(service: KVStoreService, name: str, request_cls: type) -> Callable[[bytes, grpc.ServicerContext], Any]:
+    def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            try:
+                request = request_cls.FromString(raw)
+            except DecodeError as exc:
+                raise errors.MalformedRequest(f"{name}: request is not a valid {request_cls.__name__}: {exc}") from None
+            return service.handle(name, request)
+        except errors.KVStoreError as exc:
+            context.set_trailing_metadata(((errors.ERROR_CODE_METADATA_KEY, str(exc.code)),))
+            context.abort(exc.status, str(exc))
+        except Exception:
+            log.exception("%s failed", name)
+            context.set_trailing_metadata(((errors.ERROR_CODE_METADATA_KEY, str(errors.Internal.code)),))
+            context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error, see the server log")
+    return handler
+
+
+def create_server(service: KVStoreService, address: str, workers: int) -> tuple[grpc.Server, int]:
+    """A started-ready (not yet started) gRPC server bound to `address`, and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+                         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _unary(service, name, request_cls), response_serializer=response_cls.SerializeToString)
+        for name, request_cls, response_cls in framing.METHODS.values()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {address}: address in use or not local")
+    return server, port

@@ -1,0 +1,77 @@
+"""Leases: time-limited holds on pages.
+
+A write lease owns reserved slots until they are committed or aborted, and pins the
+already-cached pages its new pages hang from. A read lease pins pages while a client
+copies them. Both expire, so a crashed client never leaks slots or pins pages forever;
+a lease can also belong to a local-channel connection, and ends when it closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import secrets
+from typing import Iterator
+
+from kvstore.control.index import PageRecord
+
+READ = "read"
+WRITE = "write"
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    lease_id: int
+    kind: str
+    namespace_id: int
+    deadline: float                      # time.monotonic() after which the lease is expired
+    ttl_ms: int
+    owner: object | None                 # the connection it ends with, or None
+    pinned: list[PageRecord] = dataclasses.field(default_factory=list)
+    # write leases only:
+    parent_key: bytes = b""
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    slots: dict[int, int] = dataclasses.field(default_factory=dict)  # key index -> offset, not yet committed
+    busy: int = 0                        # commits checking bytes outside the lock; not reaped meanwhile
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        self._leases: dict[int, Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def open(self, kind: str, namespace_id: int, now: float, ttl_ms: int, owner: object | None) -> Lease:
+        lease_id = 0
+        while lease_id == 0 or lease_id in self._leases:
+            lease_id = secrets.randbits(64)
+        lease = Lease(lease_id, kind, namespace_id, now + ttl_ms / 1000, ttl_ms, owner)
+        self._leases[lease_id] = lease
+        heapq.heappush(self._deadlines, (lease.deadline, lease_id))
+        return lease
+
+    def get(self, lease_id: int) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def close(self, lease: Lease) -> None:
+        del self._leases[lease.lease_id]
+
+    def expired(self, now: float) -> Iterator[Lease]:
+        """Leases past their deadline and not busy; the caller closes each one it is given."""
+        postponed = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, lease_id = heapq.heappop(self._deadlines)
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue
+            if lease.busy:
+                postponed.append((deadline, lease_id))
+                continue
+            yield lease
+        for entry in postponed:
+            heapq.heappush(self._deadlines, entry)
+
+    def owned_by(self, owner: object) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.owner is owner]

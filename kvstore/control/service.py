@@ -1,0 +1,402 @@
+"""The kvstore service: every control-plane method, over the wire messages, carrier-agnostic.
+
+gRPC (grpc_server.py) and the local Unix-socket channel (local_server.py) both call
+`handle(method, request, owner)`. Methods raise the exceptions of kvstore_client.errors;
+the carriers turn them into statuses. One lock guards the index, allocator and leases;
+checksums of committed slots are computed outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+from kvstore import __version__
+from kvstore.config import Config
+from kvstore.control.index import PageIndex, PageRecord
+from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
+from kvstore.limits import Limits
+from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
+from kvstore_client import errors
+from kvstore_client.keys import Namespace, encode_key, namespace_id, prefix_hashes
+from kvstore_client.proto import pb
+
+log = logging.getLogger(__name__)
+
+NAMESPACES_MAX = 4096
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.leases_expired = 0
+        self.pages_committed = 0
+        self.checksum_failures = 0
+
+
+class KVStoreService:
+    def __init__(self, config: Config, arena: Arena, shm_socket: str = ""):
+        self.config = config
+        self.limits = Limits.from_config(config)
+        self.arena = arena
+        self.shm_socket = shm_socket
+        self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes)
+        self.index = PageIndex(on_free=lambda record: self.allocator.free(record.offset))
+        self.leases = LeaseTable()
+        self.namespaces: dict[int, Namespace] = {}
+        self.pending: dict[tuple[int, bytes], int] = {}   # reserved, uncommitted page -> lease id
+        self.counters = Counters()
+        self.draining = False
+        self.lock = threading.Lock()
+        self._methods: dict[str, Callable[[Any, object | None], Any]] = {
+            "Hello": self.hello, "OpenNamespace": self.open_namespace, "Lookup": self.lookup,
+            "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
+            "Acquire": self.acquire, "Release": self.release, "Delete": self.delete, "Stats": self.stats,
+        }
+
+    def handle(self, method: str, request: Any, owner: object | None = None) -> Any:
+        return self._methods[method](request, owner)
+
+    # -- methods ----------------------------------------------------------------------
+
+    def hello(self, request: pb.HelloRequest, owner: object | None) -> pb.HelloResponse:
+        leases = self.config.leases
+        return pb.HelloResponse(
+            server_version=__version__, shm_socket=self.shm_socket, arena_bytes=self.arena.nbytes,
+            limits=pb.Limits(
+                batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
+                key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
+                write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max))
+
+    def open_namespace(self, request: pb.OpenNamespaceRequest, owner: object | None) -> pb.OpenNamespaceResponse:
+        spec = request.spec
+        if not spec.model:
+            raise errors.InvalidArgument("spec.model is empty: name the model whose KV this is")
+        if not 0 < spec.page_bytes <= self.limits.page_bytes_max:
+            raise errors.InvalidArgument(
+                f"spec.page_bytes={spec.page_bytes} must be 1 to {self.limits.page_bytes_max} (limits.page_bytes_max)")
+        if spec.tp_size and spec.tp_rank >= spec.tp_size:
+            raise errors.InvalidArgument(f"spec.tp_rank={spec.tp_rank} must be below spec.tp_size={spec.tp_size}")
+        if spec.hash_seed:
+            try:
+                bytes.fromhex(spec.hash_seed)
+            except ValueError:
+                raise errors.InvalidArgument("spec.hash_seed must be a hex string") from None
+        namespace = Namespace.from_proto(spec)
+        ns_id = namespace_id(namespace)
+        with self.lock:
+            if ns_id not in self.namespaces:
+                if len(self.namespaces) >= NAMESPACES_MAX:
+                    raise errors.CapacityExhausted(f"this server already holds {NAMESPACES_MAX} namespaces")
+                self.namespaces[ns_id] = namespace
+                log.info("namespace opened id=%016x model=%s tenant=%s page_bytes=%d",
+                         ns_id, namespace.model, namespace.tenant, namespace.page_bytes)
+        return pb.OpenNamespaceResponse(namespace_id=ns_id)
+
+    def lookup(self, request: pb.LookupRequest, owner: object | None) -> pb.LookupResponse:
+        namespace = self._namespace(request.namespace_id)
+        keys = self._lookup_keys(namespace, request)
+        ns_id = request.namespace_id
+        hits = 0
+        with self.lock:
+            for key in keys:
+                if (ns_id, key) not in self.index:
+                    break
+                hits += 1
+        return pb.LookupResponse(hit_pages=hits, tiers=[pb.DRAM] * hits)
+
+    def reserve(self, request: pb.ReserveRequest, owner: object | None) -> pb.ReserveResponse:
+        namespace = self._namespace(request.namespace_id)
+        if request.page_bytes != namespace.page_bytes:
+            raise errors.PageSizeMismatch(
+                f"page_bytes={request.page_bytes} but namespace {namespace.model!r} stores pages of "
+                f"{namespace.page_bytes} bytes")
+        keys = self._check_keys(request.keys)
+        if request.parent_key:
+            self._check_keys([request.parent_key], what="parent_key")
+        ttl_ms = self._ttl(request.lease_ttl_ms, self.config.leases.write_ttl_ms)
+        ns_id = request.namespace_id
+        slot_bytes = slot_bytes_for(namespace.page_bytes)
+        states = [pb.PARENT_MISSING] * len(keys)
+        offsets = [0] * len(keys)
+        with self.lock:
+            self._check_not_draining()
+            parent = self.index.get((ns_id, request.parent_key)) if request.parent_key else None
+            if request.parent_key and parent is None:
+                return pb.ReserveResponse(states=states, offsets=offsets)
+            lease = self.leases.open(WRITE, ns_id, time.monotonic(), ttl_ms, owner)
+            lease.parent_key = request.parent_key
+            lease.keys = keys
+            if parent is not None:
+                self._pin(lease, parent)
+            for i, key in enumerate(keys):
+                record = self.index.get((ns_id, key))
+                if record is not None:
+                    states[i] = pb.PRESENT
+                    self._pin(lease, record)
+                elif (ns_id, key) in self.pending:
+                    states[i] = pb.IN_FLIGHT
+                else:
+                    offset = self._allocate(slot_bytes)
+                    if offset is None:
+                        states[i:] = [pb.NO_SPACE] * (len(keys) - i)
+                        break
+                    self.pending[(ns_id, key)] = lease.lease_id
+                    lease.slots[i] = offset
+                    states[i], offsets[i] = pb.RESERVED, offset
+            if not lease.slots:
+                self._end_lease(lease)
+                if states[0] == pb.NO_SPACE:
+                    raise errors.CapacityExhausted(
+                        f"no slot of {slot_bytes} bytes can be freed: every page is pinned by a lease "
+                        "or the arena is full of other page sizes")
+                return pb.ReserveResponse(states=states, offsets=offsets)
+        return pb.ReserveResponse(lease_id=lease.lease_id, states=states, offsets=offsets, lease_ttl_ms=ttl_ms)
+
+    def commit(self, request: pb.CommitRequest, owner: object | None) -> pb.CommitResponse:
+        with self.lock:
+            lease = self._lease(request.lease_id, WRITE)
+            indices = list(request.indices) or sorted(lease.slots)
+            if len(set(indices)) != len(indices):
+                raise errors.DuplicateKey("an index appears twice in indices")
+            for index in indices:
+                if index not in lease.slots:
+                    raise errors.InvalidArgument(
+                        f"index {index} is not a reserved, uncommitted slot of lease {request.lease_id:#x}")
+            if request.checksums and len(request.checksums) != len(indices):
+                raise errors.InvalidArgument(
+                    f"{len(request.checksums)} checksums for {len(indices)} pages: give one per page or none")
+            page_bytes = self.namespaces[lease.namespace_id].page_bytes
+            offsets = [lease.slots[i] for i in indices]
+            lease.busy += 1
+        try:
+            # The slots belong to this lease alone, so their bytes can be hashed unlocked.
+            view = self.arena.view
+            sums = [xxhash.xxh3_64_intdigest(view[o:o + page_bytes]) for o in offsets]
+        finally:
+            with self.lock:
+                lease.busy -= 1
+        with self.lock:
+            if request.checksums:
+                for position, (want, got) in enumerate(zip(request.checksums, sums)):
+                    if want != got:
+                        self.counters.checksum_failures += 1
+                        raise errors.ChecksumMismatch(
+                            f"page at index {indices[position]} hashes to {got:#018x}, not {want:#018x}; "
+                            "nothing in this commit was made visible: rewrite the slot or abort")
+            if self.leases.get(lease.lease_id) is not lease:
+                raise errors.LeaseNotFound(f"lease {request.lease_id:#x} ended while its commit was checked")
+            states = [self._publish(lease, i, s) for i, s in zip(indices, sums)]
+            if not lease.slots:
+                self._end_lease(lease)
+        return pb.CommitResponse(states=states, checksums=sums)
+
+    def abort(self, request: pb.AbortRequest, owner: object | None) -> pb.AbortResponse:
+        with self.lock:
+            lease = self._lease(request.lease_id, WRITE)
+            aborted = len(lease.slots)
+            self._end_lease(lease)
+        return pb.AbortResponse(aborted_pages=aborted)
+
+    def acquire(self, request: pb.AcquireRequest, owner: object | None) -> pb.AcquireResponse:
+        namespace = self._namespace(request.namespace_id)
+        keys = self._check_keys(request.keys)
+        ttl_ms = self._ttl(request.lease_ttl_ms, self.config.leases.read_ttl_ms)
+        ns_id = request.namespace_id
+        with self.lock:
+            self._check_not_draining()
+            records: list[PageRecord] = []
+            for key in keys:
+                record = self.index.get((ns_id, key))
+                if record is None:
+                    break
+                records.append(record)
+            self.counters.hits += len(records)
+            self.counters.misses += len(keys) - len(records)
+            if not records:
+                return pb.AcquireResponse(page_bytes=namespace.page_bytes)
+            lease = self.leases.open(READ, ns_id, time.monotonic(), ttl_ms, owner)
+            for record in records:
+                self._pin(lease, record)
+                record.hits += 1
+                self.index.touch(record)
+        return pb.AcquireResponse(
+            lease_id=lease.lease_id, hit_pages=len(records), offsets=[r.offset for r in records],
+            checksums=[r.checksum for r in records], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms)
+
+    def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
+        with self.lock:
+            leases = [self._lease(lease_id, READ) for lease_id in request.lease_ids]
+            for lease in leases:
+                self._end_lease(lease)
+        return pb.ReleaseResponse(released=len(leases))
+
+    def delete(self, request: pb.DeleteRequest, owner: object | None) -> pb.DeleteResponse:
+        self._namespace(request.namespace_id)
+        keys = self._check_keys(request.keys)
+        deleted = 0
+        with self.lock:
+            for key in keys:
+                record = self.index.get((request.namespace_id, key))
+                if record is not None:
+                    deleted += self.index.remove_subtree(record)
+        if deleted:
+            log.info("pages deleted namespace=%016x pages=%d", request.namespace_id, deleted)
+        return pb.DeleteResponse(deleted_pages=deleted)
+
+    def stats(self, request: pb.StatsRequest, owner: object | None) -> pb.StatsResponse:
+        c = self.counters
+        with self.lock:
+            dram = pb.TierStats(
+                tier=pb.DRAM, capacity_bytes=self.allocator.capacity_bytes, used_bytes=self.allocator.used_bytes,
+                pages=len(self.index), hits=c.hits, misses=c.misses, evictions=c.evictions)
+            namespaces = [
+                pb.NamespaceStats(namespace_id=ns_id, model=ns.model, tenant=ns.tenant, page_bytes=ns.page_bytes,
+                                  pages=self.index.pages_by_namespace.get(ns_id, 0))
+                for ns_id, ns in self.namespaces.items()]
+            return pb.StatsResponse(
+                tiers=[dram], namespaces=namespaces, leases_open=len(self.leases), leases_expired=c.leases_expired,
+                pages_committed=c.pages_committed, checksum_failures=c.checksum_failures)
+
+    # -- lifecycle hooks for the carriers and the server --------------------------------
+
+    def end_owner(self, owner: object) -> int:
+        """A connection closed: abort its write leases and release its read leases."""
+        with self.lock:
+            leases = self.leases.owned_by(owner)
+            for lease in leases:
+                self._end_lease(lease)
+        if leases:
+            log.info("connection closed with open leases; ended leases=%d", len(leases))
+        return len(leases)
+
+    def reap_expired(self) -> int:
+        with self.lock:
+            expired = list(self.leases.expired(time.monotonic()))
+            for lease in expired:
+                self._end_lease(lease)
+            self.counters.leases_expired += len(expired)
+        for lease in expired:
+            log.info("lease expired kind=%s lease=%016x uncommitted_pages=%d pinned_pages=%d",
+                     lease.kind, lease.lease_id, len(lease.slots), len(lease.pinned))
+        return len(expired)
+
+    def start_draining(self) -> None:
+        with self.lock:
+            self.draining = True
+
+    def open_leases(self) -> int:
+        with self.lock:
+            return len(self.leases)
+
+    # -- internals (called with the lock held where they touch shared state) -------------
+
+    def _publish(self, lease: Lease, index: int, checksum: int) -> int:
+        ns_id = lease.namespace_id
+        key = lease.keys[index]
+        offset = lease.slots.pop(index)
+        del self.pending[(ns_id, key)]
+        parent_key = lease.keys[index - 1] if index else lease.parent_key
+        parent = self.index.get((ns_id, parent_key)) if parent_key else None
+        if parent_key and parent is None:
+            self.allocator.free(offset)
+            return pb.COMMIT_PARENT_MISSING
+        slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
+        self.index.insert((ns_id, key), parent, offset, slot_bytes, checksum)
+        self.counters.pages_committed += 1
+        return pb.COMMITTED
+
+    def _end_lease(self, lease: Lease) -> None:
+        for index, offset in lease.slots.items():
+            del self.pending[(lease.namespace_id, lease.keys[index])]
+            self.allocator.free(offset)
+        lease.slots.clear()
+        for record in lease.pinned:
+            self.index.unpin(record)
+        lease.pinned.clear()
+        if self.leases.get(lease.lease_id) is lease:
+            self.leases.close(lease)
+
+    def _pin(self, lease: Lease, record: PageRecord) -> None:
+        self.index.pin(record)
+        lease.pinned.append(record)
+
+    def _allocate(self, slot_bytes: int) -> int | None:
+        """A free slot, evicting least recently used leaves when the arena is full."""
+        offset = self.allocator.allocate(slot_bytes)
+        while offset is None:
+            if self.index.evict_leaf(slot_bytes) is None and not self._evict_for_slab():
+                return None
+            self.counters.evictions += 1
+            offset = self.allocator.allocate(slot_bytes)
+        return offset
+
+    def _evict_for_slab(self) -> bool:
+        """Evict the oldest leaves of other page sizes until a whole slab is free (bounded)."""
+        budget = self.config.dram.slab_bytes // 4096
+        while not self.allocator.has_free_slab() and budget > 0:
+            slot_bytes = self.index.oldest_leaf_slot_bytes()
+            if slot_bytes is None or self.index.evict_leaf(slot_bytes) is None:
+                return False
+            self.counters.evictions += 1
+            budget -= 1
+        return self.allocator.has_free_slab()
+
+    def _namespace(self, ns_id: int) -> Namespace:
+        namespace = self.namespaces.get(ns_id)
+        if namespace is None:
+            raise errors.NamespaceNotFound(
+                f"namespace {ns_id:#018x} is not open on this server; call OpenNamespace with its spec first")
+        return namespace
+
+    def _lease(self, lease_id: int, kind: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise errors.LeaseNotFound(f"lease {lease_id:#x} is unknown, already finished, or expired")
+        if lease.kind != kind:
+            verb = "Abort or Commit" if lease.kind == WRITE else "Release"
+            raise errors.InvalidArgument(f"lease {lease_id:#x} is a {lease.kind} lease: end it with {verb}")
+        return lease
+
+    def _check_keys(self, keys: Sequence[bytes], what: str = "keys") -> list[bytes]:
+        if not keys:
+            raise errors.InvalidArgument(f"{what} is empty: send at least one key")
+        if len(keys) > self.limits.batch_pages_max:
+            raise errors.BatchTooLarge(
+                f"{len(keys)} keys in one call; limits.batch_pages_max is {self.limits.batch_pages_max}: split it")
+        for position, key in enumerate(keys):
+            if not 0 < len(key) <= self.limits.key_bytes_max:
+                raise errors.InvalidArgument(
+                    f"{what}[{position}] has {len(key)} bytes; keys are 1 to {self.limits.key_bytes_max} bytes")
+        if len(set(keys)) != len(keys):
+            raise errors.DuplicateKey(f"{what} holds the same key twice; a chain never repeats a page")
+        return list(keys)
+
+    def _lookup_keys(self, namespace: Namespace, request: pb.LookupRequest) -> list[bytes]:
+        if request.keys and request.tokens:
+            raise errors.InvalidArgument("give keys or tokens, not both")
+        if not request.tokens:
+            return self._check_keys(request.keys)
+        if not namespace.page_tokens:
+            raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
+        keys = [encode_key(k) for k in prefix_hashes(request.tokens, namespace.page_tokens, namespace.hash_seed)]
+        if len(keys) > self.limits.batch_pages_max:
+            raise errors.BatchTooLarge(f"{len(keys)} pages of tokens; limits.batch_pages_max is "
+                                       f"{self.limits.batch_pages_max}")
+        return keys
+
+    def _ttl(self, asked_ms: int, default_ms: int) -> int:
+        if asked_ms > self.config.leases.ttl_ms_max:
+            raise errors.InvalidArgument(
+                f"lease_ttl_ms={asked_ms} exceeds leases.ttl_ms_max={self.config.leases.ttl_ms_max}")
+        return asked_ms or default_ms
+
+    def _check_not_draining(self) -> None:
+        if self.draining:
+            raise errors.Draining("the server is draining for shutdown and takes no new leases")
