@@ -60,6 +60,13 @@ class PageIndex:
 
     def insert(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
                checksum: int) -> PageRecord:
+        record = self.add(page_id, parent, offset, slot_bytes, checksum)
+        self.touch(record)
+        return record
+
+    def add(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
+            checksum: int) -> PageRecord:
+        """Insert without an access tick; the caller touches the new pages (see touch_all)."""
         assert page_id not in self._pages, "a committed page is immutable"
         assert parent is None or parent.alive, "the index stays prefix-closed"
         record = PageRecord(page_id, parent, offset, slot_bytes, checksum)
@@ -69,7 +76,6 @@ class PageIndex:
             parent.children.add(record)
         self._pages[page_id] = record
         self.pages_by_namespace[page_id[0]] = self.pages_by_namespace.get(page_id[0], 0) + 1
-        self.touch(record)
         return record
 
     def touch(self, record: PageRecord) -> None:
@@ -77,17 +83,49 @@ class PageIndex:
         if record.is_leaf():
             self._push_leaf(record)
 
+    def leading(self, namespace_id: int, keys: list[bytes]) -> list[PageRecord]:
+        """Records of the leading keys present, stopping at the first miss. Touches nothing."""
+        pages = self._pages
+        records = []
+        for key in keys:
+            record = pages.get((namespace_id, key))
+            if record is None:
+                break
+            records.append(record)
+        return records
+
+    def touch_all(self, records: list[PageRecord]) -> None:
+        """One access tick for pages written or read together; only leaves enter the LRU."""
+        tick = next(self._clock)
+        for record in records:
+            record.tick = tick
+            if not record.children and record.pins == 0:
+                self._push_leaf(record)
+
     def pin(self, record: PageRecord) -> None:
         record.pins += 1
 
-    def unpin(self, record: PageRecord) -> None:
-        assert record.pins > 0, "unpin of a page that is not pinned"
-        record.pins -= 1
-        if record.pins == 0:
-            if not record.alive:
-                self._on_free(record)
-            elif record.is_leaf():
-                self._push_leaf(record)
+    def pin_all(self, records: list[PageRecord], hit: bool) -> None:
+        """Pin pages read together; they share one access tick (hot path of Acquire)."""
+        tick = next(self._clock)
+        for record in records:
+            record.pins += 1
+            record.hits += hit
+            record.tick = tick
+
+    def unpin_all(self, records: list[PageRecord]) -> None:
+        for record in records:
+            record.pins -= 1
+            if record.pins == 0:
+                self._unpinned(record)
+
+    def _unpinned(self, record: PageRecord) -> None:
+        """The last lease on a page ended: free it if it was removed, else it may be evicted."""
+        assert record.pins == 0, "a page still pinned"
+        if not record.alive:
+            self._on_free(record)
+        elif record.is_leaf():
+            self._push_leaf(record)
 
     def evict_leaf(self, slot_bytes: int) -> PageRecord | None:
         """Remove the least recently used unpinned leaf of this slot size, if any."""

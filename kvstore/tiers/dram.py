@@ -39,7 +39,9 @@ class Arena:
                 # Allocate every page now: a short machine fails at start-up, not mid-put.
                 os.posix_fallocate(self.fd, 0, nbytes)
                 log.info("arena prefaulted bytes=%d duration_ms=%.1f", nbytes, (time.perf_counter() - started) * 1e3)
-            self.mmap = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: no page fault on the first touch of a slot (the server hashes every commit).
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+            self.mmap = mmap.mmap(self.fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(self.fd)
             raise
@@ -62,7 +64,7 @@ class _Slab:
         self.slot_bytes = slot_bytes
         self.capacity = slab_bytes // slot_bytes
         # Popped from the end: hand out low offsets first.
-        self.free = [base + i * slot_bytes for i in range(self.capacity - 1, -1, -1)]
+        self.free = list(range(base + (self.capacity - 1) * slot_bytes, base - 1, -slot_bytes))
 
 
 class SlabAllocator:
@@ -91,6 +93,26 @@ class SlabAllocator:
             del partial[slab.base]
         self.used_bytes += slot_bytes
         return offset
+
+    def allocate_many(self, slot_bytes: int, count: int) -> list[int]:
+        """Up to `count` free slots of this size, taken a slab at a time (fewer when full)."""
+        partial = self._partial.setdefault(slot_bytes, {})
+        offsets: list[int] = []
+        while len(offsets) < count:
+            if not partial:
+                if not self._free_slabs:
+                    break
+                slab = _Slab(self._free_slabs.pop(), self.slab_bytes, slot_bytes)
+                self._slabs[slab.base] = slab
+                partial[slab.base] = slab
+            slab = next(iter(partial.values()))
+            take = min(count - len(offsets), len(slab.free))
+            offsets.extend(slab.free[-take:][::-1])
+            del slab.free[-take:]
+            if not slab.free:
+                del partial[slab.base]
+        self.used_bytes += len(offsets) * slot_bytes
+        return offsets
 
     def free(self, offset: int) -> None:
         slab = self._slabs[offset - offset % self.slab_bytes]

@@ -10,13 +10,14 @@ import numpy as np
 
 from kvstore_client.buffers import Segment
 
-try:  # optional: lets the server verify, at commit, the bytes this process meant to write
-    import xxhash
-
-    def checksum(view: memoryview) -> int:
-        return xxhash.xxh3_64_intdigest(view)
+try:  # optional: end-to-end checks of what this process wrote or read (xxh3-64, as the server)
+    from xxhash import xxh3_64_intdigest as _xxh3_64
 except ImportError:  # pragma: no cover - exercised where xxhash is absent
-    checksum = None  # type: ignore[assignment]
+    _xxh3_64 = None
+
+
+def checksums_available() -> bool:
+    return _xxh3_64 is not None
 
 _memmove = ctypes.memmove
 
@@ -47,8 +48,8 @@ class ArenaMapping:
             _memmove(dst, src, nbytes)
             src += nbytes
 
-    def checksum(self, offset: int, nbytes: int) -> int | None:
-        return checksum(self.view[offset:offset + nbytes]) if checksum else None
+    def checksum(self, offset: int, nbytes: int) -> int:
+        return _xxh3_64(self.view[offset:offset + nbytes])
 
     def close(self) -> None:
         self.view.release()

@@ -1,8 +1,14 @@
 """Control channels: gRPC for any host, the local Unix-socket channel on the same host.
 
-Both carry the messages of kvstore.v1.KVStore and raise the exceptions of errors.py.
-`call` waits for the answer; `post` sends and lets the answer be checked later (used
-for releases, so a get never waits for one). Every call has a deadline.
+Both carry the messages of kvstore.v1.KVStore, raise the exceptions of errors.py, and
+give every call a deadline. `submit` sends a request and returns a Pending whose
+`result()` waits for the answer; `post` is a submit whose answer nobody waits for (its
+error, if any, is logged), used for releases so a get never waits for one.
+
+On the local channel the server answers a connection's requests in order, so submitted
+requests pipeline: the client copies pages while the server reserves the next group and
+checks the previous one. gRPC gives no order between concurrent calls, so there
+`submit` completes the call before returning.
 """
 
 from __future__ import annotations
@@ -12,14 +18,39 @@ import collections
 import logging
 import socket
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import grpc
 
 from kvstore_client import errors, framing
-from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
+
+
+class Pending:
+    """The answer to a submitted request, once it arrives."""
+
+    __slots__ = ("name", "posted", "_channel", "_response", "_error", "_done")
+
+    def __init__(self, name: str, channel: "LocalChannel | None" = None):
+        self.name = name
+        self.posted = False                  # nobody waits: an error is logged instead
+        self._channel = channel
+        self._response: Any = None
+        self._error: errors.KVStoreError | None = None
+        self._done = channel is None
+
+    def result(self) -> Any:
+        if not self._done:
+            self._channel._wait_for(self)
+        if self._error is not None:
+            raise self._error
+        return self._response
+
+    def _settle(self, response: Any, error: errors.KVStoreError | None) -> None:
+        self._response, self._error, self._done = response, error, True
+        if error is not None and self.posted:
+            log.warning("%s failed after it was posted: %s", self.name, error)
 
 
 class GrpcChannel:
@@ -43,38 +74,25 @@ class GrpcChannel:
         except grpc.RpcError as exc:
             raise errors.error_from_rpc(exc) from None
 
+    def submit(self, name: str, request: Any) -> Pending:
+        pending = Pending(name)
+        try:
+            pending._settle(self.call(name, request), None)
+        except errors.KVStoreError as exc:
+            pending._settle(None, exc)
+        return pending
+
     def post(self, name: str, request: Any) -> None:
         future = self._stubs[name].future(request, timeout=self.timeout_s)
-        future.add_done_callback(_log_failed_post(name))
-
-    def call_pipelined(self, name: str, requests: Iterable[Any]) -> list[Any | errors.KVStoreError]:
-        """Send each request as the iterator yields it; answers (or errors) in order."""
-        futures = [self._stubs[name].future(r, timeout=self.timeout_s) for r in requests]
-        results: list[Any | errors.KVStoreError] = []
-        for future in futures:
-            try:
-                results.append(future.result())
-            except grpc.RpcError as exc:
-                results.append(errors.error_from_rpc(exc))
-        return results
+        future.add_done_callback(lambda f: f.exception() and log.warning(
+            "%s failed after it was posted: %s", name, errors.error_from_rpc(f.exception())))
 
     def close(self) -> None:
         self._channel.close()
 
 
-def _log_failed_post(name: str) -> Callable[[Any], None]:
-    def done(future: Any) -> None:
-        if future.exception() is not None:
-            log.warning("%s failed after it was posted: %s", name, errors.error_from_rpc(future.exception()))
-    return done
-
-
 class LocalChannel:
-    """The same messages as frames on the server's Unix socket (see framing.py).
-
-    Thread-safe: one lock orders writes, and answers come back in request order, so a
-    caller reads (and checks) the answers of earlier posts before its own.
-    """
+    """The same messages as frames on the server's Unix socket (see framing.py). Thread-safe."""
 
     def __init__(self, path: str, timeout_s: float):
         self.timeout_s = timeout_s
@@ -85,13 +103,15 @@ class LocalChannel:
         except OSError as exc:
             self._sock.close()
             raise errors.Unavailable(f"cannot connect to the shm socket {path}: {exc}") from None
-        self._lock = threading.Lock()
-        self._posted: collections.deque[str] = collections.deque()
-        self._header = bytearray(framing.HEADER.size)
+        self._send_lock = threading.RLock()
+        self._recv_lock = threading.Lock()
+        self._inflight: collections.deque[tuple[Pending, type]] = collections.deque()
+        self._broken: errors.KVStoreError | None = None
 
     def map_arena_fd(self) -> int:
         """Ask for the arena; the server answers with its memfd (SCM_RIGHTS) or an error."""
-        with self._lock:
+        with self._send_lock, self._recv_lock:
+            assert not self._inflight, "map the arena before any other request"
             self._sock.sendall(framing.encode(framing.MAP_ARENA, b""))
             fds = array.array("i")
             data, ancdata, _, _ = self._sock.recvmsg(framing.HEADER.size, socket.CMSG_SPACE(fds.itemsize))
@@ -111,77 +131,70 @@ class LocalChannel:
             return fds[0]
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
-        method_id = framing.METHOD_IDS[name]
-        response_cls = framing.METHODS[method_id][2]
-        with self._lock:
-            self._sock.settimeout(timeout_s or self.timeout_s)
-            self._send(method_id, request)
-            self._drain_posted()
-            code, payload = self._read_answer()
-        if code:
-            raise errors.error_from_code(code, payload.decode(errors="replace"))
-        return response_cls.FromString(payload)
+        return self.submit(name, request).result()
 
-    def call_pipelined(self, name: str, requests: Iterable[Any]) -> list[Any | errors.KVStoreError]:
-        """Send each request as the iterator yields it (work done between yields overlaps
-        with the server handling the previous request); answers (or errors) in order."""
+    def submit(self, name: str, request: Any) -> Pending:
         method_id = framing.METHOD_IDS[name]
-        response_cls = framing.METHODS[method_id][2]
-        results: list[Any | errors.KVStoreError] = []
-        with self._lock:
-            self._sock.settimeout(self.timeout_s)
-            sent = 0
+        frame = framing.encode(method_id, request.SerializeToString())
+        pending = Pending(name, self)
+        with self._send_lock:
+            if self._broken is not None:
+                raise self._broken
+            # Queued before sending, so a reader on another thread matches answers in order.
+            self._inflight.append((pending, framing.METHODS[method_id][2]))
             try:
-                for request in requests:
-                    self._send(method_id, request)
-                    sent += 1
-            finally:
-                self._drain_posted()
-                for _ in range(sent):
-                    code, payload = self._read_answer()
-                    results.append(errors.error_from_code(code, payload.decode(errors="replace"))
-                                   if code else response_cls.FromString(payload))
-        return results
+                self._sock.sendall(frame)
+            except OSError as exc:
+                self._break(errors.Unavailable(f"shm socket closed: {exc}"))
+                raise self._broken from None
+        return pending
 
     def post(self, name: str, request: Any) -> None:
-        with self._lock:
-            self._sock.settimeout(self.timeout_s)
-            self._send(framing.METHOD_IDS[name], request)
-            self._posted.append(name)
+        self.submit(name, request).posted = True
 
     def flush(self) -> None:
-        """Read the answers of everything posted so far."""
-        with self._lock:
-            self._sock.settimeout(self.timeout_s)
-            self._drain_posted()
+        """Read the answers of everything sent so far (posted releases included)."""
+        with self._send_lock:
+            last = self._inflight[-1][0] if self._inflight else None
+        if last is not None:
+            try:
+                self._wait_for(last)
+            except errors.KVStoreError:
+                pass
 
     def close(self) -> None:
-        try:
-            self.flush()
-        except (errors.KVStoreError, OSError):
-            pass
+        self.flush()
         self._sock.close()
 
-    def _send(self, method_id: int, request: Any) -> None:
-        try:
-            self._sock.sendall(framing.encode(method_id, request.SerializeToString()))
-        except socket.timeout:
-            raise errors.DeadlineExceeded("sending to the shm socket timed out") from None
-        except OSError as exc:
-            raise errors.Unavailable(f"shm socket closed: {exc}") from None
+    def _wait_for(self, target: Pending) -> None:
+        """Read answers in order, settling each pending one, until `target` is settled."""
+        with self._recv_lock:
+            while not target._done:
+                if self._broken is not None:
+                    target._settle(None, self._broken)
+                    return
+                pending, response_cls = self._inflight[0]
+                try:
+                    header = self._recv_exact(framing.HEADER.size)
+                    length, code = framing.decode_header(header)
+                    payload = self._recv_exact(length)
+                except errors.KVStoreError as exc:
+                    self._break(exc)
+                    continue
+                self._inflight.popleft()
+                if code:
+                    pending._settle(None, errors.error_from_code(code, payload.decode(errors="replace")))
+                else:
+                    pending._settle(response_cls.FromString(payload), None)
 
-    def _drain_posted(self) -> None:
-        while self._posted:
-            name = self._posted.popleft()
-            code, payload = self._read_answer()
-            if code:
-                log.warning("%s failed after it was posted: %s", name,
-                            errors.error_from_code(code, payload.decode(errors="replace")))
-
-    def _read_answer(self) -> tuple[int, bytes]:
-        header = self._recv_exact(framing.HEADER.size)
-        length, code = framing.decode_header(header)
-        return code, self._recv_exact(length)
+    def _break(self, error: errors.KVStoreError) -> None:
+        """A frame may be half sent or read: nothing on this socket can be trusted any more."""
+        with self._send_lock:
+            self._broken = error
+            self._sock.close()
+            for pending, _ in self._inflight:
+                pending._settle(None, error)
+            self._inflight.clear()
 
     def _recv_exact(self, nbytes: int) -> bytes:
         buf = bytearray(nbytes)
@@ -194,10 +207,7 @@ class LocalChannel:
                     raise errors.Unavailable("the server closed the shm socket")
                 got += n
         except socket.timeout:
-            # A frame may be half read: the stream cannot be trusted any more.
-            self._sock.close()
             raise errors.DeadlineExceeded("no answer on the shm socket within the deadline") from None
         except OSError as exc:
-            self._sock.close()
             raise errors.Unavailable(f"shm socket failed: {exc}") from None
         return bytes(buf)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from kvstore_client import errors
-from kvstore_client.arena import ArenaMapping
+from kvstore_client.arena import ArenaMapping, checksums_available
 from kvstore_client.buffers import Segment, page_segments
-from kvstore_client.channel import GrpcChannel, LocalChannel
+from kvstore_client.channel import GrpcChannel, LocalChannel, Pending
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.proto import pb
 
@@ -28,8 +28,11 @@ log = logging.getLogger(__name__)
 
 # A copy into or out of a leased slot must end this long before the lease can expire.
 LEASE_MARGIN_S = 0.5
-# Pages committed per message, so the server checks one group while the next is copied.
-COMMIT_GROUP_BYTES = 4 << 20
+# A put moves in groups of pages: the server reserves the next group and checksums the
+# previous one while this one is copied. Small groups shorten the last group's checksum
+# (the part nothing overlaps); each group costs two messages, which small pages feel most.
+GROUP_BYTES = 8 << 20
+GROUP_PAGES_MAX = 32
 
 _STORED_STATES = (pb.RESERVED, pb.PRESENT, pb.IN_FLIGHT)
 
@@ -56,18 +59,25 @@ class KVStoreClient:
 
     # -- public API -------------------------------------------------------------------
 
-    def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any, parent: Key | None = None) -> int:
+    def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any, parent: Key | None = None,
+            verify: bool = False) -> int:
         """Store pages under their keys; returns how many leading keys are now cached.
 
         `parent` is the key of the page before keys[0] (None at the start of a sequence).
         A key already cached (or being written by another client) is not copied again.
+        The server always checksums a page at commit; `verify=True` also hashes each page
+        here as it is copied, so the server refuses a slot that does not hold what this
+        process wrote (needs xxhash).
         """
+        if verify and not checksums_available():
+            raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
         raw_keys = encode_keys(keys)
         segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
         parent_key = encode_key(parent) if parent is not None else b""
         stored = 0
         for start, stop in self._batches(len(raw_keys)):
-            batch_stored = self._put_batch(namespace, parent_key, raw_keys[start:stop], segments[start:stop])
+            batch_stored = self._reopening(namespace, lambda: self._put_batch(
+                namespace, parent_key, raw_keys[start:stop], segments[start:stop], verify))
             stored += batch_stored
             if batch_stored < stop - start:
                 break
@@ -77,6 +87,8 @@ class KVStoreClient:
 
     def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, verify: bool = False) -> int:
         """Copy the leading cached pages into `out`; returns how many were loaded."""
+        if verify and not checksums_available():
+            raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
         raw_keys = encode_keys(keys)
         segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
         loaded = 0
@@ -118,53 +130,79 @@ class KVStoreClient:
 
     # -- batches ----------------------------------------------------------------------
 
-    def _put_batch(self, namespace: Namespace, parent: bytes, keys: list[bytes], segments: list[list[Segment]]) -> int:
-        request = pb.ReserveRequest(parent_key=parent, keys=keys, page_bytes=namespace.page_bytes)
-        sent_at = time.monotonic()
-        reserved = self._call_in(namespace, "Reserve", request)
-        states = list(reserved.states)
-        todo = [i for i, state in enumerate(states) if state == pb.RESERVED]
-        if todo:
-            copy_until = sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S
-            groups = self._commit_groups(reserved, todo, segments, copy_until)
-            try:
-                answers = self._control.call_pipelined("Commit", groups)
-            except BaseException:
-                self._control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
-                raise
-            failed = [a for a in answers if isinstance(a, errors.KVStoreError)]
-            if failed:
-                self._control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
-                raise failed[0]
-            committed = [state for answer in answers for state in answer.states]
-            for index, state in zip(todo, committed):
-                if state != pb.COMMITTED:
-                    states[index] = pb.PARENT_MISSING
+    def _put_batch(self, namespace: Namespace, parent: bytes, keys: list[bytes], segments: list[list[Segment]],
+                   verify: bool) -> int:
+        """Reserve, copy and commit one batch as a pipeline of groups (see channel.py).
+
+        While the pages of group g are copied, the server already reserves group g+1
+        (extending the same write lease) and checksums group g-1.
+        """
+        ns_id = self._namespace_id(namespace)
+        control = self._control
+        group = max(1, min(GROUP_PAGES_MAX, GROUP_BYTES // namespace.page_bytes))
+        starts = range(0, len(keys), group)
+
+        def reserve(start: int, lease_id: int, parent_key: bytes) -> tuple[float, Pending]:
+            request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent_key, keys=keys[start:start + group],
+                                        page_bytes=namespace.page_bytes, lease_id=lease_id)
+            return time.monotonic(), control.submit("Reserve", request)
+
+        states: list[int] = []
+        commits = []
+        leases: set[int] = set()
+        sent_at, next_reserve = reserve(0, 0, parent)
+        copy_until = 0.0
+        try:
+            for start in starts:
+                reserved = next_reserve.result()
+                group_states = list(reserved.states)
+                states += group_states
+                reserved_indices = [i for i, state in enumerate(group_states) if state == pb.RESERVED]
+                if reserved.lease_id not in leases and reserved.lease_id:
+                    leases.add(reserved.lease_id)
+                    copy_until = sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S
+                chain_goes_on = all(state in _STORED_STATES for state in group_states)
+                if start + group < len(keys) and chain_goes_on:
+                    # Extend the lease only while it certainly holds uncommitted slots (this group's).
+                    live = reserved.lease_id if reserved_indices else 0
+                    _, next_reserve = reserve(start + group, live, keys[start + len(group_states) - 1])
+                if reserved_indices:
+                    commits.append(self._copy_and_commit(reserved, reserved_indices, segments, start,
+                                                         namespace.page_bytes, copy_until, verify))
+                if not chain_goes_on:
+                    break
+            answers = [commit.result() for commit in commits]
+        except BaseException:
+            for lease_id in leases:
+                control.post("Abort", pb.AbortRequest(lease_id=lease_id))
+            raise
+        committed = iter(state for answer in answers for state in answer.states)
         stored = 0
         for state in states:
+            if state == pb.RESERVED and next(committed) != pb.COMMITTED:
+                break
             if state not in _STORED_STATES:
                 break
             stored += 1
         return stored
 
-    def _commit_groups(self, reserved: pb.ReserveResponse, todo: list[int], segments: list[list[Segment]],
-                       copy_until: float) -> Iterator[pb.CommitRequest]:
-        """Copy pages into their slots group by group, yielding the commit of each group."""
-        page_bytes = sum(n for _, n in segments[0])
-        group_pages = max(1, COMMIT_GROUP_BYTES // page_bytes)
+    def _copy_and_commit(self, reserved: pb.ReserveResponse, indices: list[int], segments: list[list[Segment]],
+                         start: int, page_bytes: int, copy_until: float, verify: bool) -> Pending:
+        """Copy a group's pages (keys[start + i] for i in indices) into their slots, then submit its commit."""
         arena = self._arena
-        for start in range(0, len(todo), group_pages):
-            indices = todo[start:start + group_pages]
-            checksums = []
-            for index in indices:
-                if time.monotonic() > copy_until:
-                    raise errors.LeaseNotFound("the write lease would expire before the copy finished; "
-                                               "raise lease_ttl_ms or put fewer pages per call")
-                offset = reserved.offsets[index]
-                arena.write(offset, segments[index])
+        checksums = []
+        for i in indices:
+            if time.monotonic() > copy_until:
+                raise errors.LeaseNotFound("the write lease would expire before the copy finished; "
+                                           "raise leases.write_ttl_ms or put fewer pages per call")
+            offset = reserved.offsets[i]
+            arena.write(offset, segments[start + i])
+            if verify:
                 checksums.append(arena.checksum(offset, page_bytes))
-            yield pb.CommitRequest(lease_id=reserved.lease_id, indices=indices,
-                                   checksums=checksums if checksums[0] is not None else ())
+        first = reserved.first_index
+        request = pb.CommitRequest(lease_id=reserved.lease_id, indices=[first + i for i in indices],
+                                   checksums=checksums)
+        return self._control.submit("Commit", request)
 
     def _get_batch(self, namespace: Namespace, keys: list[bytes], segments: list[list[Segment]], verify: bool) -> int:
         sent_at = time.monotonic()
@@ -189,8 +227,6 @@ class KVStoreClient:
     def _verify(self, acquired: pb.AcquireResponse) -> None:
         for index in range(acquired.hit_pages):
             got = self._arena.checksum(acquired.offsets[index], acquired.page_bytes)
-            if got is None:
-                raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
             if got != acquired.checksums[index]:
                 raise errors.ChecksumMismatch(f"page {index} does not match its checksum")
 
@@ -202,16 +238,19 @@ class KVStoreClient:
             yield start, min(start + step, count)
 
     def _call_in(self, namespace: Namespace, method: str, request: Any) -> Any:
-        """Call a namespace-scoped method, (re)opening the namespace when the server lost it."""
-        for attempt in range(2):
+        """Call a namespace-scoped method (the namespace is filled in and reopened if need be)."""
+        def call() -> Any:
             request.namespace_id = self._namespace_id(namespace)
-            try:
-                return self._control.call(method, request)
-            except errors.NamespaceNotFound:
-                if attempt:
-                    raise
-                self._namespace_ids.pop(namespace, None)
-        raise AssertionError("unreachable")
+            return self._control.call(method, request)
+        return self._reopening(namespace, call)
+
+    def _reopening(self, namespace: Namespace, action: Callable[[], Any]) -> Any:
+        """Run `action`; if the server lost the namespace (it restarted), open it again and retry once."""
+        try:
+            return action()
+        except errors.NamespaceNotFound:
+            self._namespace_ids.pop(namespace, None)
+            return action()
 
     def _namespace_id(self, namespace: Namespace) -> int:
         namespace_id = self._namespace_ids.get(namespace)

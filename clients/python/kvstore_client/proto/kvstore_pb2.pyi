@@ -164,30 +164,34 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms")
+    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     parent_key: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     page_bytes: int
     lease_ttl_ms: int
-    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms")
+    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     states: _containers.RepeatedScalarFieldContainer[ReserveState]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     lease_ttl_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    first_index: int
+    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "indices", "checksums")
