@@ -103,12 +103,8 @@ class KVStoreService:
         namespace = self._namespace(request.namespace_id)
         keys = self._lookup_keys(namespace, request)
         ns_id = request.namespace_id
-        hits = 0
         with self.lock:
-            for key in keys:
-                if (ns_id, key) not in self.index:
-                    break
-                hits += 1
+            hits = len(self.index.leading(ns_id, keys))
         return pb.LookupResponse(hit_pages=hits, tiers=[pb.DRAM] * hits)
 
     def reserve(self, request: pb.ReserveRequest, owner: object | None) -> pb.ReserveResponse:
@@ -127,37 +123,55 @@ class KVStoreService:
         offsets = [0] * len(keys)
         with self.lock:
             self._check_not_draining()
-            parent = self.index.get((ns_id, request.parent_key)) if request.parent_key else None
-            if request.parent_key and parent is None:
-                return pb.ReserveResponse(states=states, offsets=offsets)
-            lease = self.leases.open(WRITE, ns_id, time.monotonic(), ttl_ms, owner)
-            lease.parent_key = request.parent_key
-            lease.keys = keys
-            if parent is not None:
-                self._pin(lease, parent)
+            if request.lease_id:
+                lease = self._extended_lease(request)
+            else:
+                parent_id = (ns_id, request.parent_key)
+                parent = self.index.get(parent_id) if request.parent_key else None
+                if request.parent_key and parent is None and parent_id not in self.pending:
+                    return pb.ReserveResponse(states=states, offsets=offsets)
+                lease = self.leases.open(WRITE, ns_id, time.monotonic(), ttl_ms, owner)
+                lease.parent_key = request.parent_key
+                if parent is not None:
+                    self._pin(lease, parent)
+            first_index = len(lease.keys)
+            lease.keys.extend(keys)
+            pages, pending = self.index, self.pending
+            wanted = []
             for i, key in enumerate(keys):
-                record = self.index.get((ns_id, key))
+                record = pages.get((ns_id, key))
                 if record is not None:
                     states[i] = pb.PRESENT
                     self._pin(lease, record)
-                elif (ns_id, key) in self.pending:
+                elif (ns_id, key) in pending:
                     states[i] = pb.IN_FLIGHT
                 else:
-                    offset = self._allocate(slot_bytes)
-                    if offset is None:
-                        states[i:] = [pb.NO_SPACE] * (len(keys) - i)
-                        break
-                    self.pending[(ns_id, key)] = lease.lease_id
-                    lease.slots[i] = offset
-                    states[i], offsets[i] = pb.RESERVED, offset
-            if not lease.slots:
+                    wanted.append(i)
+            granted = self._allocate(slot_bytes, len(wanted))
+            for i, offset in zip(wanted, granted):
+                pending[(ns_id, keys[i])] = lease.lease_id
+                lease.slots[first_index + i] = offset
+                states[i], offsets[i] = pb.RESERVED, offset
+            for i in wanted[len(granted):]:
+                states[i] = pb.NO_SPACE
+            if not lease.slots and not request.lease_id:
                 self._end_lease(lease)
-                if states[0] == pb.NO_SPACE:
+                if wanted:
                     raise errors.CapacityExhausted(
                         f"no slot of {slot_bytes} bytes can be freed: every page is pinned by a lease "
                         "or the arena is full of other page sizes")
                 return pb.ReserveResponse(states=states, offsets=offsets)
-        return pb.ReserveResponse(lease_id=lease.lease_id, states=states, offsets=offsets, lease_ttl_ms=ttl_ms)
+        return pb.ReserveResponse(lease_id=lease.lease_id, states=states, offsets=offsets,
+                                  lease_ttl_ms=lease.ttl_ms, first_index=first_index)
+
+    def _extended_lease(self, request: pb.ReserveRequest) -> Lease:
+        lease = self._lease(request.lease_id, WRITE)
+        if lease.namespace_id != request.namespace_id:
+            raise errors.InvalidArgument(f"lease {request.lease_id:#x} belongs to another namespace")
+        if request.parent_key != lease.keys[-1]:
+            raise errors.InvalidArgument(
+                "parent_key of an extending Reserve must be the last key reserved under the lease")
+        return lease
 
     def commit(self, request: pb.CommitRequest, owner: object | None) -> pb.CommitResponse:
         with self.lock:
@@ -192,7 +206,7 @@ class KVStoreService:
                             "nothing in this commit was made visible: rewrite the slot or abort")
             if self.leases.get(lease.lease_id) is not lease:
                 raise errors.LeaseNotFound(f"lease {request.lease_id:#x} ended while its commit was checked")
-            states = [self._publish(lease, i, s) for i, s in zip(indices, sums)]
+            states = self._publish(lease, indices, sums)
             if not lease.slots:
                 self._end_lease(lease)
         return pb.CommitResponse(states=states, checksums=sums)
@@ -211,21 +225,14 @@ class KVStoreService:
         ns_id = request.namespace_id
         with self.lock:
             self._check_not_draining()
-            records: list[PageRecord] = []
-            for key in keys:
-                record = self.index.get((ns_id, key))
-                if record is None:
-                    break
-                records.append(record)
+            records = self.index.leading(ns_id, keys)
             self.counters.hits += len(records)
             self.counters.misses += len(keys) - len(records)
             if not records:
                 return pb.AcquireResponse(page_bytes=namespace.page_bytes)
             lease = self.leases.open(READ, ns_id, time.monotonic(), ttl_ms, owner)
-            for record in records:
-                self._pin(lease, record)
-                record.hits += 1
-                self.index.touch(record)
+            self.index.pin_all(records, hit=True)
+            lease.pinned = records
         return pb.AcquireResponse(
             lease_id=lease.lease_id, hit_pages=len(records), offsets=[r.offset for r in records],
             checksums=[r.checksum for r in records], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms)
@@ -297,29 +304,34 @@ class KVStoreService:
 
     # -- internals (called with the lock held where they touch shared state) -------------
 
-    def _publish(self, lease: Lease, index: int, checksum: int) -> int:
-        ns_id = lease.namespace_id
-        key = lease.keys[index]
-        offset = lease.slots.pop(index)
-        del self.pending[(ns_id, key)]
-        parent_key = lease.keys[index - 1] if index else lease.parent_key
-        parent = self.index.get((ns_id, parent_key)) if parent_key else None
-        if parent_key and parent is None:
-            self.allocator.free(offset)
-            return pb.COMMIT_PARENT_MISSING
+    def _publish(self, lease: Lease, indices: list[int], sums: list[int]) -> list[int]:
+        """Make checked pages visible in chain order; a page whose parent is gone is dropped."""
+        ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
-        self.index.insert((ns_id, key), parent, offset, slot_bytes, checksum)
-        self.counters.pages_committed += 1
-        return pb.COMMITTED
+        states, published = [], []
+        for position, checksum in zip(indices, sums):
+            key = keys[position]
+            offset = lease.slots.pop(position)
+            del self.pending[(ns_id, key)]
+            parent_key = keys[position - 1] if position else lease.parent_key
+            parent = index.get((ns_id, parent_key)) if parent_key else None
+            if parent_key and parent is None:
+                self.allocator.free(offset)
+                states.append(pb.COMMIT_PARENT_MISSING)
+                continue
+            published.append(index.add((ns_id, key), parent, offset, slot_bytes, checksum))
+            states.append(pb.COMMITTED)
+        index.touch_all(published)
+        self.counters.pages_committed += len(published)
+        return states
 
     def _end_lease(self, lease: Lease) -> None:
         for index, offset in lease.slots.items():
             del self.pending[(lease.namespace_id, lease.keys[index])]
             self.allocator.free(offset)
         lease.slots.clear()
-        for record in lease.pinned:
-            self.index.unpin(record)
-        lease.pinned.clear()
+        self.index.unpin_all(lease.pinned)
+        lease.pinned = []
         if self.leases.get(lease.lease_id) is lease:
             self.leases.close(lease)
 
@@ -327,15 +339,15 @@ class KVStoreService:
         self.index.pin(record)
         lease.pinned.append(record)
 
-    def _allocate(self, slot_bytes: int) -> int | None:
-        """A free slot, evicting least recently used leaves when the arena is full."""
-        offset = self.allocator.allocate(slot_bytes)
-        while offset is None:
+    def _allocate(self, slot_bytes: int, count: int) -> list[int]:
+        """Up to `count` free slots, evicting least recently used leaves when the arena is full."""
+        offsets = self.allocator.allocate_many(slot_bytes, count)
+        while len(offsets) < count:
             if self.index.evict_leaf(slot_bytes) is None and not self._evict_for_slab():
-                return None
+                break
             self.counters.evictions += 1
-            offset = self.allocator.allocate(slot_bytes)
-        return offset
+            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets))
+        return offsets
 
     def _evict_for_slab(self) -> bool:
         """Evict the oldest leaves of other page sizes until a whole slab is free (bounded)."""
@@ -370,10 +382,11 @@ class KVStoreService:
         if len(keys) > self.limits.batch_pages_max:
             raise errors.BatchTooLarge(
                 f"{len(keys)} keys in one call; limits.batch_pages_max is {self.limits.batch_pages_max}: split it")
-        for position, key in enumerate(keys):
-            if not 0 < len(key) <= self.limits.key_bytes_max:
-                raise errors.InvalidArgument(
-                    f"{what}[{position}] has {len(key)} bytes; keys are 1 to {self.limits.key_bytes_max} bytes")
+        sizes = list(map(len, keys))
+        if min(sizes) == 0 or max(sizes) > self.limits.key_bytes_max:
+            position = next(i for i, n in enumerate(sizes) if not 0 < n <= self.limits.key_bytes_max)
+            raise errors.InvalidArgument(
+                f"{what}[{position}] has {sizes[position]} bytes; keys are 1 to {self.limits.key_bytes_max} bytes")
         if len(set(keys)) != len(keys):
             raise errors.DuplicateKey(f"{what} holds the same key twice; a chain never repeats a page")
         return list(keys)
