@@ -58,7 +58,7 @@ class LeaseConfig:
 @dataclasses.dataclass(frozen=True)
 class LimitsConfig:
     batch_pages_max: int = 1024
-    page_bytes_max: int = 64 << 20
+    page_bytes_max: int = 0                 # 0 = dram.slab_bytes (a page fits in one slab)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,12 @@ class Config:
 
 def load(path: str | None = None, environ: Mapping[str, str] | None = None,
          overrides: list[str] | None = None) -> Config:
-    """Build the effective configuration; raises ConfigError naming the bad dotted path."""
+    """Build the effective configuration; raises ConfigError naming the bad dotted path.
+
+    Without `path`, the file named by KVSTORE_CONFIG is read, if set.
+    """
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(ENV_PREFIX + "CONFIG")
     tree: dict[str, dict[str, Any]] = {}
     if path:
         try:
@@ -97,7 +102,7 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None,
                 raise ConfigError(f"{section}: expected a [{section}] table")
             for key, value in values.items():
                 _put(tree, f"{section}.{key}", value)
-    for name, value in sorted((environ if environ is not None else os.environ).items()):
+    for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG":
             _put(tree, _env_to_dotted(name), value)
     for item in overrides or ():
@@ -181,8 +186,8 @@ def _validate(config: Config) -> None:
          f"must be at least dram.slab_bytes ({config.dram.slab_bytes})"),
         ("dram.slab_bytes", config.dram.slab_bytes >= 4096 and config.dram.slab_bytes % 4096 == 0,
          "must be a positive multiple of 4096"),
-        ("limits.page_bytes_max", 0 < config.limits.page_bytes_max <= config.dram.slab_bytes,
-         f"must be between 1 and dram.slab_bytes ({config.dram.slab_bytes})"),
+        ("limits.page_bytes_max", 0 <= config.limits.page_bytes_max <= config.dram.slab_bytes,
+         f"must be between 1 and dram.slab_bytes ({config.dram.slab_bytes}), or 0 for dram.slab_bytes"),
         ("limits.batch_pages_max", 0 < config.limits.batch_pages_max <= 65536, "must be 1 to 65536"),
         ("leases.read_ttl_ms", 0 < config.leases.read_ttl_ms <= config.leases.ttl_ms_max,
          "must be positive and at most leases.ttl_ms_max"),

@@ -23,7 +23,7 @@ class Limits:
         batch = config.limits.batch_pages_max
         limits = cls(
             batch_pages_max=batch,
-            page_bytes_max=config.limits.page_bytes_max,
+            page_bytes_max=config.limits.page_bytes_max or config.dram.slab_bytes,
             key_bytes_max=KEY_BYTES_MAX,
             slabs=config.dram.arena_bytes // config.dram.slab_bytes,
             frame_bytes_max=framing.FRAME_BYTES_MAX,

@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                  "shm.socket_path": args.shm_socket, "server.ready_file": args.ready_file}
     overrides = [f"{k}={v}" for k, v in shortcuts.items() if v is not None] + args.set
     try:
-        config = config_module.load(args.config or os.environ.get("KVSTORE_CONFIG"), overrides=overrides)
+        config = config_module.load(args.config, overrides=overrides)
     except ConfigError as exc:
-        print(f"kvstore-server: configuration error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"kvstore-server: configuration error: {exc}\n")
         return 2
     logging.basicConfig(level=config.server.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         node = Node(config)
     except OSError as exc:
         log.error("cannot start: %s", exc)
-        print(f"kvstore-server: cannot start: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -49,7 +49,10 @@ def create_server(service: KVStoreService, address: str, workers: int) -> tuple[
         for name, request_cls, response_cls in framing.METHODS.values()
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        port = 0
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}: address in use or not local")
     return server, port

@@ -1,0 +1,56 @@
+"""Configuration loads defaults, TOML, KVSTORE_* and overrides in that order, and names bad settings."""
+
+import pytest
+
+from kvstore import config
+from kvstore.config import ConfigError
+
+
+def test_defaults_are_valid():
+    cfg = config.load(environ={})
+    assert cfg.dram.arena_bytes == 1 << 30
+    assert cfg.allowed_uids  # the server's own uid by default
+
+
+def test_precedence_file_then_env_then_overrides(tmp_path):
+    path = tmp_path / "kvstore.toml"
+    path.write_text('[dram]\narena_bytes = "2GiB"\n[leases]\nread_ttl_ms = 111\nwrite_ttl_ms = 222\n')
+    cfg = config.load(str(path), environ={"KVSTORE_LEASES_READ_TTL_MS": "333"},
+                      overrides=["leases.write_ttl_ms=444"])
+    assert cfg.dram.arena_bytes == 2 << 30
+    assert cfg.leases.read_ttl_ms == 333
+    assert cfg.leases.write_ttl_ms == 444
+
+
+@pytest.mark.parametrize("kwargs, dotted", [
+    ({"overrides": ["dram.arena_size=1"]}, "dram.arena_size"),
+    ({"overrides": ["nope.x=1"]}, "nope.x"),
+    ({"environ": {"KVSTORE_SHM_ALLOWED_UID": "1"}}, "shm.allowed_uid"),
+    ({"overrides": ["dram.arena_bytes=lots"]}, "dram.arena_bytes"),
+    ({"overrides": ["dram.hugepages=maybe"]}, "dram.hugepages"),
+    ({"overrides": ["limits.page_bytes_max=1GiB"]}, "limits.page_bytes_max"),
+    ({"overrides": ["leases.read_ttl_ms=0"]}, "leases.read_ttl_ms"),
+    ({"overrides": ["dram.arena_bytes=1MiB"]}, "dram.arena_bytes"),
+])
+def test_bad_settings_name_their_dotted_path(kwargs, dotted):
+    with pytest.raises(ConfigError, match=dotted.replace(".", r"\.")):
+        config.load(environ=kwargs.get("environ", {}), overrides=kwargs.get("overrides"))
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[dram\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(str(bad), environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(str(tmp_path / "missing.toml"), environ={})
+    nested = tmp_path / "nested.toml"
+    nested.write_text("arena_bytes = 5\n")
+    with pytest.raises(ConfigError, match="arena_bytes"):
+        config.load(str(nested), environ={})
+
+
+def test_sizes_and_lists_parse():
+    cfg = config.load(environ={}, overrides=["dram.slab_bytes=8MiB", "shm.allowed_uids=1000,1001"])
+    assert cfg.dram.slab_bytes == 8 << 20
+    assert cfg.allowed_uids == frozenset({1000, 1001})

@@ -1,0 +1,82 @@
+"""The page index stays prefix-closed: eviction takes least recently used unpinned leaves only."""
+
+import pytest
+
+from kvstore.control.index import PageIndex
+
+SLOT = 4096
+
+
+@pytest.fixture
+def freed():
+    return []
+
+
+@pytest.fixture
+def index(freed):
+    return PageIndex(on_free=lambda record: freed.append(record.page_id[1]))
+
+
+def chain(index, name, length, ns=1):
+    records, parent = [], None
+    for i in range(length):
+        parent = index.insert((ns, f"{name}{i}".encode()), parent, offset=len(records) * SLOT,
+                              slot_bytes=SLOT, checksum=i)
+        records.append(parent)
+    return records
+
+
+def test_eviction_takes_leaves_oldest_first(index, freed):
+    chain(index, "a", 3)
+    chain(index, "b", 2)
+    evicted = [index.evict_leaf(SLOT).page_id[1] for _ in range(5)]
+    # a2 is the oldest leaf; its parent a1 becomes a leaf older than b's, and so on
+    assert evicted == [b"a2", b"a1", b"a0", b"b1", b"b0"]
+    assert freed == evicted
+    assert index.evict_leaf(SLOT) is None
+    index.check_prefix_closed()
+
+
+def test_touch_moves_a_chain_to_the_back(index):
+    a = chain(index, "a", 2)
+    chain(index, "b", 2)
+    index.pin_all(a, hit=True)
+    index.unpin_all(a)
+    assert index.evict_leaf(SLOT).page_id[1] == b"b1"
+
+
+def test_pinned_pages_are_never_evicted(index, freed):
+    a = chain(index, "a", 2)
+    index.pin_all(a, hit=True)
+    assert index.evict_leaf(SLOT) is None
+    index.unpin_all(a)
+    assert index.evict_leaf(SLOT).page_id[1] == b"a1"
+
+
+def test_an_interior_page_is_never_evicted_before_its_children(index):
+    a = chain(index, "a", 4)
+    for _ in range(4):
+        victim = index.evict_leaf(SLOT)
+        assert victim.is_leaf()
+        index.check_prefix_closed()
+    assert len(index) == 0 and not any(r.alive for r in a)
+
+
+def test_remove_subtree_takes_descendants_and_defers_pinned_slots(index, freed):
+    a = chain(index, "a", 3)
+    branch = index.insert((1, b"x"), a[0], offset=99 * SLOT, slot_bytes=SLOT, checksum=0)
+    index.pin_all([a[2]], hit=False)
+    assert index.remove_subtree(a[1]) == 2
+    assert (1, b"a1") not in index and (1, b"a2") not in index
+    assert (1, b"x") in index and branch.parent is a[0]
+    assert b"a2" not in freed  # still pinned by a reader: its slot is freed at unpin
+    index.unpin_all([a[2]])
+    assert b"a2" in freed
+    index.check_prefix_closed()
+
+
+def test_leading_stops_at_the_first_miss(index):
+    chain(index, "a", 3)
+    keys = [b"a0", b"a1", b"zz", b"a2"]
+    assert [r.page_id[1] for r in index.leading(1, keys)] == [b"a0", b"a1"]
+    assert index.leading(2, keys) == []  # another namespace

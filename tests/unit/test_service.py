@@ -1,0 +1,220 @@
+"""The service's rules, in process over a real arena: leases, commits, chains, limits, draining."""
+
+import time
+
+import pytest
+import xxhash
+
+from kvstore import config
+from kvstore.control.service import KVStoreService
+from kvstore.tiers.dram import Arena
+from kvstore_client import errors
+from kvstore_client.keys import Namespace
+from kvstore_client.proto import pb
+
+PAGE = 8192
+
+
+@pytest.fixture
+def service():
+    cfg = config.load(environ={}, overrides=[
+        "dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "limits.batch_pages_max=64",
+        "leases.read_ttl_ms=100", "leases.write_ttl_ms=100"])
+    arena = Arena(cfg.dram.arena_bytes)
+    svc = KVStoreService(cfg, arena)
+    yield svc
+    arena.close()
+
+
+def open_ns(svc, page_bytes=PAGE, **kw):
+    spec = Namespace(model="m", page_bytes=page_bytes, **kw).to_proto()
+    return svc.open_namespace(pb.OpenNamespaceRequest(spec=spec), None).namespace_id
+
+
+def keys(prefix, n):
+    return [f"{prefix}{i}".encode() for i in range(n)]
+
+
+def put(svc, ns, ks, parent=b"", fill=7):
+    r = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=ks, parent_key=parent, page_bytes=PAGE), None)
+    for state, offset in zip(r.states, r.offsets):
+        if state == pb.RESERVED:
+            svc.arena.view[offset:offset + PAGE] = bytes([fill]) * PAGE
+    if r.lease_id:
+        svc.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    return r
+
+
+def lookup(svc, ns, ks):
+    return svc.lookup(pb.LookupRequest(namespace_id=ns, keys=ks), None).hit_pages
+
+
+def test_uncommitted_pages_are_invisible_and_expire(service):
+    ns = open_ns(service)
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 4), page_bytes=PAGE), None)
+    assert list(r.states) == [pb.RESERVED] * 4
+    assert lookup(service, ns, keys("a", 4)) == 0
+    assert service.allocator.used_bytes == 4 * PAGE
+    time.sleep(0.15)
+    assert service.reap_expired() == 1
+    assert service.allocator.used_bytes == 0
+    with pytest.raises(errors.LeaseNotFound):
+        service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    assert service.counters.leases_expired == 1
+
+
+def test_commit_verifies_checksums_before_anything_is_visible(service):
+    ns = open_ns(service)
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 2), page_bytes=PAGE), None)
+    for offset in r.offsets:
+        service.arena.view[offset:offset + PAGE] = b"\x01" * PAGE
+    good = xxhash.xxh3_64_intdigest(b"\x01" * PAGE)
+    with pytest.raises(errors.ChecksumMismatch, match="index 1"):
+        service.commit(pb.CommitRequest(lease_id=r.lease_id, indices=[0, 1], checksums=[good, good ^ 1]), None)
+    assert lookup(service, ns, keys("a", 2)) == 0
+    done = service.commit(pb.CommitRequest(lease_id=r.lease_id, indices=[0, 1], checksums=[good, good]), None)
+    assert list(done.checksums) == [good, good]
+    assert lookup(service, ns, keys("a", 2)) == 2
+
+
+def test_present_and_in_flight_pages_are_not_written_twice(service):
+    ns = open_ns(service)
+    put(service, ns, keys("a", 2))
+    first = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 4), page_bytes=PAGE), None)
+    assert list(first.states) == [pb.PRESENT, pb.PRESENT, pb.RESERVED, pb.RESERVED]
+    second = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 4), page_bytes=PAGE), None)
+    assert list(second.states) == [pb.PRESENT, pb.PRESENT, pb.IN_FLIGHT, pb.IN_FLIGHT]
+    assert second.lease_id == 0
+
+
+def test_a_child_of_a_missing_parent_is_refused(service):
+    ns = open_ns(service)
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"c"], parent_key=b"gone", page_bytes=PAGE), None)
+    assert list(r.states) == [pb.PARENT_MISSING] and r.lease_id == 0
+
+
+def test_commit_drops_pages_whose_in_flight_parent_was_aborted(service):
+    ns = open_ns(service)
+    writer = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"p"], page_bytes=PAGE), None)
+    child = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"c"], parent_key=b"p", page_bytes=PAGE), None)
+    assert list(child.states) == [pb.RESERVED]
+    service.abort(pb.AbortRequest(lease_id=writer.lease_id), None)
+    done = service.commit(pb.CommitRequest(lease_id=child.lease_id), None)
+    assert list(done.states) == [pb.COMMIT_PARENT_MISSING]
+    assert lookup(service, ns, [b"c"]) == 0 and service.allocator.used_bytes == 0
+
+
+def test_extending_a_lease_continues_its_chain(service):
+    ns = open_ns(service)
+    first = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 2), page_bytes=PAGE), None)
+    with pytest.raises(errors.InvalidArgument, match="last key"):
+        service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"x"], parent_key=b"a0",
+                                          lease_id=first.lease_id, page_bytes=PAGE), None)
+    more = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"a2"], parent_key=b"a1",
+                                             lease_id=first.lease_id, page_bytes=PAGE), None)
+    assert more.lease_id == first.lease_id and more.first_index == 2
+    service.commit(pb.CommitRequest(lease_id=first.lease_id, indices=[0, 1, 2]), None)
+    assert lookup(service, ns, keys("a", 3)) == 3
+    service.index.check_prefix_closed()
+
+
+def test_eviction_under_pressure_keeps_the_index_prefix_closed(service):
+    ns = open_ns(service)
+    capacity = service.allocator.capacity_bytes // PAGE
+    for chain in range(capacity // 8 * 3):
+        put(service, ns, keys(f"c{chain}-", 8))
+        service.index.check_prefix_closed()
+    assert service.counters.evictions > 0
+    for chain in range(capacity // 8 * 3):
+        ks = keys(f"c{chain}-", 8)
+        present = [lookup(service, ns, [k]) for k in ks]
+        assert present == sorted(present, reverse=True), f"chain {chain} has a hole: {present}"
+
+
+def test_read_leases_pin_pages_and_lookups_extend_nothing(service):
+    ns = open_ns(service)
+    put(service, ns, keys("hot", 4), fill=9)
+    acquired = service.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys("hot", 4)), None)
+    assert acquired.hit_pages == 4
+    for chain in range(64):  # far more than the arena holds
+        put(service, ns, keys(f"c{chain}-", 4))
+    assert lookup(service, ns, keys("hot", 4)) == 4
+    for offset in acquired.offsets:
+        assert bytes(service.arena.view[offset:offset + PAGE]) == b"\x09" * PAGE
+    for _ in range(5):  # lookups during the lease do not extend it
+        lookup(service, ns, keys("hot", 4))
+        time.sleep(0.03)
+    assert service.reap_expired() >= 1
+    with pytest.raises(errors.LeaseNotFound):
+        service.release(pb.ReleaseRequest(lease_ids=[acquired.lease_id]), None)
+
+
+def test_capacity_exhausted_when_everything_is_pinned(service):
+    ns = open_ns(service)
+    capacity = service.allocator.capacity_bytes // PAGE
+    service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("w", 64), page_bytes=PAGE), None)
+    service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("v", capacity - 64), page_bytes=PAGE), None)
+    with pytest.raises(errors.CapacityExhausted):
+        service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"one-more"], page_bytes=PAGE), None)
+
+
+@pytest.mark.parametrize("request_, error", [
+    (pb.ReserveRequest(namespace_id=1, keys=[b"a"], page_bytes=PAGE), errors.NamespaceNotFound),
+    (pb.ReserveRequest(keys=[b"a"], page_bytes=PAGE + 1), errors.PageSizeMismatch),
+    (pb.ReserveRequest(keys=[b"a", b"a"], page_bytes=PAGE), errors.DuplicateKey),
+    (pb.ReserveRequest(keys=[b"a"] * 0, page_bytes=PAGE), errors.InvalidArgument),
+    (pb.ReserveRequest(keys=[b"k%d" % i for i in range(65)], page_bytes=PAGE), errors.BatchTooLarge),
+    (pb.ReserveRequest(keys=[b"x" * 65], page_bytes=PAGE), errors.InvalidArgument),
+    (pb.ReserveRequest(keys=[b"a"], page_bytes=PAGE, lease_ttl_ms=10**9), errors.InvalidArgument),
+    (pb.CommitRequest(lease_id=12345), errors.LeaseNotFound),
+    (pb.ReleaseRequest(lease_ids=[12345]), errors.LeaseNotFound),
+])
+def test_bad_requests_get_their_error(service, request_, error):
+    ns = open_ns(service)
+    if hasattr(request_, "namespace_id") and not request_.namespace_id:
+        request_.namespace_id = ns
+    method = {"ReserveRequest": "Reserve", "CommitRequest": "Commit", "ReleaseRequest": "Release"}
+    with pytest.raises(error):
+        service.handle(method[type(request_).__name__], request_)
+
+
+def test_bad_namespace_specs(service):
+    for spec, match in [(dict(model="", page_bytes=PAGE), "model"), (dict(model="m", page_bytes=0), "page_bytes"),
+                        (dict(model="m", page_bytes=PAGE, tp_rank=2, tp_size=2), "tp_rank"),
+                        (dict(model="m", page_bytes=PAGE, hash_seed="zz"), "hash_seed")]:
+        with pytest.raises(errors.InvalidArgument, match=match):
+            service.open_namespace(pb.OpenNamespaceRequest(spec=pb.NamespaceSpec(**spec)), None)
+
+
+def test_a_write_lease_cannot_be_released_nor_a_read_lease_aborted(service):
+    ns = open_ns(service)
+    w = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"a"], page_bytes=PAGE), None)
+    with pytest.raises(errors.InvalidArgument, match="Abort or Commit"):
+        service.release(pb.ReleaseRequest(lease_ids=[w.lease_id]), None)
+
+
+def test_lookup_by_tokens_uses_the_namespace_chain(service):
+    from kvstore_client.keys import encode_key, prefix_hashes
+    ns = open_ns(service, page_tokens=4)
+    tokens = list(range(12))
+    put(service, ns, [encode_key(k) for k in prefix_hashes(tokens, 4)])
+    assert service.lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens), None).hit_pages == 3
+    assert service.lookup(pb.LookupRequest(namespace_id=ns, tokens=[0, 1, 2, 3, 9, 9, 9, 9]), None).hit_pages == 1
+
+
+def test_draining_refuses_new_leases_but_finishes_open_ones(service):
+    ns = open_ns(service)
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"a"], page_bytes=PAGE), None)
+    service.start_draining()
+    with pytest.raises(errors.Draining):
+        service.acquire(pb.AcquireRequest(namespace_id=ns, keys=[b"a"]), None)
+    service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    assert service.open_leases() == 0
+
+
+def test_delete_takes_descendants(service):
+    ns = open_ns(service)
+    put(service, ns, keys("a", 4))
+    assert service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"a1"]), None).deleted_pages == 3
+    assert lookup(service, ns, keys("a", 4)) == 1
+    assert service.allocator.used_bytes == PAGE
