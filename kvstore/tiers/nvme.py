@@ -1,0 +1,188 @@
+"""NVMe tier: pages in N LMDB environments ("shards"), one directory each, so each can sit on its own disk.
+
+A page goes to the shard its key hashes to. Each shard has three named databases, and a
+page's header and bytes are written in one transaction, so a page is on disk whole or not
+at all:
+    meta        ns_id(8 LE) + key -> header (format version, namespace, page size, checksum, parent key)
+    data        ns_id(8 LE) + key -> page bytes
+    namespaces  ns_id(8 LE)       -> namespace spec (JSON), so a restart knows what pages mean
+Start-up rebuilds the index from `meta` alone: dense B-tree leaves, no page bytes read.
+
+LMDB flags, chosen for a cache whose pages must never be served corrupt:
+- sync=True, metasync=False (MDB_NOMETASYNC): each write transaction flushes its data pages
+  but not the meta page. A process crash (SIGKILL) loses nothing committed; an OS crash or
+  power loss may undo the last committed transaction, never more, and never corrupts.
+- writemap=False: a stray write through a mapping cannot reach the file, and the file grows
+  only as pages are written (map_bytes is an upper bound, not an allocation).
+- readahead=False: page reads are random; readahead would fill memory with neighbours.
+- max_readers sized for the server's threads; lock=True (readers and the writer in one process
+  may be several threads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import struct
+from typing import Iterator
+
+import lmdb
+import xxhash
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# version, parent key length, reserved, namespace id, page bytes, checksum; then the parent key
+HEADER = struct.Struct("<HHIQQQ")
+PARENT_BYTES_MAX = 64
+
+
+class NvmeFull(Exception):
+    """A shard's map is full: evict pages from it, then write again."""
+
+    def __init__(self, shard: int):
+        super().__init__(f"NVMe shard {shard} is full")
+        self.shard = shard
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredPage:
+    namespace_id: int
+    key: bytes
+    parent_key: bytes
+    page_bytes: int
+    checksum: int
+
+
+def record_key(namespace_id: int, key: bytes) -> bytes:
+    return namespace_id.to_bytes(8, "little") + key
+
+
+def encode_header(page: StoredPage) -> bytes:
+    return HEADER.pack(FORMAT_VERSION, len(page.parent_key), 0, page.namespace_id, page.page_bytes,
+                       page.checksum) + page.parent_key
+
+
+def decode_header(rkey: bytes, value: bytes) -> StoredPage:
+    """Raises ValueError on anything but a well-formed header of this format."""
+    if len(value) < HEADER.size or len(rkey) <= 8:
+        raise ValueError("truncated header")
+    version, parent_len, _, ns_id, page_bytes, checksum = HEADER.unpack_from(value)
+    if version != FORMAT_VERSION or parent_len > PARENT_BYTES_MAX or len(value) != HEADER.size + parent_len:
+        raise ValueError(f"bad header (version {version}, parent length {parent_len})")
+    if int.from_bytes(rkey[:8], "little") != ns_id or page_bytes == 0:
+        raise ValueError("header does not match its key")
+    return StoredPage(ns_id, bytes(rkey[8:]), bytes(value[HEADER.size:]), page_bytes, checksum)
+
+
+class _Shard:
+    def __init__(self, index: int, path: str, map_bytes: int):
+        self.index = index
+        self.path = path
+        try:
+            os.makedirs(path, exist_ok=True)
+            self.env = lmdb.open(path, map_size=map_bytes, subdir=True, max_dbs=3, sync=True, metasync=False,
+                                 writemap=False, readahead=False, max_readers=256, lock=True)
+        except (OSError, lmdb.Error) as exc:
+            raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
+        self.meta = self.env.open_db(b"meta")
+        self.data = self.env.open_db(b"data")
+        self.namespaces = self.env.open_db(b"namespaces")
+
+
+class NvmeTier:
+    """Pages on local disks. Thread-safe: LMDB serializes writers and lets readers run alongside."""
+
+    def __init__(self, paths: tuple[str, ...], map_bytes: int):
+        self.map_bytes = map_bytes
+        self.shards = [_Shard(i, path, map_bytes) for i, path in enumerate(paths)]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.map_bytes * len(self.shards)
+
+    def used_bytes(self) -> int:
+        total = 0
+        for shard in self.shards:
+            info, stat = shard.env.info(), shard.env.stat()
+            total += (info["last_pgno"] + 1) * stat["psize"]
+        return total
+
+    def shard_of(self, namespace_id: int, key: bytes) -> int:
+        return xxhash.xxh3_64_intdigest(key, seed=namespace_id & 0xFFFFFFFFFFFFFFFF) % len(self.shards)
+
+    def write(self, shard: int, pages: list[tuple[StoredPage, memoryview]]) -> None:
+        """Write pages (header + bytes) to one shard in one transaction. Raises NvmeFull."""
+        target = self.shards[shard]
+        try:
+            with target.env.begin(write=True) as txn:
+                for page, view in pages:
+                    rkey = record_key(page.namespace_id, page.key)
+                    txn.put(rkey, view, db=target.data)
+                    txn.put(rkey, encode_header(page), db=target.meta)
+        except lmdb.MapFullError:
+            raise NvmeFull(shard) from None
+
+    def read_into(self, namespace_id: int, key: bytes, out: memoryview) -> bool:
+        """Copy a page's bytes straight from LMDB's mapping into `out`; False if absent or mis-sized."""
+        shard = self.shards[self.shard_of(namespace_id, key)]
+        with shard.env.begin(buffers=True) as txn:
+            value = txn.get(record_key(namespace_id, key), db=shard.data)
+            if value is None or len(value) != len(out):
+                return False
+            out[:] = value
+            return True
+
+    def delete(self, pages: list[tuple[int, bytes]]) -> None:
+        by_shard: dict[int, list[bytes]] = {}
+        for ns_id, key in pages:
+            by_shard.setdefault(self.shard_of(ns_id, key), []).append(record_key(ns_id, key))
+        for shard_index, rkeys in by_shard.items():
+            shard = self.shards[shard_index]
+            with shard.env.begin(write=True) as txn:
+                for rkey in rkeys:
+                    txn.delete(rkey, db=shard.meta)
+                    txn.delete(rkey, db=shard.data)
+
+    def save_namespace(self, namespace_id: int, spec: dict) -> None:
+        value = json.dumps(spec, sort_keys=True).encode()
+        for shard in self.shards:
+            try:
+                with shard.env.begin(write=True) as txn:
+                    txn.put(namespace_id.to_bytes(8, "little"), value, db=shard.namespaces)
+            except lmdb.MapFullError:
+                raise NvmeFull(shard.index) from None
+
+    def load_namespaces(self) -> dict[int, dict]:
+        specs: dict[int, dict] = {}
+        for shard in self.shards:
+            with shard.env.begin() as txn:
+                for rkey, value in txn.cursor(db=shard.namespaces):
+                    try:
+                        specs[int.from_bytes(rkey, "little")] = json.loads(value)
+                    except ValueError:
+                        log.error("unreadable namespace record in %s; its pages will be dropped", shard.path)
+        return specs
+
+    def scan(self) -> Iterator[StoredPage | tuple[int, bytes]]:
+        """Every page header; an unreadable one comes out as its (shard, record key) to drop."""
+        for shard in self.shards:
+            with shard.env.begin(buffers=True) as txn:
+                for rkey, value in txn.cursor(db=shard.meta):
+                    try:
+                        yield decode_header(rkey, value)
+                    except ValueError:
+                        yield shard.index, bytes(rkey)
+
+    def drop_records(self, shard: int, rkeys: list[bytes]) -> None:
+        target = self.shards[shard]
+        with target.env.begin(write=True) as txn:
+            for rkey in rkeys:
+                txn.delete(rkey, db=target.meta)
+                txn.delete(rkey, db=target.data)
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.env.close()
