@@ -4,7 +4,10 @@
   write_through            every committed page;
   write_through_selective  a page once it has been hit `selective_hits` times;
   write_back               the least recently used DRAM-only pages once DRAM is fuller than
-                           `high_watermark`, so that eviction only has to drop DRAM copies.
+                           `high_watermark`, so that eviction only has to drop DRAM copies;
+                           when clients fill DRAM faster than that, eviction writes the
+                           pages it needs down itself, under the lock (slow, but nothing
+                           committed is lost while NVMe has room).
   A page is written after its ancestors (its whole unsaved chain goes first), so what is on
   NVMe stays prefix-closed and survives a restart as whole prefixes.
 - Promotion (on Acquire): a page only on NVMe is copied once, from LMDB's mapping straight
@@ -87,6 +90,25 @@ class CacheController:
             record.queued = True
             self._writes.append(record)
         self._wake.notify()
+
+    def demote_before_eviction(self, pages: int) -> None:
+        """Lock held. Under write_back, write down the least recently used DRAM-only pages so
+        that eviction can drop their DRAM copies instead of losing them."""
+        if self.config.write_policy != WRITE_BACK:
+            return
+        index = self._service.index
+        chains: list[PageRecord] = []
+        seen: set[PageRecord] = set()
+        for record in index.dram_only_lru(max(pages, self.config.write_batch_pages)):
+            for node in _unsaved_chain(record):
+                if node not in seen:
+                    seen.add(node)
+                    chains.append(node)
+        written = self._write_pages(chains, locked=True)
+        for record in written:
+            index.set_on_nvme(record, True)
+        self._service.counters.demotions += len(written)
+        self._service.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
 
     # -- promotion (called without the lock, from the Acquire handler) ------------------
 
@@ -197,26 +219,9 @@ class CacheController:
         return batch
 
     def _write_down(self, batch: list[PageRecord]) -> None:
-        service, nvme = self._service, self._nvme
+        service = self._service
         started = time.perf_counter()
-        by_shard: dict[int, list[PageRecord]] = {}
-        for record in batch:
-            by_shard.setdefault(nvme.shard_of(*record.page_id), []).append(record)
-        written: list[PageRecord] = []
-        for shard, records in by_shard.items():
-            pages = [self._stored(record) for record in records]
-            self._save_namespaces(records)
-            try:
-                nvme.write(shard, pages)
-            except NvmeFull:
-                self._make_room(shard, len(records))
-                try:
-                    nvme.write(shard, pages)
-                except NvmeFull:
-                    log.warning("NVMe shard %d stays full after eviction; %d pages stay in DRAM only",
-                                shard, len(records))
-                    continue
-            written += records
+        written = self._write_pages(batch, locked=False)
         garbage = []
         with service.lock:
             for record in written:
@@ -228,10 +233,35 @@ class CacheController:
                 service.index.release_busy(record)
             service.index.unpin_all(batch)
             service.counters.demotions += len(written)
-            service.counters.demoted_bytes += sum(service.namespaces[r.page_id[0]].page_bytes for r in written)
+            service.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
         if garbage:
-            nvme.delete(garbage)
+            self._nvme.delete(garbage)
         log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
+
+    def _write_pages(self, records: list[PageRecord], locked: bool) -> list[PageRecord]:
+        """Write pages to their shards, one transaction per shard, making room when a map is full."""
+        by_shard: dict[int, list[PageRecord]] = {}
+        for record in records:
+            by_shard.setdefault(self._nvme.shard_of(*record.page_id), []).append(record)
+        written: list[PageRecord] = []
+        for shard, group in by_shard.items():
+            pages = [self._stored(record) for record in group]
+            self._save_namespaces(group)
+            try:
+                self._nvme.write(shard, pages)
+            except NvmeFull:
+                self._make_room(shard, len(group), locked)
+                try:
+                    self._nvme.write(shard, pages)
+                except NvmeFull:
+                    log.warning("NVMe shard %d stays full after eviction; %d pages stay in DRAM only",
+                                shard, len(group))
+                    continue
+            written += group
+        return written
+
+    def _page_bytes(self, record: PageRecord) -> int:
+        return self._service.namespaces[record.page_id[0]].page_bytes
 
     def _stored(self, record: PageRecord) -> tuple[StoredPage, memoryview]:
         ns_id, key = record.page_id
@@ -245,11 +275,19 @@ class CacheController:
             self._nvme.save_namespace(ns_id, self._service.namespace_spec(ns_id))
             self._saved_namespaces.add(ns_id)
 
-    def _make_room(self, shard: int, pages: int) -> None:
+    def _make_room(self, shard: int, pages: int, locked: bool) -> None:
         service = self._service
-        with service.lock:
+
+        def evict() -> list[PageRecord]:
             victims = service.index.evict_nvme(lambda r: self._nvme.shard_of(*r.page_id), shard, 2 * pages)
             service.counters.nvme_evictions += len(victims)
+            return victims
+
+        if locked:
+            victims = evict()
+        else:
+            with service.lock:
+                victims = evict()
         self._nvme.delete([r.page_id for r in victims])
         log.info("NVMe shard %d full: evicted pages=%d", shard, len(victims))
 

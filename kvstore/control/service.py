@@ -406,6 +406,8 @@ class KVStoreService:
     def allocate_slots(self, slot_bytes: int, count: int) -> list[int]:
         """Lock held. Up to `count` free slots, evicting least recently used pages when the arena is full."""
         offsets = self.allocator.allocate_many(slot_bytes, count)
+        if len(offsets) < count and self.controller:
+            self.controller.demote_before_eviction(count - len(offsets))
         while len(offsets) < count:
             if self.index.evict_dram(slot_bytes) is None and not self._evict_for_slab():
                 break
