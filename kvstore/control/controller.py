@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WRITE_THROUGH, SELECTIVE, WRITE_BACK = "write_through", "write_through_selective", "write_back"
+# Pages whose NVMe reads are issued together; the TIMEOUT policy's deadline is checked between groups.
+PROMOTE_GROUP_PAGES = 32
 
 
 class CacheController:
@@ -122,11 +124,11 @@ class CacheController:
             for record in todo:
                 record.busy = True
                 record.pins += 1
-        results = []
-        for record, slot in zip(todo, slots):
+        results: list[bool] = []
+        for start in range(0, len(todo), PROMOTE_GROUP_PAGES):
             if time.monotonic() > deadline:
                 break
-            results.append(self._read_page(record, slot))
+            results += self._read_pages(todo[start:start + PROMOTE_GROUP_PAGES], slots[start:start + PROMOTE_GROUP_PAGES])
         promoted, garbage = 0, []
         with service.lock:
             for index, (record, slot) in enumerate(zip(todo, slots)):
@@ -156,13 +158,12 @@ class CacheController:
                     return
                 self._promoted.wait(remaining)
 
-    def _read_page(self, record: PageRecord, slot: int) -> bool:
-        ns_id, key = record.page_id
-        page_bytes = self._service.namespaces[ns_id].page_bytes
-        view = self._service.arena.view[slot:slot + page_bytes]
-        if not self._nvme.read_into(ns_id, key, view):
-            return False
-        return xxhash.xxh3_64_intdigest(view) == record.checksum
+    def _read_pages(self, records: list[PageRecord], slots: list[int]) -> list[bool]:
+        """Copy pages from NVMe into their new slots; True where the bytes match the checksum."""
+        arena = self._service.arena.view
+        views = [arena[slot:slot + self._page_bytes(r)] for r, slot in zip(records, slots)]
+        found = self._nvme.read_into([(*r.page_id, view) for r, view in zip(records, views)])
+        return [ok and xxhash.xxh3_64_intdigest(view) == r.checksum for r, view, ok in zip(records, views, found)]
 
     def _drop_corrupt(self, record: PageRecord) -> list[tuple[int, bytes]]:
         """Lock held. Drop a page that failed its checksum, with its descendants; NVMe ids to delete."""

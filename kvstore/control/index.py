@@ -15,6 +15,7 @@ Not thread-safe: the service's lock guards every call.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from typing import Callable, Iterator
@@ -154,10 +155,17 @@ class PageIndex:
             self.nvme_pages += 1 if on_nvme else -1
             self._offer(record)
 
-    def offer_recovered(self, records: list[PageRecord]) -> None:
-        """Put pages rebuilt from NVMe up for NVMe eviction in one heapify (start-up path)."""
-        self._nvme.extend((record.tick, next(self._seq), record) for record in records)
-        heapq.heapify(self._nvme)
+    def add_recovered(self, records: list[PageRecord]) -> None:
+        """Adopt pages rebuilt from NVMe, already linked and prefix-closed (start-up path)."""
+        self._pages.update(zip((record.page_id for record in records), records))
+        for ns_id, count in collections.Counter(record.page_id[0] for record in records).items():
+            self.pages_by_namespace[ns_id] = self.pages_by_namespace.get(ns_id, 0) + count
+        self.nvme_pages += len(records)
+        # All share tick 0 and get increasing sequence numbers: appended in order, still a heap.
+        first = next(self._seq)
+        self._seq = itertools.count(first + len(records))
+        assert not self._nvme, "recovery runs before anything else reaches the index"
+        self._nvme.extend(zip(itertools.repeat(0), range(first, first + len(records)), records))
 
     def release_busy(self, record: PageRecord) -> None:
         record.busy = False

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import time
 
 from kvstore.control.index import NO_SLOT, PageIndex, PageRecord
 from kvstore.tiers.dram import slot_bytes_for
-from kvstore.tiers.nvme import NvmeTier, StoredPage
+from kvstore.tiers.nvme import NvmeTier
 from kvstore_client.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,16 @@ class RecoveryReport:
 
 
 def rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace]) -> RecoveryReport:
+    # Millions of long-lived records: the cyclic collector would rescan them over and over.
+    gc.disable()
+    try:
+        return _rebuild(nvme, index, namespaces)
+    finally:
+        gc.enable()
+        gc.freeze()  # what start-up built stays; later collections skip it
+
+
+def _rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace]) -> RecoveryReport:
     started = time.perf_counter()
     report = RecoveryReport()
     for ns_id, spec in nvme.load_namespaces().items():
@@ -37,36 +48,29 @@ def rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace]) 
             namespaces[ns_id] = Namespace(**spec)
         except TypeError:
             log.error("namespace record %016x does not match this version; its pages will be dropped", ns_id)
-    pages: dict[tuple[int, bytes], StoredPage] = {}
+    records: dict[tuple[int, bytes], PageRecord] = {}
+    parents: list[tuple[PageRecord, bytes]] = []
     unreadable: dict[int, list[bytes]] = collections.defaultdict(list)
-    for item in nvme.scan():
-        if isinstance(item, StoredPage):
-            pages[(item.namespace_id, item.key)] = item
-        else:
-            unreadable[item[0]].append(item[1])
-    children: dict[tuple[int, bytes], list[tuple[int, bytes]]] = collections.defaultdict(list)
-    roots = []
-    for page_id, page in pages.items():
-        if page.namespace_id not in namespaces or page.page_bytes != namespaces[page.namespace_id].page_bytes:
+    sizes = {ns_id: (ns.page_bytes, slot_bytes_for(ns.page_bytes)) for ns_id, ns in namespaces.items()}
+    from_bytes, no_size = int.from_bytes, (0, 0)
+    for rkey, parent_key, page_bytes, checksum, shard in nvme.scan():  # the hot loop of start-up
+        ns_id = from_bytes(rkey[:8], "little")
+        expected_bytes, slot_bytes = sizes.get(ns_id, no_size)
+        if parent_key is None or page_bytes != expected_bytes:
+            unreadable[shard].append(rkey)
             continue
-        if page.parent_key:
-            children[(page.namespace_id, page.parent_key)].append(page_id)
-        else:
-            roots.append(page_id)
-    restored: list[PageRecord] = []
-    queue = collections.deque((page_id, None) for page_id in roots)
-    while queue:  # parents before children
-        page_id, parent = queue.popleft()
-        page = pages.pop(page_id)
-        record = index.add(page_id, parent, NO_SLOT, slot_bytes_for(page.page_bytes), page.checksum, on_nvme=True)
-        restored.append(record)
-        queue.extend((child, record) for child in children.get(page_id, ()))
-    index.offer_recovered(restored)
+        page_id = (ns_id, rkey[8:])
+        record = records[page_id] = PageRecord(page_id, None, NO_SLOT, slot_bytes, checksum)
+        record.on_nvme = True
+        if parent_key:
+            parents.append((record, parent_key))
+    orphans = _link(records, parents)
+    index.add_recovered(list(records.values()))
     for shard, rkeys in unreadable.items():
         nvme.drop_records(shard, rkeys)
-    if pages:  # never reached from a root: orphans
-        nvme.delete(list(pages))
-    report.pages, report.orphans = len(restored), len(pages)
+    if orphans:
+        nvme.delete(orphans)
+    report.pages, report.orphans = len(records), len(orphans)
     report.unreadable = sum(len(v) for v in unreadable.values())
     report.duration_s = time.perf_counter() - started
     if report.orphans or report.unreadable:
@@ -75,3 +79,34 @@ def rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace]) 
              report.duration_s * 1e3, report.pages / report.duration_s if report.duration_s else 0)
     return report
 
+
+
+def _link(records: dict[tuple[int, bytes], PageRecord], parents: list[tuple[PageRecord, bytes]]) -> list:
+    """Attach each page to its parent; remove pages that do not reach a root. Returns their ids."""
+    for record, parent_key in parents:
+        parent = records.get((record.page_id[0], parent_key))
+        if parent is None:
+            record.alive = False  # its parent did not survive
+            continue
+        record.parent = parent
+        if parent.children is None:
+            parent.children = set()
+        parent.children.add(record)
+    # A page is an orphan if any ancestor is; settle each chain once, memoised on `alive`.
+    settled: set[PageRecord] = set()
+    for record, _ in parents:
+        path = []
+        node = record
+        while node is not None and node not in settled and node.alive:
+            path.append(node)
+            node = node.parent
+        dead = node is not None and not node.alive
+        for walked in path:
+            walked.alive = not dead
+            settled.add(walked)
+        if not record.alive:
+            settled.add(record)
+    orphans = [page_id for page_id, record in records.items() if not record.alive]
+    for page_id in orphans:
+        del records[page_id]
+    return orphans
