@@ -45,6 +45,7 @@ class NvmeConfig:
     enabled: bool = True
     paths: tuple[str, ...] = ()             # one LMDB shard per directory; () = <cache dir>/kvstore/nvme-0
     map_bytes: int = 16 << 30               # upper bound of each shard's file; full -> evict
+    io_threads: int = 8                     # page reads in flight at once (promotion)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +228,7 @@ def _validate(config: Config) -> None:
          "must be DEBUG, INFO, WARNING or ERROR"),
         ("server.grpc_address", ":" in config.server.grpc_address, "must look like host:port"),
         ("nvme.map_bytes", config.nvme.map_bytes >= 1 << 20, "must be at least 1MiB"),
+        ("nvme.io_threads", 0 < config.nvme.io_threads <= 256, "must be 1 to 256"),
         ("controller.write_policy", config.controller.write_policy in
          ("write_through", "write_through_selective", "write_back"),
          "must be write_through, write_through_selective or write_back"),

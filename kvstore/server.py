@@ -40,7 +40,7 @@ class Node:
         self.nvme: NvmeTier | None = None
         try:
             if config.nvme.enabled:
-                self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes)
+                self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes, config.nvme.io_threads)
             socket_path = config.shm_socket_path if config.shm.enabled else ""
             self.service = KVStoreService(config, self.arena, shm_socket=socket_path, nvme=self.nvme)
             if self.nvme:

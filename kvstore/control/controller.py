@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 WRITE_THROUGH, SELECTIVE, WRITE_BACK = "write_through", "write_through_selective", "write_back"
 # Pages whose NVMe reads are issued together; the TIMEOUT policy's deadline is checked between groups.
-PROMOTE_GROUP_PAGES = 32
+PROMOTE_GROUP_PAGES = 128
 
 
 class CacheController:
