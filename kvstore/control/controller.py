@@ -30,7 +30,7 @@ import xxhash
 
 from kvstore.config import ControllerConfig
 from kvstore.control.index import NO_SLOT, PageRecord
-from kvstore.tiers.nvme import NvmeFull, NvmeTier, StoredPage
+from kvstore.tiers.nvme import NvmeError, NvmeFull, NvmeTier, StoredPage
 
 if TYPE_CHECKING:
     from kvstore.control.service import KVStoreService
@@ -220,9 +220,16 @@ class CacheController:
         return batch
 
     def _write_down(self, batch: list[PageRecord]) -> None:
-        service = self._service
         started = time.perf_counter()
-        written = self._write_pages(batch, locked=False)
+        written: list[PageRecord] = []
+        try:
+            written = self._write_pages(batch, locked=False)
+        finally:
+            self._finish_write_down(batch, written)
+        log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
+
+    def _finish_write_down(self, batch: list[PageRecord], written: list[PageRecord]) -> None:
+        service = self._service
         garbage = []
         with service.lock:
             for record in written:
@@ -237,7 +244,6 @@ class CacheController:
             service.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
         if garbage:
             self._nvme.delete(garbage)
-        log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
 
     def _write_pages(self, records: list[PageRecord], locked: bool) -> list[PageRecord]:
         """Write pages to their shards, one transaction per shard, making room when a map is full."""
@@ -249,15 +255,15 @@ class CacheController:
             pages = [self._stored(record) for record in group]
             self._save_namespaces(group)
             try:
-                self._nvme.write(shard, pages)
-            except NvmeFull:
-                self._make_room(shard, len(group), locked)
                 try:
                     self._nvme.write(shard, pages)
                 except NvmeFull:
-                    log.warning("NVMe shard %d stays full after eviction; %d pages stay in DRAM only",
-                                shard, len(group))
-                    continue
+                    self._make_room(shard, len(group), locked)
+                    self._nvme.write(shard, pages)
+            except NvmeError as exc:
+                self._service.counters.nvme_write_errors += 1
+                log.error("write-down failed shard=%d pages=%d (they stay in DRAM only): %s", shard, len(group), exc)
+                continue
             written += group
         return written
 

@@ -50,6 +50,7 @@ class Counters:
         self.pages_committed = 0
         self.checksum_failures = 0
         self.write_queue_drops = 0
+        self.nvme_write_errors = 0
         self.recovered_pages = 0
 
 
@@ -313,7 +314,8 @@ class KVStoreService:
             return pb.StatsResponse(
                 tiers=tiers, namespaces=namespaces, leases_open=len(self.leases), leases_expired=c.leases_expired,
                 pages_committed=c.pages_committed, checksum_failures=c.checksum_failures,
-                write_queue_drops=c.write_queue_drops, recovered_pages=c.recovered_pages)
+                write_queue_drops=c.write_queue_drops, recovered_pages=c.recovered_pages,
+                nvme_write_errors=c.nvme_write_errors)
 
     # -- lifecycle hooks for the carriers and the server --------------------------------
 

@@ -43,8 +43,12 @@ HEADER = struct.Struct("<HHIQQQ")
 PARENT_BYTES_MAX = 64
 
 
-class NvmeFull(Exception):
-    """A shard's map is full: evict pages from it, then write again."""
+class NvmeError(OSError):
+    """A shard could not be written (I/O error, directory gone): the pages stay in DRAM only."""
+
+
+class NvmeFull(NvmeError):
+    """A shard's map or its disk is full: evict pages from it, then write again."""
 
     def __init__(self, shard: int):
         super().__init__(f"NVMe shard {shard} is full")
@@ -67,6 +71,14 @@ def record_key(namespace_id: int, key: bytes) -> bytes:
 def encode_header(page: StoredPage) -> bytes:
     return HEADER.pack(FORMAT_VERSION, len(page.parent_key), 0, page.namespace_id, page.page_bytes,
                        page.checksum) + page.parent_key
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return 0
+    return stat.f_bavail * stat.f_frsize
 
 
 def _map_address(path: str, fd: int) -> int | None:
@@ -140,6 +152,12 @@ class NvmeTier:
                     txn.put(rkey, encode_header(page), db=target.meta)
         except lmdb.MapFullError:
             raise NvmeFull(shard) from None
+        except lmdb.Error as exc:  # the transaction was aborted: nothing of it is on disk
+            # A full disk surfaces as ENOSPC or, from the commit's write, as EIO.
+            needed = sum(len(view) for _, view in pages) + (1 << 20)
+            if "No space left" in str(exc) or _free_bytes(target.path) < needed:
+                raise NvmeFull(shard) from None
+            raise NvmeError(f"NVMe shard {target.path}: {exc}") from None
 
     def read_into(self, pages: list[tuple[int, bytes, memoryview]]) -> list[bool]:
         """Copy each page's bytes from disk into its `out` view; False where absent or mis-sized.

@@ -166,3 +166,24 @@ def test_an_unusable_shard_directory_stops_start_up(start_server, tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(RuntimeError, match="cannot open NVMe shard"):
         start_server(nvme_settings(tmp_path, **{"nvme.paths": f"{blocker}/shard"}))
+
+
+def test_a_full_disk_evicts_and_keeps_serving(start_server, tmp_path):
+    import subprocess
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6M", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root; the full-map test covers eviction")
+    try:
+        server = start_server(nvme_settings(tmp_path, **{"nvme.paths": f"{disk}/shard", "nvme.map_bytes": "64MiB"}))
+        with KVStoreClient(server.address) as c:
+            for chain in range(12):  # 6 MiB of pages onto a 6 MiB disk
+                assert c.put(NS, keys_of(chain, 8), chain_data(chain, 8)) == 8
+            wait_for(lambda: tier(c.stats(), "NVME").evictions > 0 or c.stats().nvme_write_errors > 0)
+            out = np.zeros((8, PAGE), np.uint8)
+            for chain in range(12):  # nothing was lost from DRAM, nothing served wrong
+                assert c.get(NS, keys_of(chain, 8), out, verify=True) == 8
+                assert np.array_equal(out, chain_data(chain, 8))
+        server.terminate()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

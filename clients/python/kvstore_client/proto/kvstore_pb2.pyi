@@ -337,7 +337,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages")
+    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +346,7 @@ class StatsResponse(_message.Message):
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     WRITE_QUEUE_DROPS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NVME_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     leases_open: int
@@ -354,4 +355,5 @@ class StatsResponse(_message.Message):
     checksum_failures: int
     write_queue_drops: int
     recovered_pages: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ...) -> None: ...
+    nvme_write_errors: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ...) -> None: ...
