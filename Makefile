@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+ENGINES := $(VENV)/.engines
 
 .PHONY: install run test bench proto clean
 
@@ -15,10 +16,16 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 
 install: $(STAMP)
 
+# The engines the adapter tests run against, pinned, without their GPU dependency sets
+# (see tests/requirements-engines.txt); test-only, never a dependency of the server.
+$(ENGINES): $(STAMP) tests/requirements-engines.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r tests/requirements-engines.txt
+	touch $@
+
 run: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
-test: $(STAMP)
+test: $(STAMP) $(ENGINES)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -115,6 +115,10 @@ class PageIndex:
             records.append(record)
         return records
 
+    def roots(self, namespace_id: int) -> list[PageRecord]:
+        """Pages of a namespace that have no parent (removing their subtrees empties it)."""
+        return [r for (ns, _), r in self._pages.items() if ns == namespace_id and r.parent is None]
+
     def touch_all(self, records: list[PageRecord]) -> None:
         """One access tick for pages written or read together."""
         tick = next(self._clock)

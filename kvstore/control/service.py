@@ -278,12 +278,15 @@ class KVStoreService:
 
     def delete(self, request: pb.DeleteRequest, owner: object | None) -> pb.DeleteResponse:
         self._namespace(request.namespace_id)
-        keys = self._check_keys(request.keys)
+        if request.all_pages and request.keys:
+            raise errors.InvalidArgument("all_pages=true deletes the whole namespace: send no keys with it")
+        keys = [] if request.all_pages else self._check_keys(request.keys)
         removed: list[PageRecord] = []
         with self.lock:
-            for key in keys:
-                record = self.index.get((request.namespace_id, key))
-                if record is not None:
+            records = self.index.roots(request.namespace_id) if request.all_pages else [
+                self.index.get((request.namespace_id, key)) for key in keys]
+            for record in records:
+                if record is not None and record.alive:
                     removed += self.index.remove_subtree(record)
         on_nvme = [r.page_id for r in removed if r.on_nvme]
         if on_nvme:

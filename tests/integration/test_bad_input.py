@@ -58,6 +58,8 @@ def test_malformed_grpc_message(server, client, stored):
      grpc.StatusCode.NOT_FOUND, pb.LEASE_NOT_FOUND, "expired"),
     (lambda ns: pb.AbortRequest(lease_id=42),
      grpc.StatusCode.NOT_FOUND, pb.LEASE_NOT_FOUND, "expired"),
+    (lambda ns: pb.DeleteRequest(namespace_id=ns, keys=[b"safe0"], all_pages=True),
+     grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, "send no keys with it"),
 ])
 def test_each_bad_request_gets_its_status(server, client, stored, make, status, code, words):
     ns_id = client._namespace_id(NS)
@@ -121,3 +123,11 @@ def test_a_uid_outside_the_allow_list_is_refused(start_server):
     with pytest.raises(errors.PermissionDenied, match="shm.allowed_uids"):
         KVStoreClient(server.address)
     assert "shm peer refused" in server.log()
+
+
+def test_clear_removes_the_namespace_and_nothing_else(client, stored):
+    other = Namespace(model="other", page_bytes=PAGE)
+    assert client.put(other, ["o1"], np.ones((1, PAGE), dtype=np.uint8)) == 1
+    assert client.clear(NS) == 4
+    assert client.lookup(NS, keys=stored[0]) == 0
+    assert client.lookup(other, keys=["o1"]) == 1

@@ -125,6 +125,10 @@ class KVStoreClient:
         """Remove pages and every page that extends them; returns pages removed."""
         return self._call_in(namespace, "Delete", pb.DeleteRequest(keys=encode_keys(keys))).deleted_pages
 
+    def clear(self, namespace: Namespace) -> int:
+        """Remove every page of the namespace; returns pages removed."""
+        return self._call_in(namespace, "Delete", pb.DeleteRequest(all_pages=True)).deleted_pages
+
     def stats(self) -> pb.StatsResponse:
         return self._control.call("Stats", pb.StatsRequest())
 

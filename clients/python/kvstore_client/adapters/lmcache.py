@@ -1,0 +1,293 @@
+"""LMCache remote storage plugin: kvstore as LMCache's remote backend.
+
+Load it through LMCache's remote_storage_plugins (no change to LMCache):
+
+    remote_storage_plugins: ["kvstore"]
+    extra_config:
+      remote_storage_plugin.kvstore.module_path: kvstore_client.adapters.lmcache
+      remote_storage_plugin.kvstore.class_name: KVStoreConnector
+      remote_storage_plugin.kvstore.target: "127.0.0.1:50051"
+      # optional: .timeout_s, .control ("local" | "grpc"), .tenant
+
+(class_name KVStoreConnectorAdapter does the same through LMCache's adapter path, which
+also hands over the plugin's name, so several kvstore plugins can be configured at once.)
+
+Each LMCache chunk is one kvstore page: LMCache's own RemoteMetadata header (length,
+shapes, dtypes, format) followed by the chunk's bytes, padded to a full chunk, so a
+partial last chunk (save_unfull_chunk) loads back with its true shape. The bytes move
+with one copy each way between LMCache's CPU buffer (MemoryObj.byte_array) and a slot of
+the server's shared-memory arena.
+
+A CacheEngineKey's model, world size, worker id, dtype and tags become the Namespace; its
+chunk hash is the key. Chunk hashes are chained over the prefix, and the chunks of one
+batched_put are consecutive chunks of one request, so each is stored as the child of the
+one before it: the index stays prefix-closed and batched_async_contains (the number of
+leading chunks stored) is one Lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, List, Optional
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
+from kvstore_client.keys import KEY_BYTES_MAX, Namespace
+
+log = logging.getLogger(__name__)
+
+PLUGIN_KEYS = ("module_path", "class_name")  # LMCache's own keys under remote_storage_plugin.<name>.
+IO_THREADS = 2                               # blocking client calls run here, off LMCache's event loop
+
+
+class KVStoreConnector(RemoteConnector):
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any,
+                 plugin_name: Optional[str] = None):
+        metadata = getattr(local_cpu_backend, "metadata", None)
+        if metadata is None:
+            raise ValueError("the kvstore connector needs LMCache's local CPU backend (max_local_cpu_size > 0): "
+                             "it allocates the buffers chunks are loaded into")
+        if config.use_layerwise:
+            raise ValueError("the kvstore connector stores whole chunks: set use_layerwise: false")
+        super().__init__(local_cpu_backend.config, metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.plugin_name = plugin_name or _plugin_name(config, type(self))
+        prefix = f"remote_storage_plugin.{self.plugin_name}."
+        ours = {k: v for k, v in (config.extra_config or {}).items()
+                if k.startswith(prefix) and k[len(prefix):] not in PLUGIN_KEYS}
+        self.settings = AdapterSettings.from_mapping(ours, prefix, f"LMCache plugin {self.plugin_name!r}")
+        self.chunk_tokens = metadata.chunk_size
+        self.page_bytes = self.remote_metadata_bytes + self.full_chunk_size_bytes
+        self._kv_shape = tuple(metadata.kv_shape)
+        self._zeros = bytes(self.full_chunk_size_bytes)
+        self._clients = ClientPerThread(self.settings, client_name=f"lmcache-{metadata.worker_id}")
+        self._executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-lmcache")
+        self._namespaces: dict[tuple, Namespace] = {}
+        log.info("kvstore LMCache connector ready: plugin=%s target=%s page_bytes=%d chunk_tokens=%d",
+                 self.plugin_name, self.settings.target, self.page_bytes, self.chunk_tokens)
+
+    # -- lookups ----------------------------------------------------------------------
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self._run(lambda: self._leading([key]) == 1)
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self._leading([key]) == 1
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: List[CacheEngineKey]) -> int:
+        return self._leading(keys)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        """Leading chunks stored. `pin` is not needed: a page is pinned while it is copied out."""
+        return await self._run(lambda: self._leading(keys))
+
+    def _leading(self, keys: List[CacheEngineKey]) -> int:
+        hits = 0
+        for namespace, group in self._groups(keys):
+            found = self._clients.get().lookup(namespace, keys=[_page_key(k) for k in group])
+            hits += found
+            if found < len(group):
+                break
+        return hits
+
+    # -- reads ------------------------------------------------------------------------
+
+    async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        """The leading stored chunks, then None for the rest."""
+        return await self._run(lambda: self._get(keys))
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: List[CacheEngineKey]) -> List[MemoryObj]:
+        loaded = await self.batched_get(keys)
+        return [obj for obj in loaded[:_leading_count(loaded)]]
+
+    def _get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        results: List[Optional[MemoryObj]] = []
+        for namespace, group in self._groups(keys):
+            loaded = self._get_group(namespace, group)
+            results += loaded
+            if _leading_count(loaded) < len(group):
+                break
+        return results + [None] * (len(keys) - len(results))
+
+    def _get_group(self, namespace: Namespace, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        objs: list[MemoryObj] = []
+        for _ in keys:
+            obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            if obj is None:  # LMCache's CPU buffer is full: load what fits
+                break
+            objs.append(obj)
+        headers = [bytearray(self.remote_metadata_bytes) for _ in objs]
+        pages = [[header, obj.byte_array] for header, obj in zip(headers, objs)]
+        loaded = 0
+        try:
+            loaded = self._clients.get().get(namespace, [_page_key(k) for k in keys[:len(objs)]], pages)
+        finally:
+            results: list[Optional[MemoryObj]] = []
+            for i, obj in enumerate(objs):
+                leading = i < loaded and (not results or results[-1] is not None)
+                chunk = self._chunk(obj, headers[i]) if leading else None
+                if chunk is None:
+                    obj.ref_count_down()
+                results.append(chunk)
+        return results + [None] * (len(keys) - len(results))
+
+    def _chunk(self, obj: MemoryObj, header: bytearray) -> Optional[MemoryObj]:
+        """The loaded chunk with its stored shape, or None if it was stored in another format."""
+        meta = RemoteMetadata.deserialize(header)
+        if meta.fmt != self.meta_fmt or list(meta.dtypes) != list(self.meta_dtypes):
+            log.warning("kvstore chunk stored as %s %s, this engine uses %s %s: treated as a miss",
+                        meta.fmt, meta.dtypes, self.meta_fmt, self.meta_dtypes)
+            return None
+        try:
+            return self.reshape_partial_chunk(obj, meta.length)
+        except ValueError as exc:
+            log.warning("kvstore chunk has a bad length: %s: treated as a miss", exc)
+            return None
+
+    # -- writes -----------------------------------------------------------------------
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+        """Store chunks, each as the child of the one before it (LMCache drops the references)."""
+        await self._run(lambda: self._put(keys, memory_objs))
+
+    def _put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+        if len(keys) != len(memory_objs):
+            raise ValueError(f"{len(keys)} keys for {len(memory_objs)} chunks")
+        offset = 0
+        for namespace, group in self._groups(keys):
+            pages = [self._page(obj) for obj in memory_objs[offset:offset + len(group)]]
+            offset += len(group)
+            stored = self._clients.get().put(namespace, [_page_key(k) for k in group], pages)
+            if stored < len(group):
+                log.debug("kvstore stored %d of %d chunks (no space or a prefix is gone)", stored, len(group))
+                break
+
+    def _page(self, obj: MemoryObj) -> list:
+        data = obj.byte_array
+        length = len(data)
+        if length > self.full_chunk_size_bytes:
+            raise ValueError(f"chunk of {length} bytes is larger than a full chunk ({self.full_chunk_size_bytes})")
+        header = RemoteMetadata(length, obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format()).serialize()
+        page = [header, data]
+        if length < self.full_chunk_size_bytes:
+            page.append(memoryview(self._zeros)[:self.full_chunk_size_bytes - length])
+        return page
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        """Remove a chunk (and the chunks stored after it, which no lookup could reach)."""
+        namespace, _ = next(self._groups([key]))
+        return self._clients.get().delete(namespace, [_page_key(key)]) > 0
+
+    # -- housekeeping -----------------------------------------------------------------
+
+    async def list(self) -> List[str]:
+        raise NotImplementedError("kvstore does not enumerate keys: look chunks up by key "
+                                  "(batched_async_contains)")
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        try:
+            await self._run(lambda: self._clients.get().stats())
+            return 0
+        except Exception as exc:  # a health probe reports, it does not raise
+            log.warning("kvstore ping failed: %s", exc)
+            return 1
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._clients.close()
+
+    async def _run(self, call: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    def _groups(self, keys: List[CacheEngineKey]):
+        """Runs of consecutive keys that share a namespace, with that namespace."""
+        start = 0
+        for i in range(1, len(keys) + 1):
+            if i == len(keys) or _identity(keys[i]) != _identity(keys[start]):
+                yield self._namespace(keys[start]), keys[start:i]
+                start = i
+
+    def _namespace(self, key: CacheEngineKey) -> Namespace:
+        identity = _identity(key)
+        namespace = self._namespaces.get(identity)
+        if namespace is None:
+            layers, _, _, heads, head_dim = self._kv_shape
+            tags = "".join(f";{k}={v}" for k, v in key.tags or ())
+            namespace = Namespace(
+                model=key.model_name, page_bytes=self.page_bytes, page_tokens=self.chunk_tokens,
+                tenant=self.settings.tenant, kv_dtype=str(key.dtype).removeprefix("torch."),
+                num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+                tp_rank=key.worker_id, tp_size=key.world_size,
+                layout=f"lmcache:{self.meta_fmt.name}{tags}")
+            self._namespaces[identity] = namespace
+        return namespace
+
+
+class KVStoreConnectorAdapter(ConnectorAdapter):
+    """LMCache's adapter path to the same connector: it knows the plugin's instance name."""
+
+    def __init__(self) -> None:
+        super().__init__("kvstore://")
+
+    def can_parse(self, url: str) -> bool:
+        return url.startswith(self.schema) or url.startswith("plugin://")
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        name = context.plugin_name or context.url.removeprefix("plugin://")
+        return KVStoreConnector(context.loop, context.local_cpu_backend, context.config, plugin_name=name)
+
+
+def _identity(key: CacheEngineKey) -> tuple:
+    return key.model_name, key.world_size, key.worker_id, key.dtype, key.tags
+
+
+def _page_key(key: CacheEngineKey) -> str:
+    page_key = key.chunk_hash_hex
+    if len(page_key) > KEY_BYTES_MAX:
+        raise ValueError(f"chunk hash of {len(page_key)} hex digits; kvstore keys hold at most {KEY_BYTES_MAX}")
+    return page_key
+
+
+def _leading_count(objs: List[Optional[MemoryObj]]) -> int:
+    return next((i for i, obj in enumerate(objs) if obj is None), len(objs))
+
+
+def _plugin_name(config: Any, cls: type) -> str:
+    """The remote_storage_plugins entry that names this class (LMCache's dynamic path does not pass it)."""
+    extra = config.extra_config or {}
+    names = [name for name in (config.remote_storage_plugins or [])
+             if extra.get(f"remote_storage_plugin.{name}.module_path") == cls.__module__
+             and extra.get(f"remote_storage_plugin.{name}.class_name") == cls.__name__]
+    if len(names) != 1:
+        raise ValueError(f"{len(names)} remote_storage_plugins name {cls.__module__}.{cls.__name__} "
+                         f"({names}); with several, use class_name KVStoreConnectorAdapter")
+    return names[0]

@@ -1,0 +1,74 @@
+"""Where an adapter finds its kvstore-server: settings read from the engine's own config.
+
+Engines hand their plug-ins a flat mapping (SGLang's extra-config JSON, LMCache's
+extra_config); our keys in it share one prefix, and a key with that prefix that we do not
+know stops start-up naming it, as kvstore's own config does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Mapping
+
+from kvstore_client.client import KVStoreClient
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSettings:
+    target: str                 # kvstore-server gRPC address, e.g. "127.0.0.1:50051"
+    timeout_s: float = 5.0      # deadline of every call
+    control: str = "local"      # "local" (Unix socket, same host) or "grpc"
+    tenant: str = ""            # keeps one tenant's pages apart from another's
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None, prefix: str, where: str) -> "AdapterSettings":
+        values = {k[len(prefix):]: v for k, v in (mapping or {}).items() if k.startswith(prefix)}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown setting(s) {', '.join(prefix + u for u in unknown)}; "
+                             f"known: {', '.join(prefix + k for k in sorted(known))}")
+        target = values.get("target")
+        if not isinstance(target, str) or not target:
+            raise ValueError(f"{where}: {prefix}target is required: the kvstore-server gRPC address, "
+                             "e.g. \"127.0.0.1:50051\"")
+        timeout_s = values.get("timeout_s", cls.timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"{where}: {prefix}timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        control = values.get("control", cls.control)
+        if control not in ("local", "grpc"):
+            raise ValueError(f"{where}: {prefix}control must be \"local\" or \"grpc\", got {control!r}")
+        tenant = values.get("tenant", cls.tenant)
+        if not isinstance(tenant, str):
+            raise ValueError(f"{where}: {prefix}tenant must be a string, got {tenant!r}")
+        return cls(target=target, timeout_s=float(timeout_s), control=control, tenant=tenant)
+
+
+class ClientPerThread:
+    """One KVStoreClient per calling thread: engines call their storage backends from several
+    I/O threads at once, and a client's control channel pipelines one caller's requests."""
+
+    def __init__(self, settings: AdapterSettings, client_name: str):
+        self._settings = settings
+        self._client_name = client_name
+        self._local = threading.local()
+        self._clients: list[KVStoreClient] = []
+        self._lock = threading.Lock()
+        self.get()  # connect now, so a wrong target fails at start-up, not on the first request
+
+    def get(self) -> KVStoreClient:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            s = self._settings
+            client = KVStoreClient(s.target, timeout_s=s.timeout_s, control=s.control, client_name=self._client_name)
+            self._local.client = client
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()

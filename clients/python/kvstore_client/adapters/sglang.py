@@ -1,0 +1,275 @@
+"""SGLang HiCache storage backend: kvstore as SGLang's L3 tier.
+
+Load it with SGLang's dynamic backend (no change to SGLang):
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+        "module_path": "kvstore_client.adapters.sglang", "class_name": "KVStoreHiCacheStorage",
+        "interface_v1": 1, "kvstore_target": "127.0.0.1:50051"}'
+
+`interface_v1` makes SGLang call the zero-copy batch_get_v1 / batch_set_v1: each page is
+copied once, between SGLang's host KV pool and a slot of the server's shared-memory arena.
+Other settings: kvstore_timeout_s, kvstore_control ("local" | "grpc"), kvstore_tenant.
+Add "hicache_storage_pass_prefix_keys": true (an SGLang setting) so each stored batch names
+the page before it, and kvstore keeps its index prefix-closed across batches.
+
+Which pages may be shared is the Namespace's job, not a key suffix (HiCacheFile appends
+"_{model}_{tp_rank}_{tp_size}" to each key): the namespace carries the model, the KV
+layout (dtype, layers, heads, head dim, tokens per page, host-pool layout) and the rank
+that wrote the page. For MLA models every TP rank holds the same KV, so the namespace
+leaves the TP rank out: one writer (SGLang's is_storage_writer) stores each page and
+every rank reads it. Keys stay SGLang's own SHA-256 hex digests, byte for byte, so the
+SDK's prefix_hashes() names the same pages.
+
+A page is stored as one page even when the host pool keeps K and V apart: its segments
+(K and V, or K and V of each layer for layer_first) are copied back to back into one
+slot. One key per page (Mooncake stores "_k" and "_v" keys) means one index entry, one
+checksum and one lease per page, and K never becomes visible without its V. When all of a
+page's segments lie in the pool's one kv_buffer (MHA and MLA pools), they are copied in
+address order, which is the order of SGLang's flat data page (get_data_page(flat=True) is
+a box slice of that C-contiguous buffer): the zero-copy and the generic get/set paths
+then share one namespace and read each other's pages. Pools that keep buffers apart keep
+SGLang's buffer order, in a namespace of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
+from kvstore_client.buffers import Segment
+from kvstore_client.keys import Namespace
+
+log = logging.getLogger(__name__)
+
+SETTINGS_PREFIX = "kvstore_"
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        extra = storage_config.extra_config or {}
+        self.settings = AdapterSettings.from_mapping(extra, SETTINGS_PREFIX, "SGLang extra-config for kvstore")
+        self.zero_copy = bool(extra.get("interface_v1", 0))
+        self.is_writer = storage_config.is_storage_writer
+        self.mem_pool_host = None
+        self.namespace: Namespace | None = None       # pages moved by the zero-copy path
+        self.flat_namespace: Namespace | None = None  # pages moved as flat tensors (generic path)
+        self._address_order = False
+        self._clients = ClientPerThread(self.settings, client_name=f"sglang-tp{storage_config.tp_rank}")
+        self._metrics = _Metrics() if storage_config.enable_storage_metrics else None
+
+    # -- set-up -----------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Fix the namespace from the host pool SGLang copies pages to and from."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._address_order = _segments_in_one_buffer(mem_pool_host)
+        self.namespace, self.flat_namespace = namespaces_for(
+            self.storage_config, mem_pool_host, self.settings.tenant, self._address_order)
+        log.info("kvstore HiCache backend ready: model=%s layout=%s page_bytes=%d tp=%d/%d writer=%s zero_copy=%s",
+                 self.namespace.model, self.namespace.layout, self.namespace.page_bytes,
+                 self.namespace.tp_rank, self.namespace.tp_size, self.is_writer, self.zero_copy)
+
+    # -- zero-copy path (interface_v1) ------------------------------------------------
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        namespace = self._require_namespace()
+        if not keys:
+            return []
+        started = time.perf_counter()
+        loaded = self._clients.get().get(namespace, keys, self._page_segments(keys, host_indices))
+        if self._metrics is not None:
+            self._metrics.prefetch(loaded, loaded * namespace.page_bytes, time.perf_counter() - started)
+        return [i < loaded for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        namespace = self._require_namespace()
+        if not keys:
+            return []
+        if not self.is_writer:
+            # MLA: every rank holds the same pages and the writer rank stores them; SGLang
+            # skips backups on other ranks, and a call that gets here has nothing to add.
+            return [True] * len(keys)
+        started = time.perf_counter()
+        stored = self._clients.get().put(namespace, keys, self._page_segments(keys, host_indices),
+                                         parent=_parent_key(extra_info))
+        if self._metrics is not None:
+            self._metrics.backup(stored, stored * namespace.page_bytes, time.perf_counter() - started)
+        return [i < stored for i in range(len(keys))]
+
+    def _page_segments(self, keys: List[str], host_indices: torch.Tensor) -> list[list[Segment]]:
+        """(pointer, nbytes) segments of each page in the host pool, in flat-data-page order."""
+        page_tokens = self.mem_pool_host.page_size
+        if host_indices.numel() != len(keys) * page_tokens:
+            raise ValueError(f"{host_indices.numel()} host indices for {len(keys)} pages of {page_tokens} tokens")
+        pointers, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per_page = len(pointers) // len(keys)
+        if per_page * len(keys) != len(pointers):
+            raise ValueError(f"the host pool gave {len(pointers)} buffers for {len(keys)} pages")
+        pages = []
+        for page in range(len(keys)):
+            first = page * per_page
+            segments = list(zip(pointers[first:first + per_page], sizes[first:first + per_page]))
+            pages.append(sorted(segments) if self._address_order else segments)
+        return pages
+
+    # -- generic path (copies through a flat tensor) ----------------------------------
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        namespace = self._require_namespace(flat=True)
+        if not keys:
+            return []
+        if target_locations is None or any(t is None for t in target_locations):
+            raise ValueError("kvstore needs target_locations: a flat page tensor to load each page into")
+        loaded = self._clients.get().get(namespace, keys, list(target_locations))
+        return [target if i < loaded else None for i, target in enumerate(target_locations)]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        namespace = self._require_namespace(flat=True)
+        if not keys:
+            return True
+        if not self.is_writer:
+            return True
+        pages = [v.contiguous() for v in values]
+        return self._clients.get().put(namespace, keys, pages) == len(keys)
+
+    # -- lookups and housekeeping -----------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many leading keys are stored (one Lookup, which extends no lease)."""
+        namespace = self._require_namespace(flat=not self.zero_copy)
+        if not keys:
+            return 0
+        return self._clients.get().lookup(namespace, keys=keys)
+
+    def clear(self) -> bool:
+        """Remove every page of this backend's namespace (other ranks' and models' stay)."""
+        namespace = self._require_namespace()
+        removed = self._clients.get().clear(namespace)
+        if self.flat_namespace != namespace:
+            removed += self._clients.get().clear(self.flat_namespace)
+        log.info("kvstore HiCache backend cleared %d pages of model=%s tp_rank=%d",
+                 removed, namespace.model, namespace.tp_rank)
+        return True
+
+    def get_stats(self):
+        """SGLang's StorageMetrics since the last call (None unless enable_storage_metrics)."""
+        return self._metrics.drain() if self._metrics is not None else None
+
+    def close(self) -> None:
+        self._clients.close()
+
+    def _require_namespace(self, flat: bool = False) -> Namespace:
+        if self.namespace is None:
+            raise RuntimeError("register_mem_pool_host() was not called: the kvstore backend does not know "
+                               "the page size yet")
+        return self.flat_namespace if flat else self.namespace
+
+
+def namespaces_for(config: HiCacheStorageConfig, host_pool: Any, tenant: str = "",
+                   address_order: bool = True) -> tuple[Namespace, Namespace]:
+    """Namespaces of a host pool's pages (zero-copy, flat): what must match for two ranks to share a page.
+
+    They are one and the same when the zero-copy segments, in address order, are the flat page.
+    """
+    page_tokens = host_pool.page_size
+    _, sizes = host_pool.get_page_buffer_meta(torch.arange(page_tokens, dtype=torch.int64))
+    page_bytes = int(sum(sizes))
+    flat_bytes = host_pool.get_dummy_flat_data_page().nbytes
+    flat = _namespace(config, host_pool, tenant, flat_bytes, "flat")
+    if address_order and flat_bytes == page_bytes:
+        return flat, flat
+    return _namespace(config, host_pool, tenant, page_bytes, "buffers"), flat
+
+
+def _namespace(config: HiCacheStorageConfig, host_pool: Any, tenant: str, page_bytes: int, order: str) -> Namespace:
+    page_tokens = host_pool.page_size
+    shard = []  # parallel shards that hold different bytes for the same tokens
+    if config.pp_size > 1:
+        shard.append(f"pp{config.pp_rank}/{config.pp_size}")
+    if config.attn_cp_size > 1:
+        shard.append(f"cp{config.attn_cp_rank}/{config.attn_cp_size}")
+    if config.dcp_size > 1:
+        shard.append(f"dcp{config.dcp_rank}/{config.dcp_size}")
+    layout = ";".join([f"sglang:{host_pool.layout}:{type(host_pool).__name__}:{order}", *shard])
+    replicated = config.is_mla_model  # every TP rank holds the same KV: one copy for all
+    return Namespace(
+        model=config.model_name or "",
+        page_bytes=page_bytes,
+        page_tokens=page_tokens,
+        tenant=tenant,
+        kv_dtype=str(host_pool.dtype).removeprefix("torch."),
+        num_layers=int(getattr(host_pool, "layer_num", 0)),
+        num_kv_heads=int(getattr(host_pool, "head_num", 0)),
+        head_dim=int(getattr(host_pool, "head_dim", 0)),
+        tp_rank=0 if replicated else config.tp_rank,
+        tp_size=1 if replicated else config.tp_size,
+        layout=layout,
+    )
+
+
+def _segments_in_one_buffer(host_pool: Any) -> bool:
+    """Whether a page's zero-copy segments all lie in the pool's single kv_buffer tensor.
+
+    Only then is their address order the same in every process (and the flat page's order);
+    buffers allocated apart can land in either order.
+    """
+    buffer = getattr(host_pool, "kv_buffer", None)
+    if not isinstance(buffer, torch.Tensor):
+        return False
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    pointers, sizes = host_pool.get_page_buffer_meta(torch.arange(host_pool.page_size, dtype=torch.int64))
+    return all(start <= p and p + n <= end for p, n in zip(pointers, sizes))
+
+
+def _parent_key(extra_info: Optional[HiCacheStorageExtraInfo]) -> str | None:
+    """The page before this batch, when SGLang passes prefix keys (hicache_storage_pass_prefix_keys)."""
+    if extra_info is not None and extra_info.prefix_keys:
+        return extra_info.prefix_keys[-1]
+    return None
+
+
+class _Metrics:
+    """Pages and GB/s per batch, in the shape of SGLang's StorageMetrics."""
+
+    def __init__(self):
+        self._prefetch: list[tuple[int, float]] = []
+        self._backup: list[tuple[int, float]] = []
+
+    def prefetch(self, pages: int, nbytes: int, seconds: float) -> None:
+        self._prefetch.append((pages, nbytes / max(seconds, 1e-9) / 1e9))
+
+    def backup(self, pages: int, nbytes: int, seconds: float) -> None:
+        self._backup.append((pages, nbytes / max(seconds, 1e-9) / 1e9))
+
+    def drain(self):
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        prefetch, self._prefetch = self._prefetch, []
+        backup, self._backup = self._backup, []
+        metrics.prefetch_pgs.extend(p for p, _ in prefetch)
+        metrics.prefetch_bandwidth.extend(b for _, b in prefetch)
+        metrics.backup_pgs.extend(p for p, _ in backup)
+        metrics.backup_bandwidth.extend(b for _, b in backup)
+        return metrics

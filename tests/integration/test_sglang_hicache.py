@@ -1,0 +1,201 @@
+"""SGLang 0.5.23's own StorageBackendFactory builds the kvstore backend from the dynamic
+extra-config, and SGLang's calls (exists, set/get, zero-copy v1 with host indices) move
+pages between SGLang's host-pool layouts and a real kvstore-server, byte for byte.
+
+The test plays HiCacheController's part, which needs a GPU (device pool, CUDA streams):
+it creates the backend with the controller's call, registers the host pool, and calls
+batch_exists / batch_set_v1 / batch_get_v1 with the arguments the controller passes
+(page-aligned host index slices, HiCacheStorageExtraInfo). See sglang_harness.py for what
+of SGLang's host pool runs here and what needs a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore_client import KVStoreClient, prefix_hashes
+from sglang_harness import SGLangHostPool, import_sglang
+
+import_sglang()
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+
+from kvstore_client.adapters.sglang import KVStoreHiCacheStorage  # noqa: E402
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PAGE = 16
+
+
+def extra_config(server, **more):
+    return {"backend_name": "kvstore", "module_path": "kvstore_client.adapters.sglang",
+            "class_name": "KVStoreHiCacheStorage", "interface_v1": 1, "kvstore_target": server.address,
+            "kvstore_timeout_s": 10, **more}
+
+
+def storage_config(server, tp_rank=0, tp_size=1, mla=False, layout="page_first", **more):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
+        model_name=MODEL, extra_config=extra_config(server, **more))
+
+
+def create(server, pool, **config):
+    """What HiCacheController.attach_storage_backend does: factory, then register the host pool."""
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(server, layout=pool.layout, **config),
+                                                   pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def host_indices(first_page, pages):
+    return torch.arange(first_page * PAGE, (first_page + pages) * PAGE, dtype=torch.int64)
+
+
+def tokens(n, seed=0):
+    return torch.randint(0, 128_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_zero_copy_round_trip_is_sglangs_flat_page(server, layout):
+    pool = SGLangHostPool(layout, pages=24, page_size=PAGE)
+    pool.fill_random(seed=1)
+    backend = create(server, pool)
+    assert isinstance(backend, KVStoreHiCacheStorage)
+    keys = prefix_hashes(tokens(8 * PAGE), PAGE)
+    written = [pool.page_bytes(p * PAGE) for p in range(8)]
+
+    assert backend.batch_exists(keys, HiCacheStorageExtraInfo()) == 0
+    assert backend.batch_set_v1(keys, host_indices(0, 8), HiCacheStorageExtraInfo()) == [True] * 8
+    assert backend.batch_exists(keys) == 8
+    assert backend.batch_exists(keys + ["f" * 64]) == 8          # leading hits only
+    assert backend.batch_exists(["f" * 64] + keys) == 0
+
+    # Load into other host pages (pages 10..17), as a prefetch does, and compare bytes.
+    assert backend.batch_get_v1(keys, host_indices(10, 8)) == [True] * 8
+    assert [pool.page_bytes((10 + p) * PAGE) for p in range(8)] == written
+
+    # The generic path reads the same stored page as SGLang's flat data page.
+    flat = backend.get(keys[3], pool.get_dummy_flat_data_page())
+    assert flat is not None and flat.view(torch.uint8).numpy().tobytes() == written[3]
+
+
+def test_generic_set_is_read_by_zero_copy_get(server):
+    pool = SGLangHostPool("layer_first", pages=8, page_size=PAGE)
+    pool.fill_random(seed=2)
+    backend = create(server, pool)
+    keys = prefix_hashes(tokens(2 * PAGE, seed=2), PAGE)
+    assert backend.batch_set(keys, [pool.get_data_page(p * PAGE, flat=True) for p in range(2)])
+    assert backend.exists(keys[0]) and backend.exists(keys[1])
+    expected = [pool.page_bytes(p * PAGE) for p in range(2)]
+    assert backend.batch_get_v1(keys, host_indices(4, 2)) == [True, True]
+    assert [pool.page_bytes((4 + p) * PAGE) for p in range(2)] == expected
+
+
+def test_misses_load_nothing_past_the_first_gap(server):
+    pool = SGLangHostPool("page_first", pages=12, page_size=PAGE)
+    pool.fill_random(seed=3)
+    backend = create(server, pool)
+    keys = prefix_hashes(tokens(4 * PAGE, seed=3), PAGE)
+    assert backend.batch_set_v1(keys[:2], host_indices(0, 2)) == [True, True]
+    before = pool.page_bytes(6 * PAGE)
+    assert backend.batch_get_v1(keys, host_indices(4, 4)) == [True, True, False, False]
+    assert pool.page_bytes(6 * PAGE) == before                   # a miss writes nothing
+    assert backend.get(keys[3], pool.get_dummy_flat_data_page()) is None
+
+
+def test_prefix_keys_chain_batches_and_refuse_orphans(server):
+    """With hicache_storage_pass_prefix_keys, a batch hangs off the page before it; a batch
+    whose prefix is not stored cannot be reached by any lookup, so it is not stored."""
+    pool = SGLangHostPool("page_first", pages=8, page_size=PAGE)
+    pool.fill_random(seed=4)
+    backend = create(server, pool)
+    keys = prefix_hashes(tokens(4 * PAGE, seed=4), PAGE)
+    assert backend.batch_set_v1(keys[:2], host_indices(0, 2), HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 2
+    assert backend.batch_set_v1(keys[2:], host_indices(2, 2), HiCacheStorageExtraInfo(prefix_keys=keys[:2])) \
+        == [True] * 2
+    assert backend.batch_exists(keys) == 4
+    orphan = prefix_hashes(tokens(2 * PAGE, seed=40), PAGE)
+    assert backend.batch_set_v1(orphan, host_indices(4, 2), HiCacheStorageExtraInfo(prefix_keys=["e" * 64])) \
+        == [False, False]
+    assert backend.batch_exists(orphan) == 0
+
+
+def test_tp_ranks_of_an_mha_model_keep_their_own_pages(server):
+    pool = SGLangHostPool("page_first", pages=4, page_size=PAGE)
+    pool.fill_random(seed=5)
+    rank0 = create(server, pool, tp_rank=0, tp_size=2)
+    rank1 = create(server, pool, tp_rank=1, tp_size=2)
+    keys = prefix_hashes(tokens(2 * PAGE, seed=5), PAGE)
+    assert rank0.batch_set_v1(keys, host_indices(0, 2)) == [True, True]
+    assert rank0.batch_exists(keys) == 2
+    assert rank1.batch_exists(keys) == 0                         # rank 1's heads are other bytes
+
+
+def test_mla_has_one_writer_and_every_rank_reads(server):
+    pool = SGLangHostPool("page_first", pages=8, page_size=PAGE)
+    pool.fill_random(seed=6)
+    writer = create(server, pool, tp_rank=0, tp_size=2, mla=True)
+    reader = create(server, pool, tp_rank=1, tp_size=2, mla=True)
+    assert writer.storage_config.is_storage_writer and not reader.storage_config.is_storage_writer
+    keys = prefix_hashes(tokens(2 * PAGE, seed=6), PAGE)
+    assert reader.batch_set_v1(keys, host_indices(0, 2)) == [True, True]
+    assert reader.batch_exists(keys) == 0                        # the non-writer stored nothing
+    assert writer.batch_set_v1(keys, host_indices(0, 2)) == [True, True]
+    assert reader.batch_exists(keys) == 2
+    assert reader.batch_get_v1(keys, host_indices(4, 2)) == [True, True]
+    assert pool.page_bytes(4 * PAGE) == pool.page_bytes(0)
+
+
+def test_clear_empties_only_this_backends_namespace(server):
+    pool = SGLangHostPool("page_first", pages=4, page_size=PAGE)
+    pool.fill_random(seed=7)
+    rank0 = create(server, pool, tp_rank=0, tp_size=2)
+    rank1 = create(server, pool, tp_rank=1, tp_size=2)
+    keys = prefix_hashes(tokens(2 * PAGE, seed=7), PAGE)
+    assert rank0.batch_set_v1(keys, host_indices(0, 2)) == [True, True]
+    assert rank1.batch_set_v1(keys, host_indices(0, 2)) == [True, True]
+    rank0.clear()
+    assert rank0.batch_exists(keys) == 0
+    assert rank1.batch_exists(keys) == 2
+
+
+def test_namespace_carries_model_layout_and_page_bytes(server):
+    pool = SGLangHostPool("page_first", pages=4, page_size=PAGE, layer_num=3, head_num=2, head_dim=64)
+    backend = create(server, pool, tp_rank=1, tp_size=4)
+    ns = backend.namespace
+    assert ns == backend.flat_namespace
+    assert (ns.model, ns.page_tokens, ns.tp_rank, ns.tp_size) == (MODEL, PAGE, 1, 4)
+    assert ns.page_bytes == 2 * 3 * PAGE * 2 * 64 * 2            # K+V, layers, tokens, heads, dim, bf16
+    assert ns.kv_dtype == "bfloat16" and "page_first" in ns.layout
+    with KVStoreClient(server.address) as client:                 # any client reaches the same pages
+        keys = prefix_hashes(tokens(PAGE, seed=8), PAGE)
+        assert backend.batch_set_v1(keys, host_indices(0, 1)) == [True]
+        assert client.lookup(ns, keys=keys) == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"kvstore_target": ""}, "kvstore_target is required"),
+    ({"kvstore_tagret": "x"}, "unknown setting(s) kvstore_tagret"),
+    ({"kvstore_control": "tcp"}, "kvstore_control must be"),
+    ({"kvstore_timeout_s": 0}, "kvstore_timeout_s must be a positive number"),
+])
+def test_bad_extra_config_stops_start_up_naming_the_key(server, bad, message):
+    pool = SGLangHostPool("page_first", pages=2, page_size=PAGE)
+    config = storage_config(server)
+    config.extra_config.update(bad)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        StorageBackendFactory.create_backend("dynamic", config, pool)
+
+
+def test_unreachable_server_fails_at_start_up(tmp_path):
+    from kvstore_client.errors import KVStoreError
+
+    pool = SGLangHostPool("page_first", pages=2, page_size=PAGE)
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name=MODEL,
+        extra_config={"backend_name": "kvstore", "module_path": "kvstore_client.adapters.sglang",
+                      "class_name": "KVStoreHiCacheStorage", "kvstore_target": f"unix:{tmp_path}/no-server.sock", "kvstore_timeout_s": 1})
+    with pytest.raises(KVStoreError):
+        StorageBackendFactory.create_backend("dynamic", config, pool)
