@@ -53,6 +53,21 @@ class Pending:
             log.warning("%s failed after it was posted: %s", self.name, error)
 
 
+class GrpcCall:
+    """A gRPC call in flight; result() waits and raises the call's kvstore error."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Any):
+        self._future = future
+
+    def result(self) -> Any:
+        try:
+            return self._future.result()
+        except grpc.RpcError as exc:
+            raise errors.error_from_rpc(exc) from None
+
+
 class GrpcChannel:
     """kvstore.v1.KVStore over gRPC; method stubs are derived from the proto descriptor."""
 
@@ -81,6 +96,10 @@ class GrpcChannel:
         except errors.KVStoreError as exc:
             pending._settle(None, exc)
         return pending
+
+    def start(self, name: str, request: Any) -> "GrpcCall":
+        """Send the call now and return at once; result() waits. No order between started calls."""
+        return GrpcCall(self._stubs[name].future(request, timeout=self.timeout_s))
 
     def post(self, name: str, request: Any) -> None:
         future = self._stubs[name].future(request, timeout=self.timeout_s)
