@@ -74,6 +74,7 @@ class GrpcChannel:
     def __init__(self, target: str, timeout_s: float):
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._posted: set[Any] = set()
         self._stubs = {
             name: self._channel.unary_unary(
                 f"/kvstore.v1.KVStore/{name}",
@@ -103,10 +104,21 @@ class GrpcChannel:
 
     def post(self, name: str, request: Any) -> None:
         future = self._stubs[name].future(request, timeout=self.timeout_s)
-        future.add_done_callback(lambda f: f.exception() and log.warning(
-            "%s failed after it was posted: %s", name, errors.error_from_rpc(f.exception())))
+        self._posted.add(future)
+
+        def done(f: Any) -> None:
+            self._posted.discard(f)
+            if f.exception():
+                log.warning("%s failed after it was posted: %s", name, errors.error_from_rpc(f.exception()))
+        future.add_done_callback(done)
 
     def close(self) -> None:
+        # Posted calls (releases, aborts) finish first, or their leases would wait for their TTL.
+        for future in list(self._posted):
+            try:
+                future.result()
+            except grpc.RpcError:
+                pass
         self._channel.close()
 
 
