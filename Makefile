@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench proto clean
+.PHONY: install run test bench bench-tcp proto clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	mkdir -p bench/results
 	$(BIN)/python bench/shm_throughput.py --json bench/results/shm_throughput.json
+
+bench-tcp: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python bench/tcp_throughput.py --json bench/results/tcp_throughput.json
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py

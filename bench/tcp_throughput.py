@@ -3,8 +3,8 @@
     python bench/tcp_throughput.py [--json out.json] [--working-set-mib 256] [--batch 64]
 
 For each page size (1 MiB, 4 MiB) a working set of distinct pages is put in batches of
-`--batch` pages and got back, three ways, interleaved round by round so they share the
-machine's noise:
+`--batch` pages and got back, three ways, interleaved batch by batch in a rotating order so
+they share the machine's noise (ratios are taken per round, then the median):
   - kvstore: KVStoreClient(transport="tcp") against a real kvstore-server (gRPC control,
     the uvloop data plane moving bytes into and out of arena slots);
   - raw: a plain Python socket peer (bench/_raw_peer.py) doing the same exchange (a
@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REQUEST_RAW = __import__("struct").Struct("<BII")
 RESPONSE_BYTES = 8
 GET_WINDOW = 256
+SETTLE_S = 0.3      # pause between systems: lets the previous one's frees and acks finish
 
 
 def page_aligned(pages: int, page_bytes: int) -> np.ndarray:
@@ -163,6 +164,10 @@ def timed(action) -> float:
     return time.perf_counter() - started
 
 
+def _check(got: int, want: int) -> None:
+    assert got == want, (got, want)
+
+
 def measure(page_bytes: int, working_set: int, batch: int, repeats: int, congestion: str, with_redis: bool) -> dict:
     pages = working_set // page_bytes
     src = page_aligned(pages, page_bytes)
@@ -183,29 +188,33 @@ def measure(page_bytes: int, working_set: int, batch: int, repeats: int, congest
             assert client.transport == "tcp"
             for run in range(repeats):
                 keys = [f"r{run}-p{page_bytes}-{i}".encode() for i in range(pages)]
-                times["raw_put"].append(timed(lambda: [raw.put(src[a:b], a) for a, b in batches]))
-                times["raw_get"].append(timed(lambda: [raw.get(dst[a:b], a) for a, b in batches]))
-                assert np.array_equal(src[::7], dst[::7])
-                dst[:] = 1
-
-                def kv_put():
-                    for a, b in batches:
-                        assert client.put(ns, keys[a:b], src[a:b]) == b - a
-
-                def kv_get():
-                    for a, b in batches:
-                        assert client.get(ns, keys[a:b], dst[a:b]) == b - a
-                times["kv_put"].append(timed(kv_put))
-                times["kv_get"].append(timed(kv_get))
-                assert np.array_equal(src[::7], dst[::7])
-                dst[:] = 1
+                movers = {
+                    "raw": (lambda a, b: raw.put(src[a:b], a), lambda a, b: raw.get(dst[a:b], a)),
+                    "kv": (lambda a, b: _check(client.put(ns, keys[a:b], src[a:b]), b - a),
+                           lambda a, b: _check(client.get(ns, keys[a:b], dst[a:b]), b - a)),
+                }
+                if redis_peer is not None:
+                    movers["redis"] = (lambda a, b: redis_peer.put(keys[a:b], src[a:b]),
+                                       lambda a, b: redis_peer.get(keys[a:b], dst[a:b]))
+                names = list(movers)
+                for op, which in (("put", 0), ("get", 1)):
+                    spent = dict.fromkeys(names, 0.0)
+                    for number, (a, b) in enumerate(batches):
+                        # Batch by batch, in a rotating order: every system sees the same load.
+                        for name in names[number % len(names):] + names[:number % len(names)]:
+                            started = time.perf_counter()
+                            movers[name][which](a, b)
+                            spent[name] += time.perf_counter() - started
+                            if op == "get":
+                                assert np.array_equal(src[a:b:7], dst[a:b:7]), name
+                                dst[a:b] = 1
+                    for name in names:
+                        times[f"{name}_{op}"].append(spent[name])
                 for a, _ in batches:
                     client.delete(ns, [keys[a]])
                 if redis_peer is not None:
-                    times["redis_put"].append(timed(lambda: [redis_peer.put(keys[a:b], src[a:b]) for a, b in batches]))
-                    times["redis_get"].append(timed(lambda: [redis_peer.get(keys[a:b], dst[a:b]) for a, b in batches]))
-                    assert np.array_equal(src[::7], dst[::7])
                     redis_peer.client.flushall()
+                time.sleep(SETTLE_S)
     finally:
         server.stop()
         raw.stop()
@@ -217,9 +226,11 @@ def measure(page_bytes: int, working_set: int, batch: int, repeats: int, congest
         if samples:
             result[name + "_gbps"] = src.nbytes / statistics.median(samples) / 1e9
     for op in ("put", "get"):
-        result[f"{op}_vs_raw"] = result[f"kv_{op}_gbps"] / result[f"raw_{op}_gbps"]
-        if f"redis_{op}_gbps" in result:
-            result[f"{op}_vs_redis"] = result[f"kv_{op}_gbps"] / result[f"redis_{op}_gbps"]
+        # Ratios are taken round by round (the same minutes of the same machine), then the median.
+        result[f"{op}_vs_raw"] = statistics.median(r / k for r, k in zip(times[f"raw_{op}"], times[f"kv_{op}"]))
+        if times[f"redis_{op}"]:
+            result[f"{op}_vs_redis"] = statistics.median(
+                r / k for r, k in zip(times[f"redis_{op}"], times[f"kv_{op}"]))
     if redis_peer is not None:
         result["redis_parser"] = redis_peer.parser
     return result

@@ -129,10 +129,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._reader = RequestReader(server.settings.body_bytes_max, server._scratch)
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
-        self._body: tuple[Grant, asyncio.TimerHandle] | None = None   # the PUT being received
-        self._sent = 0                                                  # bytes handed to the transport
-        self._reads: collections.deque[tuple[int, Grant, asyncio.TimerHandle]] = collections.deque()
+        self._body: Grant | None = None            # the PUT being received
+        self._sent = 0                             # bytes handed to the transport
+        self._reads: collections.deque[tuple[int, Grant]] = collections.deque()   # GET answers queued
         self._drain_timer: asyncio.TimerHandle | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline = float("inf")              # when _deadline_timer fires
         self._closed = False
 
     # -- asyncio callbacks -------------------------------------------------------------
@@ -173,9 +175,7 @@ class _Connection(asyncio.BufferedProtocol):
             else:
                 self._get(event)
         elif event is Event.BODY_DONE:
-            grant, timer = self._body
-            self._body = None
-            timer.cancel()
+            grant, self._body = self._body, None
             self._resolver.finish_transfer(grant)
             self._write([encode_response(0, Op.PUT, 0)])
         self._collect_reads()
@@ -194,19 +194,16 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._server._connections.discard(self)
-        if self._drain_timer is not None:
-            self._drain_timer.cancel()
+        for timer in (self._drain_timer, self._deadline_timer):
+            if timer is not None:
+                timer.cancel()
         if self._body is not None:
-            grant, timer = self._body
-            self._body = None
-            timer.cancel()
+            grant, self._body = self._body, None
             log.info("tcp peer=%s closed mid-page; the write is cut and its lease ended", self._peer)
             self._resolver.cut_transfer(grant)
         # The socket is gone, so nothing reads the queued views any more.
         while self._reads:
-            _, grant, timer = self._reads.popleft()
-            timer.cancel()
-            self._resolver.finish_transfer(grant)
+            self._resolver.finish_transfer(self._reads.popleft()[1])
 
     def abort(self) -> None:
         if self._transport is not None:
@@ -223,7 +220,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(Op.PUT, exc)
             return
         self._reader.accept_body(grant.view)
-        self._body = (grant, self._deadline_timer(grant))
+        self._body = grant
+        self._watch_deadline(grant.deadline)
 
     def _get(self, request: Request) -> None:
         try:
@@ -232,7 +230,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(Op.GET, exc)
             return
         self._write([encode_response(0, Op.GET, len(grant.view)), grant.view])
-        self._reads.append((self._sent, grant, self._deadline_timer(grant)))
+        self._reads.append((self._sent, grant))
+        self._watch_deadline(grant.deadline)
 
     def _refuse(self, op: Op, exc: errors.KVStoreError) -> None:
         log.debug("tcp peer=%s frame refused: %s", self._peer, exc)
@@ -249,9 +248,7 @@ class _Connection(asyncio.BufferedProtocol):
         taken = self._sent - self._transport.get_write_buffer_size()
         reads = self._reads
         while reads and reads[0][0] <= taken:
-            _, grant, timer = reads.popleft()
-            timer.cancel()
-            self._resolver.finish_transfer(grant)
+            self._resolver.finish_transfer(reads.popleft()[1])
         if reads and self._drain_timer is None:
             self._drain_timer = self._server._loop.call_later(DRAIN_POLL_S, self._drain_tick)
 
@@ -259,10 +256,21 @@ class _Connection(asyncio.BufferedProtocol):
         self._drain_timer = None
         self._collect_reads()
 
-    def _deadline_timer(self, grant: Grant) -> asyncio.TimerHandle:
-        delay = max(0.0, grant.deadline - time.monotonic())
-        return self._server._loop.call_later(delay, self._lease_expired)
+    def _watch_deadline(self, deadline: float) -> None:
+        """One timer per connection, at the earliest deadline of the grants it holds."""
+        if deadline < self._deadline:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._deadline = deadline
+            self._deadline_timer = self._server._loop.call_later(
+                max(0.0, deadline - time.monotonic()), self._deadline_reached)
 
-    def _lease_expired(self) -> None:
-        log.warning("tcp peer=%s still moving a page when its lease expired; closing the connection", self._peer)
-        self.abort()
+    def _deadline_reached(self) -> None:
+        self._deadline_timer, self._deadline = None, float("inf")
+        held = [grant for _, grant in self._reads] + ([self._body] if self._body is not None else [])
+        now = time.monotonic()
+        if any(grant.deadline <= now for grant in held):
+            log.warning("tcp peer=%s still moving a page when its lease expired; closing the connection", self._peer)
+            self.abort()
+        elif held:
+            self._watch_deadline(min(grant.deadline for grant in held))
