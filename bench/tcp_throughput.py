@@ -34,18 +34,14 @@ import numpy as np
 
 from _server import ServerProcess
 from kvstore_client import KVStoreClient, Namespace
+from kvstore_client.tcp_transport import sendmsg_all
+from shm_throughput import page_aligned
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REQUEST_RAW = __import__("struct").Struct("<BII")
 RESPONSE_BYTES = 8
 GET_WINDOW = 256
 SETTLE_S = 0.3      # pause between systems: lets the previous one's frees and acks finish
-
-
-def page_aligned(pages: int, page_bytes: int) -> np.ndarray:
-    raw = np.empty(pages * page_bytes + 4096, dtype=np.uint8)
-    start = -raw.ctypes.data % 4096
-    return raw[start:start + pages * page_bytes].reshape(pages, page_bytes)
 
 
 # -- raw socket ------------------------------------------------------------------------
@@ -71,7 +67,7 @@ class RawPeer:
         iov = []
         for i in range(pages.shape[0]):
             iov += [REQUEST_RAW.pack(1, first_slot + i, page_bytes), memoryview(pages[i])]
-        _sendmsg_all(self.sock, iov)
+        sendmsg_all(self.sock, iov)
         for _ in range(pages.shape[0]):
             self._recv_into(memoryview(self.header))
 
@@ -92,20 +88,6 @@ class RawPeer:
         self.sock.close()
         self.process.kill()
         self.process.wait()
-
-
-def _sendmsg_all(sock: socket.socket, iov: list) -> None:
-    start = 0
-    while start < len(iov):
-        chunk = iov[start:start + 1024]
-        sent = sock.sendmsg(chunk)
-        for piece in chunk:
-            if sent < len(piece):
-                if sent:
-                    iov[start] = memoryview(piece)[sent:]
-                break
-            sent -= len(piece)
-            start += 1
 
 
 # -- redis -----------------------------------------------------------------------------

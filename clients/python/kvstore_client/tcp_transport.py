@@ -13,6 +13,7 @@ import ctypes
 import errno
 import socket
 import struct
+import threading
 
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
@@ -26,6 +27,21 @@ Page = tuple[int, int, list[Segment]]   # (slot, arena offset, segments of the c
 def _view(segment: Segment) -> memoryview:
     address, nbytes = segment
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def sendmsg_all(sock: socket.socket, iov: list) -> None:
+    """Send every piece of a scatter-gather list, IOV_MAX pieces per sendmsg, resuming a piece cut part-way."""
+    start = 0
+    while start < len(iov):
+        chunk = iov[start:start + IOV_MAX]
+        sent = sock.sendmsg(chunk)
+        for piece in chunk:
+            if sent < len(piece):
+                if sent:
+                    iov[start] = memoryview(piece)[sent:]
+                break
+            sent -= len(piece)
+            start += 1
 
 
 class TcpDataPath:
@@ -49,15 +65,30 @@ class TcpDataPath:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self._header = bytearray(RESPONSE.size)
         self._broken: errors.KVStoreError | None = None
+        self._lock = threading.Lock()   # one batch of frames at a time: answers come back in order
 
     def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         """Write each page into its slot; raises the first refusal after every answer is read."""
+        with self._lock:
+            self._put(lease_id, token, pages, page_bytes)
+
+    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        """Read each page of a read lease into the caller's segments."""
+        with self._lock:
+            self._get(lease_id, token, pages, page_bytes)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         self._check()
         iov: list = []
         for slot, _, segments in pages:
             iov.append(encode_request(Op.PUT, lease_id, token, slot, page_bytes))
             iov.extend(_view(s) for s in segments)
-        self._io(lambda: self._sendmsg_all(iov))
+        self._io(lambda: sendmsg_all(self._sock, iov))
         first_error = None
         for _ in pages:
             error = self._io(lambda: self._answer(Op.PUT, None))
@@ -65,8 +96,7 @@ class TcpDataPath:
         if first_error is not None:
             raise first_error
 
-    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
-        """Read each page of a read lease into the caller's segments."""
+    def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         self._check()
         requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
         sent = min(len(requests), GET_WINDOW_FRAMES)
@@ -81,11 +111,6 @@ class TcpDataPath:
             first_error = first_error or error
         if first_error is not None:
             raise first_error
-
-    def close(self) -> None:
-        self._sock.close()
-
-    # -- internals --------------------------------------------------------------------
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -108,20 +133,6 @@ class TcpDataPath:
         if self._broken is None:
             self._broken = error
             self._sock.close()
-
-    def _sendmsg_all(self, iov: list) -> None:
-        start = 0
-        while start < len(iov):
-            chunk = iov[start:start + IOV_MAX]
-            sent = self._sock.sendmsg(chunk)
-            # Skip whole pieces sent; resend the rest of a piece cut part-way.
-            for piece in chunk:
-                if sent < len(piece):
-                    if sent:
-                        iov[start] = memoryview(piece)[sent:]
-                    break
-                sent -= len(piece)
-                start += 1
 
     def _answer(self, op: Op, segments: list[Segment] | None) -> errors.KVStoreError | None:
         """Read one answer; a GET's page goes into `segments`. Returns the refusal, if any."""
