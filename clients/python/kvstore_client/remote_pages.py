@@ -109,9 +109,10 @@ class RemotePages:
             raise
         return _stored(states, committed)
 
-    def get_batch(self, ns_id: int, keys: list[bytes], segments: list[list[Segment]], verify: bool) -> int:
+    def get_batch(self, request: pb.AcquireRequest, segments: list[list[Segment]], verify: bool) -> int:
+        """Acquire (the request names namespace, keys and prefetch policy), move the hits, release."""
         sent_at = time.monotonic()
-        acquired = self.control.call("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=keys))
+        acquired = self.control.call("Acquire", request)
         hits = acquired.hit_pages
         if not hits:
             return 0
