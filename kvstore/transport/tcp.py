@@ -78,7 +78,8 @@ class TcpServer:
         self._thread.start()
         self._ready.wait()
         if self._failure is not None:
-            raise OSError(f"cannot listen for the TCP data plane on {self.endpoint}: {self._failure}")
+            raise OSError(f"cannot listen for the TCP data plane on {self.endpoint} "
+                          f"(tcp.address, tcp.congestion): {self._failure}")
 
     def close(self) -> None:
         loop = self._loop
@@ -99,6 +100,9 @@ class TcpServer:
             self._server = loop.run_until_complete(loop.create_server(
                 self._accept, self.settings.host, self.settings.port, backlog=256, reuse_address=True))
             self.port = self._server.sockets[0].getsockname()[1]
+            if self.settings.congestion:  # fail at start-up, not on every accepted connection
+                self._server.sockets[0].setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION,
+                                                   self.settings.congestion.encode())
         except OSError as exc:
             self._failure = exc
             self._ready.set()

@@ -87,3 +87,8 @@ def test_many_concurrent_tcp_clients(server):
     assert not failures
     with KVStoreClient(server.address) as c:
         assert c.stats().leases_open == 0
+
+
+def test_an_unknown_congestion_control_stops_start_up_naming_the_setting(start_server):
+    with pytest.raises(RuntimeError, match="tcp.congestion"):
+        start_server({"tcp.congestion": "no-such-cc"})
