@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ENGINES := $(VENV)/.engines
 
-.PHONY: install run test bench proto clean
+.PHONY: install run test bench bench-tcp proto clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP) $(ENGINES)
 bench: $(STAMP)
 	mkdir -p bench/results
 	$(BIN)/python bench/shm_throughput.py --json bench/results/shm_throughput.json
+
+bench-tcp: $(STAMP)
+	mkdir -p bench/results
+	$(BIN)/python bench/tcp_throughput.py --json bench/results/tcp_throughput.json
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py

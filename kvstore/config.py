@@ -81,6 +81,30 @@ class LimitsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TcpConfig:
+    """The TCP data plane (clients on other hosts); see kvstore/transport/tcp.py."""
+
+    enabled: bool = True
+    address: str = "127.0.0.1:0"            # host:port to listen on; port 0 picks a free one
+    advertise_host: str = ""                # host put in Hello's tcp_endpoint; "" = the listening host
+    connections_max: int = 1024
+    write_buffer_high_bytes: int = 16 << 20  # stop reading a connection's requests above this queued output
+    write_buffer_low_bytes: int = 4 << 20
+    congestion: str = ""                    # TCP_CONGESTION of accepted sockets (e.g. cubic); "" = system's
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaConfig:
+    """The RDMA data plane (pyverbs); see kvstore/transport/rdma.py. Off unless asked for."""
+
+    enabled: bool = False
+    device: str = ""                        # "" = the first RDMA device
+    port: int = 1
+    gid_index: int = 0
+    queue_pairs_max: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     dram: DramConfig = DramConfig()
@@ -89,6 +113,8 @@ class Config:
     shm: ShmConfig = ShmConfig()
     leases: LeaseConfig = LeaseConfig()
     limits: LimitsConfig = LimitsConfig()
+    tcp: TcpConfig = TcpConfig()
+    rdma: RdmaConfig = RdmaConfig()
 
     @property
     def shm_socket_path(self) -> str:
@@ -236,6 +262,11 @@ def _validate(config: Config) -> None:
         ("controller.high_watermark", 0 < config.controller.high_watermark <= 1, "must be in (0, 1]"),
         ("controller.queue_pages_max", config.controller.queue_pages_max > 0, "must be positive"),
         ("controller.write_batch_pages", config.controller.write_batch_pages > 0, "must be positive"),
+        ("tcp.address", config.tcp.address.rpartition(":")[2].isdigit(), "must look like host:port"),
+        ("tcp.connections_max", config.tcp.connections_max > 0, "must be positive"),
+        ("tcp.write_buffer_low_bytes", 0 <= config.tcp.write_buffer_low_bytes <= config.tcp.write_buffer_high_bytes,
+         "must be between 0 and tcp.write_buffer_high_bytes"),
+        ("rdma.queue_pairs_max", config.rdma.queue_pairs_max > 0, "must be positive"),
     ]
     for dotted, ok, why in checks:
         if not ok:
@@ -249,6 +280,7 @@ def as_dict(config: Config) -> dict[str, Any]:
 _SECTION_TYPES: dict[str, type] = {
     "server": ServerConfig, "dram": DramConfig, "nvme": NvmeConfig, "controller": ControllerConfig,
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
+    "tcp": TcpConfig, "rdma": RdmaConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

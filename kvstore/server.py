@@ -25,6 +25,8 @@ from kvstore.control import recovery
 from kvstore.control.local_server import LocalServer
 from kvstore.control.service import KVStoreService
 from kvstore.tiers.dram import Arena
+from kvstore.transport.tcp import TcpServer, TcpSettings
+from kvstore_client.errors import TransportUnavailable
 from kvstore.tiers.nvme import NvmeTier
 
 log = logging.getLogger("kvstore.server")
@@ -37,6 +39,8 @@ class Node:
         self.config = config
         self.arena = Arena(config.dram.arena_bytes, config.dram.hugepages, config.dram.prefault)
         self.local: LocalServer | None = None
+        self.tcp: TcpServer | None = None
+        self.rdma = None
         self.nvme: NvmeTier | None = None
         try:
             if config.nvme.enabled:
@@ -50,9 +54,23 @@ class Node:
                 self.local = LocalServer(socket_path, self.service, self.arena.fd, config.allowed_uids)
             self.grpc, self.grpc_port = create_server(self.service, config.server.grpc_address,
                                                       config.server.grpc_workers)
+            if config.tcp.enabled:
+                self.tcp = _tcp_server(config, self.service)
+                self.tcp.start()
+                self.service.tcp_endpoint = f"{config.tcp.advertise_host or self.tcp.settings.host}:{self.tcp.port}"
+            if config.rdma.enabled:
+                from kvstore.transport.rdma import RdmaServer  # pyverbs is optional: imported only when asked for
+                try:
+                    self.rdma = RdmaServer(config.rdma.device, config.rdma.port, config.rdma.gid_index,
+                                           config.rdma.queue_pairs_max, self.arena.view)
+                except TransportUnavailable as exc:
+                    raise OSError(f"rdma.enabled is set but {exc}") from None
+                self.service.rdma = self.rdma
         except BaseException:
             if self.local is not None:
                 self.local.close()
+            if self.tcp is not None:
+                self.tcp.close()
             if self.nvme is not None:
                 self.nvme.close()
             self.arena.close()
@@ -85,6 +103,10 @@ class Node:
         self.grpc.stop(grace=1.0).wait()
         if self.local is not None:
             self.local.close()
+        if self.tcp is not None:
+            self.tcp.close()
+        if self.rdma is not None:
+            self.rdma.close()
         if self.service.controller:
             self.service.controller.stop()
         if self.nvme is not None:
@@ -98,6 +120,15 @@ class Node:
                 self.service.reap_expired()
             except Exception:  # the reaper must outlive a bug in one pass
                 log.exception("lease reaping failed")
+
+
+def _tcp_server(config: Config, resolver: KVStoreService) -> TcpServer:
+    host, _, port = config.tcp.address.rpartition(":")
+    limits = resolver.limits
+    return TcpServer(TcpSettings(
+        host=host, port=int(port), body_bytes_max=limits.page_bytes_max, connections_max=config.tcp.connections_max,
+        write_buffer_high_bytes=config.tcp.write_buffer_high_bytes,
+        write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion), resolver)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -115,7 +146,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _write_ready_file(path: str, node: Node) -> None:
     info = {"pid": os.getpid(), "grpc_address": node.grpc_address, "grpc_port": node.grpc_port,
-            "shm_socket": node.local.path if node.local else ""}
+            "shm_socket": node.local.path if node.local else "", "tcp_endpoint": node.service.tcp_endpoint}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(info, f)
@@ -137,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("effective configuration %s", json.dumps(config_module.as_dict(config), sort_keys=True))
     try:
         node = Node(config)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         return 1
     stop = threading.Event()

@@ -17,6 +17,7 @@ from kvstore.control.index import PageRecord
 
 READ = "read"
 WRITE = "write"
+TOKEN_BYTES = 16   # 128 random bits: unguessable, so one client cannot move another's slots
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,6 +34,11 @@ class Lease:
     keys: list[bytes] = dataclasses.field(default_factory=list)
     slots: dict[int, int] = dataclasses.field(default_factory=dict)  # key index -> offset, not yet committed
     busy: int = 0                        # commits checking bytes outside the lock; not reaped meanwhile
+    # data plane (TCP/RDMA): frames for this lease's slots must carry this token
+    token: bytes = dataclasses.field(default_factory=lambda: secrets.token_bytes(TOKEN_BYTES))
+    transfers: int = 0                   # data-plane transfers in flight; its memory is freed after the last
+    writing: set[int] = dataclasses.field(default_factory=set)  # key indices whose slot is being written
+    ended: bool = False
 
 
 class LeaseTable:

@@ -9,8 +9,10 @@ checksums of committed slots, and NVMe reads and writes (controller.py), happen 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import itertools
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -25,6 +27,7 @@ from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
 from kvstore.limits import Limits
 from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.transport.slots import Grant, QueuePairAddress, RdmaAcceptor
 from kvstore_client import errors
 from kvstore_client.keys import Namespace, encode_key, namespace_id, prefix_hashes
 from kvstore_client.proto import pb
@@ -67,6 +70,9 @@ class KVStoreService:
         self.pending: dict[tuple[int, bytes], int] = {}   # reserved, uncommitted page -> lease id
         self.counters = Counters()
         self.draining = False
+        self.instance_id = secrets.token_bytes(8)
+        self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
+        self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
         self.lock = threading.Lock()
         self.nvme = nvme
         self.controller = CacheController(self, nvme, config.controller) if nvme else None
@@ -74,6 +80,7 @@ class KVStoreService:
             "Hello": self.hello, "OpenNamespace": self.open_namespace, "Lookup": self.lookup,
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
             "Acquire": self.acquire, "Release": self.release, "Delete": self.delete, "Stats": self.stats,
+            "RdmaConnect": self.rdma_connect,
         }
 
     def handle(self, method: str, request: Any, owner: object | None = None) -> Any:
@@ -88,7 +95,8 @@ class KVStoreService:
             limits=pb.Limits(
                 batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
-                write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max))
+                write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
+            tcp_endpoint=self.tcp_endpoint, rdma_enabled=self.rdma is not None, instance_id=self.instance_id)
 
     def open_namespace(self, request: pb.OpenNamespaceRequest, owner: object | None) -> pb.OpenNamespaceResponse:
         spec = request.spec
@@ -178,7 +186,7 @@ class KVStoreService:
                         "or the arena is full of other page sizes")
                 return pb.ReserveResponse(states=states, offsets=offsets)
         return pb.ReserveResponse(lease_id=lease.lease_id, states=states, offsets=offsets,
-                                  lease_ttl_ms=lease.ttl_ms, first_index=first_index)
+                                  lease_ttl_ms=lease.ttl_ms, first_index=first_index, data_token=lease.token)
 
     def _extended_lease(self, request: pb.ReserveRequest) -> Lease:
         lease = self._lease(request.lease_id, WRITE)
@@ -199,6 +207,9 @@ class KVStoreService:
                 if index not in lease.slots:
                     raise errors.InvalidArgument(
                         f"index {index} is not a reserved, uncommitted slot of lease {request.lease_id:#x}")
+                if index in lease.writing:
+                    raise errors.SlotBusy(f"index {index} of lease {request.lease_id:#x} is still being written "
+                                          "over the data plane: commit it after its transfer is answered")
             if request.checksums and len(request.checksums) != len(indices):
                 raise errors.InvalidArgument(
                     f"{len(request.checksums)} checksums for {len(indices)} pages: give one per page or none")
@@ -267,7 +278,7 @@ class KVStoreService:
         return pb.AcquireResponse(
             lease_id=lease.lease_id, hit_pages=len(records), offsets=[r.offset for r in records],
             checksums=[r.checksum for r in records], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms,
-            promoted_pages=min(promoted, len(records)))
+            promoted_pages=min(promoted, len(records)), data_token=lease.token)
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
         with self.lock:
@@ -319,6 +330,84 @@ class KVStoreService:
                 pages_committed=c.pages_committed, checksum_failures=c.checksum_failures,
                 write_queue_drops=c.write_queue_drops, recovered_pages=c.recovered_pages,
                 nvme_write_errors=c.nvme_write_errors)
+
+    def rdma_connect(self, request: pb.RdmaConnectRequest, owner: object | None) -> pb.RdmaConnectResponse:
+        if self.rdma is None:
+            raise errors.TransportUnavailable("this node offers no RDMA data plane (rdma.enabled is off or no device)")
+        qp = request.queue_pair
+        if len(qp.gid) not in (0, 16) or not qp.qp_num:
+            raise errors.InvalidArgument("queue_pair needs a qp_num and a 16-byte gid (or none)")
+        local, arena_addr, rkey = self.rdma.accept(QueuePairAddress(qp.lid, bytes(qp.gid), qp.qp_num, qp.psn, qp.mtu))
+        return pb.RdmaConnectResponse(
+            queue_pair=pb.RdmaQueuePair(lid=local.lid, gid=local.gid, qp_num=local.qp_num, psn=local.psn,
+                                        mtu=local.mtu),
+            arena_addr=arena_addr, rkey=rkey, arena_bytes=self.arena.nbytes)
+
+    # -- data plane: transports resolve a frame's (lease, token, slot, length) here -------
+
+    def resolve_write(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
+        """The arena bytes of an uncommitted reserved slot, held until finish/cut_transfer."""
+        with self.lock:
+            lease = self._data_lease(lease_id, token, WRITE)
+            offset = lease.slots.get(slot)
+            if offset is None:
+                raise errors.SlotNotInLease(f"slot {slot} is not a reserved, uncommitted slot of lease {lease_id:#x}")
+            if slot in lease.writing:
+                raise errors.SlotBusy(f"slot {slot} of lease {lease_id:#x} is already being written")
+            page_bytes = self._transfer_bytes(lease, nbytes)
+            lease.writing.add(slot)
+            lease.transfers += 1
+            return Grant(lease, slot, self.arena.view[offset:offset + page_bytes], lease.deadline, True)
+
+    def resolve_read(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
+        """The arena bytes of the slot-th page pinned by a read lease, held until finish_transfer."""
+        with self.lock:
+            lease = self._data_lease(lease_id, token, READ)
+            if not 0 <= slot < len(lease.pinned):
+                raise errors.SlotNotInLease(f"lease {lease_id:#x} pins {len(lease.pinned)} pages; no page {slot}")
+            page_bytes = self._transfer_bytes(lease, nbytes)
+            offset = lease.pinned[slot].offset
+            lease.transfers += 1
+            return Grant(lease, slot, self.arena.view[offset:offset + page_bytes], lease.deadline, False)
+
+    def finish_transfer(self, grant: Grant) -> None:
+        with self.lock:
+            self._end_transfer(grant)
+
+    def cut_transfer(self, grant: Grant) -> None:
+        """A write stopped part-way (connection lost): its lease ends, so the torn page is never visible."""
+        with self.lock:
+            self._end_transfer(grant)
+            lease = grant.lease
+            if self.leases.get(lease.lease_id) is lease:
+                log.info("data-plane write cut mid-page; lease=%016x aborted", lease.lease_id)
+                self._end_lease(lease)
+
+    def _end_transfer(self, grant: Grant) -> None:
+        lease = grant.lease
+        lease.transfers -= 1
+        assert lease.transfers >= 0, "a transfer ended twice"
+        if grant.write:
+            lease.writing.discard(grant.slot)
+        if lease.ended and not lease.transfers:
+            self._free_lease_memory(lease)
+
+    def _data_lease(self, lease_id: int, token: bytes, kind: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None or time.monotonic() > lease.deadline:
+            raise errors.LeaseNotFound(f"lease {lease_id:#x} is unknown, already finished, or expired")
+        if not hmac.compare_digest(lease.token, token):
+            raise errors.TokenMismatch(f"the token does not match lease {lease_id:#x}")
+        if lease.kind != kind:
+            verb = "written" if kind == WRITE else "read"
+            raise errors.SlotNotInLease(f"lease {lease_id:#x} is a {lease.kind} lease: its slots cannot be {verb}")
+        return lease
+
+    def _transfer_bytes(self, lease: Lease, nbytes: int) -> int:
+        page_bytes = self.namespaces[lease.namespace_id].page_bytes
+        if nbytes != page_bytes:
+            raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
+        return page_bytes
 
     # -- lifecycle hooks for the carriers and the server --------------------------------
 
@@ -377,14 +466,22 @@ class KVStoreService:
         return states
 
     def _end_lease(self, lease: Lease) -> None:
-        for index, offset in lease.slots.items():
+        if lease.ended:
+            return
+        lease.ended = True
+        for index in lease.slots:
             del self.pending[(lease.namespace_id, lease.keys[index])]
+        if not lease.transfers:  # else bytes still move through its slots: the last transfer frees them
+            self._free_lease_memory(lease)
+        if self.leases.get(lease.lease_id) is lease:
+            self.leases.close(lease)
+
+    def _free_lease_memory(self, lease: Lease) -> None:
+        for offset in lease.slots.values():
             self.allocator.free(offset)
         lease.slots.clear()
         self.index.unpin_all(lease.pinned)
         lease.pinned = []
-        if self.leases.get(lease.lease_id) is lease:
-            self.leases.close(lease)
 
     def _on_removed(self, record: PageRecord) -> None:
         """A page left the index and no lease holds it: its DRAM slot may be reused."""

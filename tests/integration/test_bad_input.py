@@ -121,8 +121,10 @@ def test_malformed_local_frames(server, client, stored):
 def test_a_uid_outside_the_allow_list_is_refused(start_server):
     server = start_server({"shm.allowed_uids": "4242424"})
     with pytest.raises(errors.PermissionDenied, match="shm.allowed_uids"):
-        KVStoreClient(server.address)
+        KVStoreClient(server.address, transport="shm")
     assert "shm peer refused" in server.log()
+    with KVStoreClient(server.address) as client:  # "auto" moves on to the TCP data plane
+        assert client.transport == "tcp"
 
 
 def test_clear_removes_the_namespace_and_nothing_else(client, stored):

@@ -54,3 +54,19 @@ def test_sizes_and_lists_parse():
     cfg = config.load(environ={}, overrides=["dram.slab_bytes=8MiB", "shm.allowed_uids=1000,1001"])
     assert cfg.dram.slab_bytes == 8 << 20
     assert cfg.allowed_uids == frozenset({1000, 1001})
+
+
+@pytest.mark.parametrize("override, dotted", [
+    ("tcp.address=localhost", "tcp.address"),
+    ("tcp.write_buffer_low_bytes=64MiB", "tcp.write_buffer_low_bytes"),
+    ("tcp.connections_max=0", "tcp.connections_max"),
+    ("rdma.queue_pairs_max=0", "rdma.queue_pairs_max"),
+])
+def test_data_plane_settings_are_checked(override, dotted):
+    with pytest.raises(config.ConfigError, match=dotted):
+        config.load(environ={}, overrides=[override])
+
+
+def test_data_plane_settings_load_from_every_source():
+    cfg = config.load(environ={"KVSTORE_TCP_CONGESTION": "cubic"}, overrides=["tcp.address=0.0.0.0:7070"])
+    assert cfg.tcp.congestion == "cubic" and cfg.tcp.address == "0.0.0.0:7070" and not cfg.rdma.enabled

@@ -53,12 +53,28 @@ class Pending:
             log.warning("%s failed after it was posted: %s", self.name, error)
 
 
+class GrpcCall:
+    """A gRPC call in flight; result() waits and raises the call's kvstore error."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Any):
+        self._future = future
+
+    def result(self) -> Any:
+        try:
+            return self._future.result()
+        except grpc.RpcError as exc:
+            raise errors.error_from_rpc(exc) from None
+
+
 class GrpcChannel:
     """kvstore.v1.KVStore over gRPC; method stubs are derived from the proto descriptor."""
 
     def __init__(self, target: str, timeout_s: float):
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._posted: set[Any] = set()
         self._stubs = {
             name: self._channel.unary_unary(
                 f"/kvstore.v1.KVStore/{name}",
@@ -82,12 +98,27 @@ class GrpcChannel:
             pending._settle(None, exc)
         return pending
 
+    def start(self, name: str, request: Any) -> "GrpcCall":
+        """Send the call now and return at once; result() waits. No order between started calls."""
+        return GrpcCall(self._stubs[name].future(request, timeout=self.timeout_s))
+
     def post(self, name: str, request: Any) -> None:
         future = self._stubs[name].future(request, timeout=self.timeout_s)
-        future.add_done_callback(lambda f: f.exception() and log.warning(
-            "%s failed after it was posted: %s", name, errors.error_from_rpc(f.exception())))
+        self._posted.add(future)
+
+        def done(f: Any) -> None:
+            self._posted.discard(f)
+            if f.exception():
+                log.warning("%s failed after it was posted: %s", name, errors.error_from_rpc(f.exception()))
+        future.add_done_callback(done)
 
     def close(self) -> None:
+        # Posted calls (releases, aborts) finish first, or their leases would wait for their TTL.
+        for future in list(self._posted):
+            try:
+                future.result()
+            except grpc.RpcError:
+                pass
         self._channel.close()
 
 

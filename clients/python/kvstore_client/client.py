@@ -6,9 +6,11 @@
         client.put(ns, keys, pages)                # pages: array/tensor/list/(ptr, nbytes)
         loaded = client.get(ns, keys, out)         # leading pages copied into `out`
 
-A miss is a result (a count below len(keys)), never an exception. Control messages go
-over the server's Unix socket when `control="local"` (the default; see framing.py for
-why) or over gRPC; page bytes always move through the shared-memory arena.
+A miss is a result (a count below len(keys)), never an exception. Page bytes move over
+one data plane (`transport`, see transport_choice.py): the shared-memory arena on the
+node's host, else RDMA, else TCP. With shared memory, control messages go over the
+server's Unix socket when `control="local"` (the default; see framing.py for why) or over
+gRPC; with TCP or RDMA (another host) they go over gRPC.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from kvstore_client.buffers import Segment, page_segments
 from kvstore_client.channel import GrpcChannel, LocalChannel, Pending
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.proto import pb
+from kvstore_client.remote_pages import RemotePages
+from kvstore_client.tcp_transport import TcpDataPath
+from kvstore_client.transport_choice import candidates
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +47,23 @@ _PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_
 
 
 class KVStoreClient:
-    def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = ""):
+    def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = "",
+                 transport: str = "auto", tcp_congestion: str = ""):
         if control not in ("local", "grpc"):
             raise ValueError(f"control must be 'local' or 'grpc', got {control!r}")
         self._grpc = GrpcChannel(target, timeout_s)
         self._local: LocalChannel | None = None
+        self._arena: ArenaMapping | None = None
+        self._remote: RemotePages | None = None
         try:
             hello = self._grpc.call("Hello", pb.HelloRequest(client_name=client_name))
-            if not hello.shm_socket:
-                raise errors.Unavailable("the server offers no shared-memory data plane")
-            self._local = LocalChannel(hello.shm_socket, timeout_s)
-            self._arena = ArenaMapping(self._local.map_arena_fd())
+            self.transport = self._open_data_path(hello, transport, timeout_s, tcp_congestion)
         except BaseException:
             self.close()
             raise
         self.limits = hello.limits
         self.server_version = hello.server_version
-        self._control = self._local if control == "local" else self._grpc
+        self._control = self._local if self._local is not None and control == "local" else self._grpc
         self._namespace_ids: dict[Namespace, int] = {}
 
     # -- public API -------------------------------------------------------------------
@@ -133,6 +138,9 @@ class KVStoreClient:
         return self._control.call("Stats", pb.StatsRequest())
 
     def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
         if self._local is not None:
             self._local.close()
         if getattr(self, "_arena", None) is not None:
@@ -146,6 +154,42 @@ class KVStoreClient:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # -- data path --------------------------------------------------------------------
+
+    def _open_data_path(self, hello: pb.HelloResponse, requested: str, timeout_s: float, tcp_congestion: str) -> str:
+        from kvstore_client import rdma_transport  # imports pyverbs only when a device is looked for
+
+        order = candidates(requested, bool(hello.shm_socket), hello.rdma_enabled, bool(hello.tcp_endpoint),
+                           hello.rdma_enabled and rdma_transport.device_present())
+        failures = []
+        for name in order:
+            try:
+                if name == "shm":
+                    self._open_shm(hello, timeout_s)
+                elif name == "rdma":
+                    self._remote = RemotePages(self._grpc, rdma_transport.RdmaDataPath(self._grpc))
+                else:
+                    self._remote = RemotePages(self._grpc, TcpDataPath(hello.tcp_endpoint, timeout_s, tcp_congestion))
+                return name
+            except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable) as exc:
+                if requested != "auto":
+                    raise
+                log.info("data plane %s cannot be used, trying the next: %s", name, exc)
+                failures.append(f"{name}: {exc}")
+        raise errors.TransportUnavailable("no data plane of the node works from here: " + "; ".join(failures))
+
+    def _open_shm(self, hello: pb.HelloResponse, timeout_s: float) -> None:
+        local = LocalChannel(hello.shm_socket, timeout_s)
+        try:
+            arena = ArenaMapping(local.map_arena_fd())
+            if local.call("Hello", pb.HelloRequest()).instance_id != hello.instance_id:
+                arena.close()
+                raise errors.Unavailable(f"{hello.shm_socket} on this host belongs to another kvstore node")
+        except BaseException:
+            local.close()
+            raise
+        self._local, self._arena = local, arena
+
     # -- batches ----------------------------------------------------------------------
 
     def _put_batch(self, namespace: Namespace, parent: bytes, keys: list[bytes], segments: list[list[Segment]],
@@ -156,6 +200,8 @@ class KVStoreClient:
         (extending the same write lease) and checksums the runs of pages committed so far.
         """
         ns_id = self._namespace_id(namespace)
+        if self._remote is not None:
+            return self._remote.put_batch(ns_id, namespace.page_bytes, parent, keys, segments, verify)
         control = self._control
         group = RESERVE_GROUP_PAGES
         starts = range(0, len(keys), group)
@@ -225,6 +271,13 @@ class KVStoreClient:
 
     def _get_batch(self, namespace: Namespace, request: pb.AcquireRequest, segments: list[list[Segment]],
                    verify: bool) -> int:
+        if self._remote is not None:
+            remote = self._remote
+
+            def call() -> int:
+                request.namespace_id = self._namespace_id(namespace)
+                return remote.get_batch(request, segments, verify)
+            return self._reopening(namespace, call)
         sent_at = time.monotonic()
         acquired = self._call_in(namespace, "Acquire", request)
         hits = acquired.hit_pages

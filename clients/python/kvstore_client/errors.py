@@ -61,6 +61,21 @@ MalformedRequest = _error(
 Internal = _error(
     "Internal", pb.INTERNAL, grpc.StatusCode.INTERNAL,
     "A server bug. Report it with the server log; the request may be retried.")
+TokenMismatch = _error(
+    "TokenMismatch", pb.TOKEN_MISMATCH, grpc.StatusCode.PERMISSION_DENIED,
+    "A data-plane frame carried a token that is not its lease's. Use data_token from Reserve/Acquire.")
+SlotNotInLease = _error(
+    "SlotNotInLease", pb.SLOT_NOT_IN_LEASE, grpc.StatusCode.INVALID_ARGUMENT,
+    "A data-plane frame named a slot its lease does not hold (committed, unknown, or a read of a write lease).")
+LengthMismatch = _error(
+    "LengthMismatch", pb.LENGTH_MISMATCH, grpc.StatusCode.INVALID_ARGUMENT,
+    "A data-plane frame's length is not the page's page_bytes. Move whole pages.")
+SlotBusy = _error(
+    "SlotBusy", pb.SLOT_BUSY, grpc.StatusCode.FAILED_PRECONDITION,
+    "Bytes are still moving into the slot. Wait for its transfer's answer, then commit.")
+TransportUnavailable = _error(
+    "TransportUnavailable", pb.TRANSPORT_UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+    "The asked-for data plane (shm, tcp, rdma) is not offered by the node or cannot run on this host.")
 Unavailable = _error(
     "Unavailable", pb.ERROR_CODE_UNSPECIFIED, grpc.StatusCode.UNAVAILABLE,
     "The server could not be reached or closed the connection. Retry or fall back to recompute.")
@@ -72,7 +87,8 @@ ERRORS_BY_CODE: dict[int, type[KVStoreError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NamespaceNotFound, PageSizeMismatch, LeaseNotFound,
                 ChecksumMismatch, DuplicateKey, BatchTooLarge, CapacityExhausted, Draining,
-                PermissionDenied, MalformedRequest, Internal)
+                PermissionDenied, MalformedRequest, Internal, TokenMismatch, SlotNotInLease, LengthMismatch,
+                SlotBusy, TransportUnavailable)
 }
 
 # gRPC statuses that carry no kvstore code (raised by gRPC itself, not our server).

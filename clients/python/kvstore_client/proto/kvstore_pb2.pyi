@@ -22,6 +22,11 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PERMISSION_DENIED: _ClassVar[ErrorCode]
     MALFORMED_REQUEST: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
+    TOKEN_MISMATCH: _ClassVar[ErrorCode]
+    SLOT_NOT_IN_LEASE: _ClassVar[ErrorCode]
+    LENGTH_MISMATCH: _ClassVar[ErrorCode]
+    SLOT_BUSY: _ClassVar[ErrorCode]
+    TRANSPORT_UNAVAILABLE: _ClassVar[ErrorCode]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -63,6 +68,11 @@ DRAINING: ErrorCode
 PERMISSION_DENIED: ErrorCode
 MALFORMED_REQUEST: ErrorCode
 INTERNAL: ErrorCode
+TOKEN_MISMATCH: ErrorCode
+SLOT_NOT_IN_LEASE: ErrorCode
+LENGTH_MISMATCH: ErrorCode
+SLOT_BUSY: ErrorCode
+TRANSPORT_UNAVAILABLE: ErrorCode
 TIER_UNSPECIFIED: Tier
 HBM: Tier
 DRAM: Tier
@@ -131,16 +141,22 @@ class HelloRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits")
+    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits", "tcp_endpoint", "rdma_enabled", "instance_id")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    RDMA_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     shm_socket: str
     arena_bytes: int
     limits: Limits
-    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    tcp_endpoint: str
+    rdma_enabled: bool
+    instance_id: bytes
+    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tcp_endpoint: _Optional[str] = ..., rdma_enabled: _Optional[bool] = ..., instance_id: _Optional[bytes] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -189,18 +205,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index")
+    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     states: _containers.RepeatedScalarFieldContainer[ReserveState]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     lease_ttl_ms: int
     first_index: int
-    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ...) -> None: ...
+    data_token: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "indices", "checksums")
@@ -247,7 +265,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages")
+    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +273,7 @@ class AcquireResponse(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     hit_pages: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
@@ -262,7 +281,8 @@ class AcquireResponse(_message.Message):
     page_bytes: int
     lease_ttl_ms: int
     promoted_pages: int
-    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ...) -> None: ...
+    data_token: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
@@ -359,3 +379,35 @@ class StatsResponse(_message.Message):
     recovered_pages: int
     nvme_write_errors: int
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ...) -> None: ...
+
+class RdmaQueuePair(_message.Message):
+    __slots__ = ("lid", "gid", "qp_num", "psn", "mtu")
+    LID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    PSN_FIELD_NUMBER: _ClassVar[int]
+    MTU_FIELD_NUMBER: _ClassVar[int]
+    lid: int
+    gid: bytes
+    qp_num: int
+    psn: int
+    mtu: int
+    def __init__(self, lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., mtu: _Optional[int] = ...) -> None: ...
+
+class RdmaConnectRequest(_message.Message):
+    __slots__ = ("queue_pair",)
+    QUEUE_PAIR_FIELD_NUMBER: _ClassVar[int]
+    queue_pair: RdmaQueuePair
+    def __init__(self, queue_pair: _Optional[_Union[RdmaQueuePair, _Mapping]] = ...) -> None: ...
+
+class RdmaConnectResponse(_message.Message):
+    __slots__ = ("queue_pair", "arena_addr", "rkey", "arena_bytes")
+    QUEUE_PAIR_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    RKEY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    queue_pair: RdmaQueuePair
+    arena_addr: int
+    rkey: int
+    arena_bytes: int
+    def __init__(self, queue_pair: _Optional[_Union[RdmaQueuePair, _Mapping]] = ..., arena_addr: _Optional[int] = ..., rkey: _Optional[int] = ..., arena_bytes: _Optional[int] = ...) -> None: ...

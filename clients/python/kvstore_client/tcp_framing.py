@@ -1,0 +1,158 @@
+"""Frames of the TCP data plane, and the server's reader of them: pure, no I/O.
+
+A client moves page bytes between its buffers and leased arena slots. The control plane
+(Reserve/Acquire) hands out (lease_id, data_token, slot); a frame names them:
+
+    request  = u8 op | u8 version | u16 0 | u32 length | u64 lease_id | 16s token | u32 slot | u32 0
+               followed, for PUT, by `length` page bytes
+    response = u8 status | u8 op | u16 0 | u32 length
+               followed by `length` page bytes (GET answered 0), or by a UTF-8 error text
+               (status = an ErrorCode), or by nothing (PUT answered 0)
+
+`slot` is the lease-wide key index for a write lease (as in Commit) and the position in
+the AcquireResponse for a read lease. Requests on one connection are answered in order,
+so a client pipelines them. A frame in error is answered and the connection goes on (a
+PUT's body is skipped); only an unreadable stream (bad version or op, a length over the
+limit) closes it.
+
+RequestReader is the server's state machine: `buffer()` says where the next received bytes
+go (the header, a slot of the arena, or a bounded scratch area for a skipped body) and
+`received(n)` says what they completed. The I/O layer receives into exactly that buffer,
+so page bytes land in the slot with no copy in between.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+REQUEST = struct.Struct("<BBHIQ16sII")
+RESPONSE = struct.Struct("<BBHI")
+VERSION = 1
+TOKEN_BYTES = 16
+ERROR_TEXT_BYTES_MAX = 1024
+SKIP_CHUNK_BYTES = 64 << 10     # scratch that a skipped PUT body is read through, piece by piece
+
+
+class Op(enum.IntEnum):
+    PUT = 1   # client -> slot of a write lease
+    GET = 2   # slot of a read lease -> client
+
+
+class FrameError(ValueError):
+    """The stream cannot be read as frames; the connection must be closed."""
+
+
+class Request(NamedTuple):
+    op: Op
+    length: int
+    lease_id: int
+    token: bytes
+    slot: int
+
+
+def encode_request(op: Op, lease_id: int, token: bytes, slot: int, length: int) -> bytes:
+    if len(token) != TOKEN_BYTES:
+        raise ValueError(f"a data token has {TOKEN_BYTES} bytes, got {len(token)}")
+    return REQUEST.pack(op, VERSION, 0, length, lease_id, token, slot, 0)
+
+
+def decode_request(header: bytes | bytearray | memoryview, body_bytes_max: int) -> Request:
+    op, version, _, length, lease_id, token, slot, _ = REQUEST.unpack(header)
+    if version != VERSION:
+        raise FrameError(f"data-plane frame version {version}; this server speaks {VERSION}")
+    if op not in (Op.PUT, Op.GET):
+        raise FrameError(f"unknown data-plane op {op}")
+    if length > body_bytes_max:
+        raise FrameError(f"a frame of {length} bytes exceeds the largest page ({body_bytes_max})")
+    return Request(Op(op), length, lease_id, token, slot)
+
+
+def encode_response(status: int, op: int, length: int) -> bytes:
+    return RESPONSE.pack(status, op, 0, length)
+
+
+def encode_error(op: int, code: int, text: str) -> bytes:
+    raw = text.encode()[:ERROR_TEXT_BYTES_MAX]
+    return RESPONSE.pack(code, op, 0, len(raw)) + raw
+
+
+def decode_response(header: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """(status, op, length) of a response header."""
+    status, op, _, length = RESPONSE.unpack(header)
+    if op not in (Op.PUT, Op.GET) and not status:  # op 0: the error that closes an unreadable stream
+        raise FrameError(f"response for unknown op {op}")
+    return status, op, length
+
+
+class Event(enum.Enum):
+    BODY_DONE = 1       # the accepted PUT body is all in its slot
+    BODY_SKIPPED = 2    # the refused PUT body was read and dropped
+
+
+class RequestReader:
+    """The server side of one connection's request stream (see the module doc)."""
+
+    _HEADER, _BODY, _SKIP = range(3)
+
+    def __init__(self, body_bytes_max: int, scratch: memoryview):
+        assert len(scratch) > 0
+        self._body_bytes_max = body_bytes_max
+        self._header = bytearray(REQUEST.size)
+        self._header_view = memoryview(self._header)
+        self._scratch = scratch
+        self._state = self._HEADER
+        self._filled = 0
+        self._target: memoryview | None = None
+        self._remaining = 0
+
+    @property
+    def mid_body(self) -> bool:
+        """Part of an accepted PUT body has been received, but not all of it."""
+        return self._state == self._BODY
+
+    def buffer(self) -> memoryview:
+        if self._state == self._HEADER:
+            return self._header_view[self._filled:]
+        if self._state == self._BODY:
+            return self._target[self._filled:]
+        return self._scratch[:min(self._remaining, len(self._scratch))]
+
+    def received(self, nbytes: int) -> Request | Event | None:
+        """Account for nbytes written into buffer(); returns what they completed, if anything.
+
+        After a PUT Request, call accept_body(view) or skip_body() before buffer() again.
+        """
+        if self._state == self._HEADER:
+            self._filled += nbytes
+            if self._filled < REQUEST.size:
+                return None
+            self._filled = 0
+            request = decode_request(self._header, self._body_bytes_max)
+            if request.op == Op.PUT and request.length:
+                self._state = self._SKIP  # until accept_body says where the bytes go
+                self._remaining = request.length
+            return request
+        if self._state == self._BODY:
+            self._filled += nbytes
+            if self._filled < len(self._target):
+                return None
+            self._reset()
+            return Event.BODY_DONE
+        self._remaining -= nbytes
+        if self._remaining:
+            return None
+        self._reset()
+        return Event.BODY_SKIPPED
+
+    def accept_body(self, view: memoryview) -> None:
+        """Receive the pending PUT body straight into `view` (its length is the frame's)."""
+        assert self._state == self._SKIP and len(view) == self._remaining, "accept_body follows a PUT header"
+        self._state, self._target, self._filled = self._BODY, view, 0
+
+    def skip_body(self) -> None:
+        assert self._state == self._SKIP, "skip_body follows a PUT header"
+
+    def _reset(self) -> None:
+        self._state, self._target, self._filled, self._remaining = self._HEADER, None, 0, 0

@@ -1,0 +1,163 @@
+"""The client side of the TCP data plane: one blocking socket, pipelined frames.
+
+Pages go out with sendmsg straight from the caller's buffers (a frame header and the
+page's segments in one scatter-gather list, many pages per call) and come back with
+recv_into straight into them. Requests are answered in order, so a batch is sent ahead
+and its answers read after (GET headers within a bounded window, so neither side can
+block the other). Wire format: tcp_framing.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import socket
+import struct
+import threading
+
+from kvstore_client import errors
+from kvstore_client.buffers import Segment
+from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_request
+
+IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
+GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
+Page = tuple[int, int, list[Segment]]   # (slot, arena offset, segments of the caller's buffer)
+
+
+def _view(segment: Segment) -> memoryview:
+    address, nbytes = segment
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def sendmsg_all(sock: socket.socket, iov: list) -> None:
+    """Send every piece of a scatter-gather list, IOV_MAX pieces per sendmsg, resuming a piece cut part-way."""
+    start = 0
+    while start < len(iov):
+        chunk = iov[start:start + IOV_MAX]
+        sent = sock.sendmsg(chunk)
+        for piece in chunk:
+            if sent < len(piece):
+                if sent:
+                    iov[start] = memoryview(piece)[sent:]
+                break
+            sent -= len(piece)
+            start += 1
+
+
+class TcpDataPath:
+    name = "tcp"
+
+    def __init__(self, endpoint: str, timeout_s: float, congestion: str = ""):
+        host, _, port = endpoint.rpartition(":")
+        try:
+            self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        except (OSError, ValueError) as exc:
+            raise errors.Unavailable(f"cannot connect to the TCP data plane at {endpoint}: {exc}") from None
+        self.endpoint = endpoint
+        sock = self._sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if congestion:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+        # Blocking calls bounded by kernel timeouts: no poll() before every recv, as settimeout() adds.
+        sock.settimeout(None)
+        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._header = bytearray(RESPONSE.size)
+        self._broken: errors.KVStoreError | None = None
+        self._lock = threading.Lock()   # one batch of frames at a time: answers come back in order
+
+    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        """Write each page into its slot; raises the first refusal after every answer is read."""
+        with self._lock:
+            self._put(lease_id, token, pages, page_bytes)
+
+    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        """Read each page of a read lease into the caller's segments."""
+        with self._lock:
+            self._get(lease_id, token, pages, page_bytes)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        self._check()
+        iov: list = []
+        for slot, _, segments in pages:
+            iov.append(encode_request(Op.PUT, lease_id, token, slot, page_bytes))
+            iov.extend(_view(s) for s in segments)
+        self._io(lambda: sendmsg_all(self._sock, iov))
+        first_error = None
+        for _ in pages:
+            error = self._io(lambda: self._answer(Op.PUT, None))
+            first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        self._check()
+        requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
+        sent = min(len(requests), GET_WINDOW_FRAMES)
+        self._io(lambda: self._sock.sendall(b"".join(requests[:sent])))
+        first_error = None
+        for index, (_, _, segments) in enumerate(pages):
+            if sent < len(requests) and sent - index <= GET_WINDOW_FRAMES // 2:
+                more = min(len(requests), sent + GET_WINDOW_FRAMES // 2)
+                self._io(lambda: self._sock.sendall(b"".join(requests[sent:more])))
+                sent = more
+            error = self._io(lambda: self._answer(Op.GET, segments))
+            first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    def _io(self, action):
+        """Run socket I/O; any failure leaves the stream out of step, so the path is broken for good."""
+        try:
+            return action()
+        except FrameError as exc:
+            self._break(errors.Internal(f"the TCP data plane sent an unreadable answer: {exc}"))
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                self._break(errors.DeadlineExceeded("no progress on the TCP data plane within the deadline"))
+            else:
+                self._break(errors.Unavailable(f"the TCP data plane at {self.endpoint} failed: {exc}"))
+        raise self._broken
+
+    def _break(self, error: errors.KVStoreError) -> None:
+        if self._broken is None:
+            self._broken = error
+            self._sock.close()
+
+    def _answer(self, op: Op, segments: list[Segment] | None) -> errors.KVStoreError | None:
+        """Read one answer; a GET's page goes into `segments`. Returns the refusal, if any."""
+        self._recv_into(memoryview(self._header))
+        status, answered_op, length = decode_response(self._header)
+        if status:
+            text = bytearray(length)
+            self._recv_into(memoryview(text))
+            return errors.error_from_code(status, text.decode(errors="replace"))
+        if answered_op != op:
+            raise FrameError(f"answer for op {answered_op} where op {int(op)} was asked")
+        if segments is None:
+            if length:
+                raise FrameError(f"a PUT answer with {length} bytes")
+            return None
+        if length != sum(n for _, n in segments):
+            raise FrameError(f"a page of {length} bytes for a buffer of {sum(n for _, n in segments)}")
+        for segment in segments:
+            self._recv_into(_view(segment))
+        return None
+
+    def _recv_into(self, view: memoryview) -> None:
+        got, total, recv_into = 0, len(view), self._sock.recv_into
+        while got < total:
+            n = recv_into(view[got:])
+            if n == 0:
+                raise ConnectionResetError("the server closed the TCP data plane connection")
+            got += n

@@ -1,0 +1,47 @@
+"""What a data-plane transport needs from the node: resolve a frame to slot bytes, and hand them back.
+
+Transports move bytes in and out of arena slots; they know nothing of tiers, leases or
+gRPC. The node (server.py) wires a SlotResolver (the service) into them. A frame names
+(lease, token, slot, length); the resolver checks the token and that the slot belongs to
+the lease, and grants a memoryview of exactly that slot. The grant holds the slot (it is
+neither freed nor reused) until the transport calls finish_transfer, or cut_transfer
+when a write stopped part-way, which ends the lease so the torn page is never visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(eq=False)
+class Grant:
+    lease: Any              # opaque to transports
+    slot: int
+    view: memoryview        # exactly the page's bytes in the arena
+    deadline: float         # time.monotonic() when the lease expires; a transfer must end by then
+    write: bool
+
+
+class SlotResolver(Protocol):
+    def resolve_write(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant: ...
+    def resolve_read(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant: ...
+    def finish_transfer(self, grant: Grant) -> None: ...
+    def cut_transfer(self, grant: Grant) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuePairAddress:
+    """Where an RC queue pair is reached (exchanged over RdmaConnect)."""
+
+    lid: int
+    gid: bytes
+    qp_num: int
+    psn: int
+    mtu: int
+
+
+class RdmaAcceptor(Protocol):
+    def accept(self, remote: QueuePairAddress) -> tuple[QueuePairAddress, int, int]:
+        """Connect a local queue pair to `remote`; returns (its address, arena_addr, rkey)."""
+        ...

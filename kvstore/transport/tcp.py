@@ -1,0 +1,280 @@
+"""The TCP data plane: a uvloop stream server moving page bytes between sockets and arena slots.
+
+Frames and the per-connection reader are in kvstore_client/tcp_framing.py (pure); this
+module is the thin I/O layer under it. It runs its own event loop on one thread, beside
+the gRPC server.
+
+- PUT bodies are received straight into the slot: the protocol is an asyncio
+  BufferedProtocol whose get_buffer() returns the reader's buffer, a memoryview of the
+  arena for a body. GET answers are written straight out of the slot: uvloop keeps a
+  reference to the arena view until the kernel has taken its bytes, no copy.
+- Each frame is resolved through a SlotResolver (the service, wired by server.py): the
+  token must be the lease's and the slot one of its slots. A refused frame gets an error
+  answer and the connection goes on.
+- A grant is held until its bytes have moved: a PUT until its body is in, a GET until the
+  transport's write queue has drained past it. A connection lost mid-body cuts the write,
+  which ends the lease: the torn page is never visible and its slots are reclaimed.
+- Backpressure and bounded memory: the transport pauses reading when its write queue is
+  above write_buffer_high_bytes (queued GET answers are references into the arena, not
+  copies), and a connection still holding a grant at its lease's deadline is aborted, so a
+  client that stops reading holds nothing past its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import socket
+import threading
+import time
+
+import uvloop
+
+from kvstore.transport.slots import Grant, SlotResolver
+from kvstore_client import errors
+from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Op, Request, RequestReader,
+                                        encode_error, encode_response)
+
+log = logging.getLogger(__name__)
+
+# While GET answers are queued, the write queue is checked this often to hand back grants
+# whose bytes the kernel has taken (uvloop has no per-write completion callback).
+DRAIN_POLL_S = 0.002
+
+
+@dataclasses.dataclass(frozen=True)
+class TcpSettings:
+    host: str
+    port: int
+    body_bytes_max: int              # the largest page
+    connections_max: int
+    write_buffer_high_bytes: int     # pause reading a connection above this much queued output
+    write_buffer_low_bytes: int
+    congestion: str = ""             # TCP_CONGESTION for accepted sockets; "" = system default
+
+
+class TcpServer:
+    """Serves the data plane on its own thread; start() returns once it listens."""
+
+    def __init__(self, settings: TcpSettings, resolver: SlotResolver):
+        self.settings = settings
+        self._resolver = resolver
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[_Connection] = set()
+        self._scratch = memoryview(bytearray(SKIP_CHUNK_BYTES))  # shared: one loop thread
+        self._thread = threading.Thread(target=self._run, name="tcp-data-plane", daemon=True)
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            raise OSError(f"cannot listen for the TCP data plane on {self.endpoint} "
+                          f"(tcp.address, tcp.congestion): {self._failure}")
+
+    def close(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._stop)
+        self._thread.join(10)
+
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    # -- loop thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = uvloop.new_event_loop()
+        self._loop = loop
+        try:
+            self._server = loop.run_until_complete(loop.create_server(
+                self._accept, self.settings.host, self.settings.port, backlog=256, reuse_address=True))
+            self.port = self._server.sockets[0].getsockname()[1]
+            if self.settings.congestion:  # fail at start-up, not on every accepted connection
+                self._server.sockets[0].setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION,
+                                                   self.settings.congestion.encode())
+        except OSError as exc:
+            self._failure = exc
+            self._ready.set()
+            loop.close()
+            return
+        log.info("tcp data plane listening endpoint=%s", self.endpoint)
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def _stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for connection in list(self._connections):
+            connection.abort()
+        self._loop.call_later(0.05, self._loop.stop)  # let connection_lost callbacks hand grants back
+
+    def _accept(self) -> "_Connection":
+        return _Connection(self)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    def __init__(self, server: TcpServer):
+        self._server = server
+        self._resolver = server._resolver
+        self._reader = RequestReader(server.settings.body_bytes_max, server._scratch)
+        self._transport: asyncio.Transport | None = None
+        self._peer = "?"
+        self._body: Grant | None = None            # the PUT being received
+        self._sent = 0                             # bytes handed to the transport
+        self._reads: collections.deque[tuple[int, Grant]] = collections.deque()   # GET answers queued
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline = float("inf")              # when _deadline_timer fires
+        self._closed = False
+
+    # -- asyncio callbacks -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        self._peer = str(transport.get_extra_info("peername"))
+        settings = self._server.settings
+        if len(self._server._connections) >= settings.connections_max:
+            log.warning("tcp connection refused peer=%s: tcp.connections_max=%d reached",
+                        self._peer, settings.connections_max)
+            transport.abort()
+            self._closed = True
+            return
+        self._server._connections.add(self)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if settings.congestion:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, settings.congestion.encode())
+        transport.set_write_buffer_limits(high=settings.write_buffer_high_bytes, low=settings.write_buffer_low_bytes)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._reader.buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            event = self._reader.received(nbytes)
+        except FrameError as exc:
+            log.warning("tcp peer=%s sent an unreadable frame, closing: %s", self._peer, exc)
+            self._transport.write(encode_error(0, errors.MalformedRequest.code, str(exc)))
+            self._transport.close()
+            return
+        if event is None:
+            return
+        if isinstance(event, Request):
+            if event.op == Op.PUT:
+                self._start_put(event)
+            else:
+                self._get(event)
+        elif event is Event.BODY_DONE:
+            grant, self._body = self._body, None
+            self._resolver.finish_transfer(grant)
+            self._write([encode_response(0, Op.PUT, 0)])
+        self._collect_reads()
+
+    def pause_writing(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._collect_reads()
+        if not self._closed:
+            self._transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server._connections.discard(self)
+        for timer in (self._drain_timer, self._deadline_timer):
+            if timer is not None:
+                timer.cancel()
+        if self._body is not None:
+            grant, self._body = self._body, None
+            log.info("tcp peer=%s closed mid-page; the write is cut and its lease ended", self._peer)
+            self._resolver.cut_transfer(grant)
+        # The socket is gone, so nothing reads the queued views any more.
+        while self._reads:
+            self._resolver.finish_transfer(self._reads.popleft()[1])
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    # -- frames ------------------------------------------------------------------------
+
+    def _start_put(self, request: Request) -> None:
+        try:
+            grant = self._resolver.resolve_write(request.lease_id, request.token, request.slot, request.length)
+        except errors.KVStoreError as exc:
+            if request.length:
+                self._reader.skip_body()
+            self._refuse(Op.PUT, exc)
+            return
+        self._reader.accept_body(grant.view)
+        self._body = grant
+        self._watch_deadline(grant.deadline)
+
+    def _get(self, request: Request) -> None:
+        try:
+            grant = self._resolver.resolve_read(request.lease_id, request.token, request.slot, request.length)
+        except errors.KVStoreError as exc:
+            self._refuse(Op.GET, exc)
+            return
+        self._write([encode_response(0, Op.GET, len(grant.view)), grant.view])
+        self._reads.append((self._sent, grant))
+        self._watch_deadline(grant.deadline)
+
+    def _refuse(self, op: Op, exc: errors.KVStoreError) -> None:
+        log.debug("tcp peer=%s frame refused: %s", self._peer, exc)
+        self._write([encode_error(op, exc.code, str(exc))])
+
+    def _write(self, pieces: list) -> None:
+        self._sent += sum(map(len, pieces))
+        self._transport.writelines(pieces)
+
+    def _collect_reads(self) -> None:
+        """Hand back the grants of GET answers the kernel has taken; poll while some are queued."""
+        if self._closed:
+            return
+        taken = self._sent - self._transport.get_write_buffer_size()
+        reads = self._reads
+        while reads and reads[0][0] <= taken:
+            self._resolver.finish_transfer(reads.popleft()[1])
+        if reads and self._drain_timer is None:
+            self._drain_timer = self._server._loop.call_later(DRAIN_POLL_S, self._drain_tick)
+
+    def _drain_tick(self) -> None:
+        self._drain_timer = None
+        self._collect_reads()
+
+    def _watch_deadline(self, deadline: float) -> None:
+        """One timer per connection, at the earliest deadline of the grants it holds."""
+        if deadline < self._deadline:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._deadline = deadline
+            self._deadline_timer = self._server._loop.call_later(
+                max(0.0, deadline - time.monotonic()), self._deadline_reached)
+
+    def _deadline_reached(self) -> None:
+        self._deadline_timer, self._deadline = None, float("inf")
+        held = [grant for _, grant in self._reads] + ([self._body] if self._body is not None else [])
+        now = time.monotonic()
+        if any(grant.deadline <= now for grant in held):
+            log.warning("tcp peer=%s still moving a page when its lease expired; closing the connection", self._peer)
+            self.abort()
+        elif held:
+            self._watch_deadline(min(grant.deadline for grant in held))

@@ -1,0 +1,106 @@
+"""The service's data-plane hooks: tokens, slot checks, grants that outlive their lease, cut writes."""
+
+import time
+
+import pytest
+
+from kvstore import config
+from kvstore.control.service import KVStoreService
+from kvstore.tiers.dram import Arena
+from kvstore_client import errors
+from kvstore_client.keys import Namespace
+from kvstore_client.proto import pb
+
+PAGE = 8192
+
+
+@pytest.fixture
+def service():
+    cfg = config.load(environ={}, overrides=[
+        "dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "leases.read_ttl_ms=100", "leases.write_ttl_ms=100"])
+    arena = Arena(cfg.dram.arena_bytes)
+    svc = KVStoreService(cfg, arena)
+    yield svc
+    arena.close()
+
+
+def reserve(svc, keys, ttl_ms=0):
+    ns = svc.open_namespace(pb.OpenNamespaceRequest(spec=Namespace(model="m", page_bytes=PAGE).to_proto()),
+                            None).namespace_id
+    return ns, svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys, page_bytes=PAGE, lease_ttl_ms=ttl_ms), None)
+
+
+def test_tokens_are_random_per_lease_and_checked(service):
+    _, a = reserve(service, [b"a0", b"a1"])
+    _, b = reserve(service, [b"b0"])
+    assert len(a.data_token) == 16 and a.data_token != b.data_token
+    with pytest.raises(errors.TokenMismatch):
+        service.resolve_write(a.lease_id, b.data_token, 0, PAGE)
+    with pytest.raises(errors.LeaseNotFound):
+        service.resolve_write(12345, a.data_token, 0, PAGE)
+    with pytest.raises(errors.SlotNotInLease):
+        service.resolve_write(a.lease_id, a.data_token, 2, PAGE)
+    with pytest.raises(errors.SlotNotInLease, match="write lease"):
+        service.resolve_read(a.lease_id, a.data_token, 0, PAGE)
+    with pytest.raises(errors.LengthMismatch):
+        service.resolve_write(a.lease_id, a.data_token, 0, PAGE - 1)
+    grant = service.resolve_write(a.lease_id, a.data_token, 1, PAGE)
+    assert len(grant.view) == PAGE and grant.write
+    with pytest.raises(errors.SlotBusy):
+        service.resolve_write(a.lease_id, a.data_token, 1, PAGE)
+
+
+def test_a_slot_being_written_cannot_be_committed_until_its_transfer_ends(service):
+    ns, r = reserve(service, [b"k0", b"k1"])
+    grant = service.resolve_write(r.lease_id, r.data_token, 1, PAGE)
+    with pytest.raises(errors.SlotBusy):
+        service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    grant.view[:] = b"\x05" * PAGE
+    service.finish_transfer(grant)
+    assert list(service.commit(pb.CommitRequest(lease_id=r.lease_id), None).states) == [pb.COMMITTED] * 2
+    acquired = service.acquire(pb.AcquireRequest(namespace_id=ns, keys=[b"k0", b"k1"]), None)
+    read = service.resolve_read(acquired.lease_id, acquired.data_token, 1, PAGE)
+    assert bytes(read.view) == b"\x05" * PAGE and not read.write
+    with pytest.raises(errors.SlotNotInLease):
+        service.resolve_read(acquired.lease_id, acquired.data_token, 2, PAGE)
+    service.finish_transfer(read)
+
+
+def test_a_lease_ended_mid_transfer_frees_its_slot_only_when_the_transfer_ends(service):
+    _, r = reserve(service, [b"x0"])
+    grant = service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    service.abort(pb.AbortRequest(lease_id=r.lease_id), None)
+    assert service.allocator.used_bytes == PAGE     # still being written: not handed to anyone else
+    _, other = reserve(service, [b"y0"])
+    assert other.offsets[0] != r.offsets[0]
+    service.finish_transfer(grant)
+    assert service.allocator.used_bytes == PAGE     # only the other lease's slot is left
+
+
+def test_an_expired_lease_is_refused_and_reaped_after_its_transfer(service):
+    _, r = reserve(service, [b"e0"], ttl_ms=50)
+    grant = service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    time.sleep(0.08)
+    with pytest.raises(errors.LeaseNotFound):
+        service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    assert service.reap_expired() == 1
+    assert service.allocator.used_bytes == PAGE
+    service.finish_transfer(grant)
+    assert service.allocator.used_bytes == 0
+
+
+def test_a_cut_write_ends_its_lease_and_nothing_becomes_visible(service):
+    ns, r = reserve(service, [b"c0", b"c1"])
+    done = service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    service.finish_transfer(done)
+    cut = service.resolve_write(r.lease_id, r.data_token, 1, PAGE)
+    service.cut_transfer(cut)
+    assert service.allocator.used_bytes == 0 and service.open_leases() == 0
+    with pytest.raises(errors.LeaseNotFound):
+        service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    assert service.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"c0"]), None).hit_pages == 0
+
+
+def test_rdma_connect_without_rdma_is_a_clear_error(service):
+    with pytest.raises(errors.TransportUnavailable, match="no RDMA data plane"):
+        service.rdma_connect(pb.RdmaConnectRequest(queue_pair=pb.RdmaQueuePair(qp_num=1)), None)

@@ -1,0 +1,94 @@
+"""The TCP data plane's frames and the server's request reader: where each byte goes, and what is refused."""
+
+import pytest
+
+from kvstore_client import tcp_framing as tf
+from kvstore_client.tcp_framing import Event, FrameError, Op, Request, RequestReader
+
+TOKEN = bytes(range(16))
+
+
+def feed(reader: RequestReader, data: bytes, step: int, targets: list):
+    """Receive `data` as the I/O layer would, at most `step` bytes per recv; returns the events.
+
+    Each PUT body goes into the next of `targets` (None: refused, skipped)."""
+    events, position = [], 0
+    while position < len(data):
+        target = reader.buffer()
+        n = min(step, len(target), len(data) - position)
+        target[:n] = data[position:position + n]
+        position += n
+        event = reader.received(n)
+        if event is not None:
+            events.append(event)
+            if isinstance(event, Request) and event.op == Op.PUT:
+                target = targets.pop(0)
+                if target is None:
+                    reader.skip_body()
+                else:
+                    reader.accept_body(target)
+    return events
+
+
+@pytest.mark.parametrize("step", [1, 7, 40, 1 << 20])
+def test_put_body_lands_in_the_accepted_view_and_gets_follow(step):
+    slot = memoryview(bytearray(1000))
+    body = bytes(i % 251 for i in range(1000))
+    stream = (tf.encode_request(Op.PUT, 5, TOKEN, 3, 1000) + body
+              + tf.encode_request(Op.GET, 6, TOKEN, 0, 1000))
+    reader = RequestReader(4096, memoryview(bytearray(64)))
+    events = feed(reader, stream, step, [slot])
+    assert events == [Request(Op.PUT, 1000, 5, TOKEN, 3), Event.BODY_DONE, Request(Op.GET, 1000, 6, TOKEN, 0)]
+    assert bytes(slot) == body
+    assert not reader.mid_body
+
+
+def test_a_refused_body_is_skipped_through_bounded_scratch_and_the_stream_stays_in_step():
+    scratch = memoryview(bytearray(64))
+    reader = RequestReader(4096, scratch)
+    sizes = []
+    buffer = reader.buffer
+    reader.buffer = lambda: sizes.append(len(buffer())) or buffer()
+    stream = tf.encode_request(Op.PUT, 5, TOKEN, 3, 1000) + b"x" * 1000 + tf.encode_request(Op.GET, 1, TOKEN, 2, 10)
+    events = feed(reader, stream, 1 << 20, [None])
+    assert events[1] is Event.BODY_SKIPPED and events[2] == Request(Op.GET, 10, 1, TOKEN, 2)
+    assert max(sizes) <= len(scratch)
+
+
+def test_mid_body_is_reported_until_the_page_is_complete():
+    slot = memoryview(bytearray(100))
+    reader = RequestReader(4096, memoryview(bytearray(8)))
+    header = tf.encode_request(Op.PUT, 1, TOKEN, 0, 100)
+    reader.buffer()[:len(header)] = header
+    request = reader.received(len(header))
+    reader.accept_body(slot)
+    reader.buffer()[:50] = b"y" * 50
+    assert reader.received(50) is None and reader.mid_body
+    reader.buffer()[:50] = b"y" * 50
+    assert reader.received(50) is Event.BODY_DONE and not reader.mid_body
+    assert request.lease_id == 1
+
+
+@pytest.mark.parametrize("header, why", [
+    (tf.REQUEST.pack(Op.PUT, 9, 0, 10, 1, TOKEN, 0, 0), "version"),
+    (tf.REQUEST.pack(7, tf.VERSION, 0, 10, 1, TOKEN, 0, 0), "unknown data-plane op"),
+    (tf.REQUEST.pack(Op.PUT, tf.VERSION, 0, 4097, 1, TOKEN, 0, 0), "exceeds the largest page"),
+])
+def test_unreadable_headers_are_frame_errors(header, why):
+    reader = RequestReader(4096, memoryview(bytearray(8)))
+    reader.buffer()[:] = header
+    with pytest.raises(FrameError, match=why):
+        reader.received(len(header))
+
+
+def test_responses_round_trip_and_tokens_have_128_bits():
+    assert tf.decode_response(tf.encode_response(0, Op.GET, 4096)) == (0, Op.GET, 4096)
+    error = tf.encode_error(Op.PUT, 30, "no" * 1000)
+    status, op, length = tf.decode_response(error[:tf.RESPONSE.size])
+    assert (status, op) == (30, Op.PUT) and length == tf.ERROR_TEXT_BYTES_MAX == len(error) - tf.RESPONSE.size
+    assert tf.decode_response(tf.encode_error(0, 11, "closing")[:tf.RESPONSE.size])[0] == 11  # op 0: the stream is unreadable
+    with pytest.raises(FrameError):
+        tf.decode_response(tf.encode_response(0, 0, 0))
+    with pytest.raises(ValueError, match="16 bytes"):
+        tf.encode_request(Op.GET, 1, b"short", 0, 1)
+    assert tf.TOKEN_BYTES * 8 >= 128
