@@ -81,6 +81,22 @@ class LimitsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OpsConfig:
+    metrics_address: str = "127.0.0.1:9452"  # Prometheus /metrics, host:port; port 0 picks one; "" = off
+    log_format: str = "text"                 # text, json or logfmt (one line per event)
+    reflection: bool = False                 # gRPC server reflection (grpc.reflection.v1alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemdConfig:
+    # Filled from systemd's own variables (NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID) when
+    # it runs the unit; "" / 0 = not under systemd (no notifications, no watchdog).
+    notify_socket: str = ""
+    watchdog_usec: int = 0
+    watchdog_pid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     dram: DramConfig = DramConfig()
@@ -89,6 +105,8 @@ class Config:
     shm: ShmConfig = ShmConfig()
     leases: LeaseConfig = LeaseConfig()
     limits: LimitsConfig = LimitsConfig()
+    ops: OpsConfig = OpsConfig()
+    systemd: SystemdConfig = SystemdConfig()
 
     @property
     def shm_socket_path(self) -> str:
@@ -133,12 +151,20 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None,
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG":
             _put(tree, _env_to_dotted(name), value)
+    for name, dotted in _SYSTEMD_ENV.items():
+        if environ.get(name):
+            _put(tree, dotted, environ[name])
     for item in overrides or ():
         dotted, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         _put(tree, dotted.strip(), value.strip())
     return _build(tree)
+
+
+# systemd's protocol variables (sd_notify(3), sd_watchdog_enabled(3)); the unit cannot rename them.
+_SYSTEMD_ENV = {"NOTIFY_SOCKET": "systemd.notify_socket", "WATCHDOG_USEC": "systemd.watchdog_usec",
+                "WATCHDOG_PID": "systemd.watchdog_pid"}
 
 
 def _env_to_dotted(name: str) -> str:
@@ -236,6 +262,10 @@ def _validate(config: Config) -> None:
         ("controller.high_watermark", 0 < config.controller.high_watermark <= 1, "must be in (0, 1]"),
         ("controller.queue_pages_max", config.controller.queue_pages_max > 0, "must be positive"),
         ("controller.write_batch_pages", config.controller.write_batch_pages > 0, "must be positive"),
+        ("ops.metrics_address", not config.ops.metrics_address or ":" in config.ops.metrics_address,
+         'must look like host:port, or "" to serve no metrics'),
+        ("ops.log_format", config.ops.log_format in ("text", "json", "logfmt"), "must be text, json or logfmt"),
+        ("systemd.watchdog_usec", config.systemd.watchdog_usec >= 0, "must not be negative"),
     ]
     for dotted, ok, why in checks:
         if not ok:
@@ -249,6 +279,7 @@ def as_dict(config: Config) -> dict[str, Any]:
 _SECTION_TYPES: dict[str, type] = {
     "server": ServerConfig, "dram": DramConfig, "nvme": NvmeConfig, "controller": ControllerConfig,
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
+    "ops": OpsConfig, "systemd": SystemdConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

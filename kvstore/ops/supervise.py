@@ -1,0 +1,42 @@
+"""The serving loop of the daemon's main thread: proves the node alive to systemd, reports status.
+
+WATCHDOG=1 goes out only after `problem()` came back empty in this very pass, so a node
+whose service lock is stuck or whose lease reaper died stops pinging and systemd restarts
+it (WatchdogSec=). STATUS= is refreshed every STATUS_INTERVAL_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from kvstore.ops.notify import Notifier
+
+log = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 10.0
+
+
+def serve_until_stopped(stop: threading.Event, notifier: Notifier, problem: Callable[[], str],
+                        status: Callable[[], str]) -> None:
+    tick_s = min(notifier.watchdog_interval_s or STATUS_INTERVAL_S, STATUS_INTERVAL_S)
+    next_status = time.monotonic() + STATUS_INTERVAL_S
+    reported = ""
+    while not stop.wait(tick_s):
+        trouble = problem()
+        if trouble:
+            if trouble != reported:
+                log.error("node unhealthy, watchdog withheld reason=%r", trouble)
+                notifier.status(f"unhealthy: {trouble}")
+                reported = trouble
+            continue
+        if reported:
+            log.info("node healthy again")
+            reported = ""
+        if notifier.watchdog_usec:
+            notifier.watchdog()
+        if time.monotonic() >= next_status:
+            notifier.status(status())
+            next_status = time.monotonic() + STATUS_INTERVAL_S
