@@ -240,13 +240,13 @@ def _server_pid(shm_socket: str) -> int:
 
 
 def _running(pid: int) -> bool:
+    """True until the process has exited (an exited child its parent has not reaped yet counts as exited)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    return True
+    return state not in ("Z", "X")
 
 
 def _wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
