@@ -28,13 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import __version__
 from kvstore.admin import bench, render
-from kvstore.ops.health import SERVICES
 from kvstore_client import errors
 from kvstore_client.channel import GrpcChannel
 from kvstore_client.keys import encode_key
 from kvstore_client.proto import pb
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+KVSTORE_SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -46,8 +46,8 @@ class NotServing(Exception):
     """`kvstore health` found the node draining or unreachable; exit 1."""
 
 
-class Node:
-    """What the commands need of one node: its control calls and its health."""
+class RemoteNode:
+    """A running node as the commands see it: its control calls (gRPC) and its health."""
 
     def __init__(self, target: str, timeout_s: float):
         self.target = target
@@ -61,7 +61,7 @@ class Node:
 
     def health(self) -> str:
         try:
-            answer = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICES[1]), timeout=self.timeout_s)
+            answer = self._health.Check(health_pb2.HealthCheckRequest(service=KVSTORE_SERVICE), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             return f"UNKNOWN ({exc.code().name})"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
@@ -83,7 +83,7 @@ class Node:
         self._channel.close()
 
 
-def cmd_status(node: Node, args: argparse.Namespace) -> None:
+def cmd_status(node: RemoteNode, args: argparse.Namespace) -> None:
     hello = node.call("Hello", pb.HelloRequest(client_name="kvstore-cli"))
     stats = node.call("Stats", pb.StatsRequest())
     health = node.health()
@@ -105,7 +105,7 @@ def cmd_status(node: Node, args: argparse.Namespace) -> None:
           render.percent(t["hits"], t["hits"] + t["misses"]), t["evictions"]] for t in tiers]))
 
 
-def cmd_health(node: Node, args: argparse.Namespace) -> None:
+def cmd_health(node: RemoteNode, args: argparse.Namespace) -> None:
     health = node.health()
     if args.json:
         render.emit_json({"target": node.target, "health": health})
@@ -115,7 +115,7 @@ def cmd_health(node: Node, args: argparse.Namespace) -> None:
         raise NotServing(health)
 
 
-def cmd_namespaces(node: Node, args: argparse.Namespace) -> None:
+def cmd_namespaces(node: RemoteNode, args: argparse.Namespace) -> None:
     held = node.call("Stats", pb.StatsRequest()).namespaces
     rows = [{"namespace_id": f"{ns.namespace_id:016x}", "model": ns.model, "tenant": ns.tenant,
              "page_bytes": ns.page_bytes, "pages": ns.pages, "bytes": ns.pages * ns.page_bytes} for ns in held]
@@ -128,7 +128,7 @@ def cmd_namespaces(node: Node, args: argparse.Namespace) -> None:
           render.human_bytes(r["bytes"])] for r in rows]))
 
 
-def cmd_lookup(node: Node, args: argparse.Namespace) -> None:
+def cmd_lookup(node: RemoteNode, args: argparse.Namespace) -> None:
     ns = node.namespace(args.namespace)
     request = pb.LookupRequest(namespace_id=ns.namespace_id)
     if args.tokens is not None:
@@ -148,7 +148,7 @@ def cmd_lookup(node: Node, args: argparse.Namespace) -> None:
     render.emit(f"{answer.hit_pages} leading pages cached for {asked} ({where})")
 
 
-def cmd_delete(node: Node, args: argparse.Namespace) -> None:
+def cmd_delete(node: RemoteNode, args: argparse.Namespace) -> None:
     ns = node.namespace(args.namespace)
     answer = node.call("Delete", pb.DeleteRequest(namespace_id=ns.namespace_id, keys=_keys(args)))
     if args.json:
@@ -157,7 +157,7 @@ def cmd_delete(node: Node, args: argparse.Namespace) -> None:
     render.emit(f"deleted {answer.deleted_pages} pages (the given keys and every page extending them)")
 
 
-def cmd_drain(node: Node, args: argparse.Namespace) -> None:
+def cmd_drain(node: RemoteNode, args: argparse.Namespace) -> None:
     """A drain is SIGTERM, the same path `systemctl stop` takes; the kernel checks who may send it."""
     pid = args.pid or _server_pid(node.call("Hello", pb.HelloRequest(client_name="kvstore-cli")).shm_socket)
     try:
@@ -176,7 +176,7 @@ def cmd_drain(node: Node, args: argparse.Namespace) -> None:
     render.emit(f"draining kvstore-server pid {pid}: health {health or 'still SERVING'}; {after}")
 
 
-def cmd_bench(node: Node, args: argparse.Namespace) -> None:
+def cmd_bench(node: RemoteNode, args: argparse.Namespace) -> None:
     hello = node.call("Hello", pb.HelloRequest(client_name="kvstore-bench"))
     result = bench.run(node.target, hello, args.pages, args.page_bytes, args.rounds, node.timeout_s)
     if args.json:
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "lookup" and (args.tokens is None) == (not args.keys):
         parser.error("lookup takes --keys or --tokens (one of them)")
-    node = Node(args.target, args.timeout)
+    node = RemoteNode(args.target, args.timeout)
     try:
         args.run(node, args)
     except UsageError as exc:
