@@ -24,6 +24,7 @@ class Notifier:
         watched = not settings.watchdog_pid or settings.watchdog_pid == os.getpid()
         self.watchdog_usec = settings.watchdog_usec if watched else 0
         self._sock: socket.socket | None = None
+        self._failed = False
         if self.address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
 
@@ -43,8 +44,13 @@ class Notifier:
         try:
             self._sock.sendto("\n".join(lines).encode(), self.address)
         except OSError as exc:
-            log.warning("systemd notification failed socket=%s error=%s", self.address, exc.strerror)
+            if not self._failed:  # once: the watchdog would repeat it every few seconds
+                log.warning("systemd notification failed socket=%r error=%r", self.address, exc.strerror)
+            self._failed = True
             return False
+        if self._failed:
+            log.info("systemd notifications delivered again")
+            self._failed = False
         return True
 
     def ready(self, status: str) -> bool:

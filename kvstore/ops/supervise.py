@@ -2,7 +2,9 @@
 
 WATCHDOG=1 goes out only after `problem()` came back empty in this very pass, so a node
 whose service lock is stuck or whose lease reaper died stops pinging and systemd restarts
-it (WatchdogSec=). STATUS= is refreshed every STATUS_INTERVAL_S.
+it (WatchdogSec=). STATUS= is refreshed every STATUS_INTERVAL_S. The loop ends at SIGTERM;
+the drain that follows sends no WATCHDOG=1: systemd watches a running unit only, and a
+stopping one is bounded by TimeoutStopSec= instead.
 
 The loop wakes every POLL_S: a signal handler that sets `stop` does not wake a thread
 blocked in Event.wait, so this bounds how long SIGTERM waits to start the drain.

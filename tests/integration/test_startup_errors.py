@@ -53,23 +53,18 @@ def test_missing_config_file(tmp_path):
     refused(run_server(tmp_path, "--config", str(tmp_path / "absent.toml")), 2, "cannot read config file")
 
 
-def test_metrics_port_in_use(tmp_path):
+@pytest.mark.parametrize("flag, words", [
+    ("ops.metrics_address={}", "cannot bind metrics to {} (ops.metrics_address): Address already in use"),
+    ("server.grpc_address={}", "cannot bind gRPC to {}"),
+])
+def test_port_in_use(tmp_path, flag, words):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = taken.getsockname()[1]
-        result = run_server(tmp_path, "--set", f"ops.metrics_address=127.0.0.1:{port}")
-    refused(result, 1, f"cannot bind metrics to 127.0.0.1:{port} (ops.metrics_address): Address already in use")
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = run_server(tmp_path, "--set", flag.format(address))
+    refused(result, 1, words.format(address))
     assert not (tmp_path / "kvstore.sock").exists(), "a refused start leaves no socket behind"
-
-
-def test_grpc_port_in_use(tmp_path):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = run_server(tmp_path, "--grpc-address", f"127.0.0.1:{port}")
-    refused(result, 1, f"cannot bind gRPC to 127.0.0.1:{port}")
 
 
 def test_socket_directory_not_writable(tmp_path):

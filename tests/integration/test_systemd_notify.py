@@ -155,3 +155,11 @@ def test_watchdog_is_withheld_while_the_node_is_unhealthy(notify_socket):
         stop.set()
         loop.join(5)
         notifier.close()
+
+
+def test_an_unreachable_notify_socket_is_logged_once(tmp_path, caplog):
+    notifier = Notifier(SystemdConfig(notify_socket=str(tmp_path / "absent.sock"), watchdog_usec=1000))
+    with caplog.at_level("WARNING", logger="kvstore.ops.notify"):
+        assert [notifier.watchdog() for _ in range(5)] == [False] * 5
+    assert len(caplog.records) == 1 and "absent.sock" in caplog.records[0].getMessage()
+    notifier.close()
