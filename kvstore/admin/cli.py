@@ -99,10 +99,12 @@ def cmd_status(node: RemoteNode, args: argparse.Namespace) -> None:
                 f"expired {stats.leases_expired}  pages committed {stats.pages_committed}  "
                 f"checksum failures {stats.checksum_failures}")
     render.emit(render.table(
-        ["TIER", "CAPACITY", "USED", "FILL", "PAGES", "HITS", "MISSES", "HIT RATE", "EVICTIONS"],
+        ["TIER", "CAPACITY", "USED", "FILL", "PAGES", "HITS", "MISSES", "HIT RATE", "EVICTIONS", "PROMOTED",
+         "DEMOTED"],
         [[t["tier"], render.human_bytes(t["capacity_bytes"]), render.human_bytes(t["used_bytes"]),
           render.percent(t["used_bytes"], t["capacity_bytes"]), t["pages"], t["hits"], t["misses"],
-          render.percent(t["hits"], t["hits"] + t["misses"]), t["evictions"]] for t in tiers]))
+          render.percent(t["hits"], t["hits"] + t["misses"]), t["evictions"], t.get("promotions", "-"),
+          t.get("demotions", "-")] for t in tiers]))
 
 
 def cmd_health(node: RemoteNode, args: argparse.Namespace) -> None:

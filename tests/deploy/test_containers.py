@@ -59,6 +59,7 @@ def test_compose_file_shape():
         port = address.rsplit(":", 1)[1]
         assert published[port] == f"127.0.0.1:{port}:{port}", "published on the host's loopback only"
     assert float(node["stop_grace_period"].rstrip("s")) > settings.server.drain_timeout_s
+    assert settings.nvme.enabled and settings.nvme.paths == ("/var/lib/kvstore/nvme",), "the NVMe tier is on the volume"
     binds = [v for v in node["volumes"] if isinstance(v, dict)]
     assert binds[0]["target"] == str(Path(settings.shm.socket_path).parent)
 
@@ -97,11 +98,12 @@ def test_image_runs_the_console_scripts_the_tests_run():
 
 def test_entry_point_serves_with_the_image_config(tmp_path):
     ready = tmp_path / "ready.json"
-    # The image's config, with what a test host cannot give it: fixed ports, /run, a 4 GiB arena.
+    # The image's config, with what a test host cannot give it: fixed ports, /run, /var/lib, a 4 GiB arena.
     process = subprocess.Popen(
         [str(BIN / "kvstore-server"), "--config", str(IMAGE_CONFIG), "--grpc-address", "127.0.0.1:0",
          "--set", "ops.metrics_address=127.0.0.1:0", "--shm-socket", str(tmp_path / "kvstore.sock"),
-         "--arena-bytes", "64MiB", "--ready-file", str(ready)],
+         "--arena-bytes", "64MiB", "--ready-file", str(ready), "--set", f"nvme.paths={tmp_path / 'nvme-0'}",
+         "--set", "nvme.map_bytes=64MiB"],
         stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")})
     try:
         deadline = time.monotonic() + 30

@@ -67,6 +67,9 @@ def test_example_config_loads_and_fits_the_stop_timeout():
     settings = config.load(str(CONFIG), environ=environ)
     assert settings.shm.socket_path.startswith("/run/" + unit["RuntimeDirectory"][0] + "/")
     assert settings.server.drain_timeout_s < seconds(unit["TimeoutStopSec"][0])
+    state = "/var/lib/" + unit["StateDirectory"][0] + "/"
+    assert settings.nvme.paths and all(p.startswith(state) for p in settings.nvme.paths), \
+        "ProtectSystem=strict leaves only the state directory writable"
 
 
 def test_systemd_analyze_verify_is_silent(tmp_path):

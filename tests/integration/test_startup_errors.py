@@ -13,7 +13,8 @@ import pytest
 def run_server(tmp_path, *args, prefix=()):
     command = [*prefix, sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                "--shm-socket", str(tmp_path / "kvstore.sock"), "--set", "dram.slab_bytes=4MiB",
-               "--set", "dram.arena_bytes=16MiB", *args]
+               "--set", "dram.arena_bytes=16MiB", "--set", f"nvme.paths={tmp_path / 'nvme-0'}",
+               "--set", "nvme.map_bytes=64MiB", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
@@ -67,13 +68,30 @@ def test_port_in_use(tmp_path, flag, words):
     assert not (tmp_path / "kvstore.sock").exists(), "a refused start leaves no socket behind"
 
 
+# root writes anywhere; without CAP_DAC_OVERRIDE it meets the same mode bits as anyone
+AS_ANYONE = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search") if os.geteuid() == 0 else ()
+
+
 def test_socket_directory_not_writable(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
-    # root writes anywhere; without CAP_DAC_OVERRIDE it meets the same mode bits as anyone
-    prefix = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search") if os.geteuid() == 0 else ()
-    result = run_server(tmp_path, "--shm-socket", str(locked / "kvstore.sock"), prefix=prefix)
+    result = run_server(tmp_path, "--shm-socket", str(locked / "kvstore.sock"), prefix=AS_ANYONE)
     refused(result, 1, f"cannot listen on {locked / 'kvstore.sock'} (shm.socket_path): Permission denied")
+
+
+def test_shard_directory_not_writable(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    result = run_server(tmp_path, "--set", f"nvme.paths={locked / 'nvme-0'}", prefix=AS_ANYONE)
+    refused(result, 1, f"cannot open NVMe shard {locked / 'nvme-0'}", "Permission denied")
+
+
+def test_the_same_command_line_without_the_bad_setting_serves(tmp_path):
+    """The refusals above come from their one bad setting, not from the rest of the command line."""
+    result = run_server(tmp_path, "--ready-file", str(tmp_path / "ready.json"), "--set", "server.drain_timeout_s=0",
+                        prefix=("timeout", "--preserve-status", "-s", "TERM", "3"))
+    assert result.returncode == 0 and (tmp_path / "ready.json").exists(), result.stderr
+    assert not error_lines(result)
 
 
 def test_arena_larger_than_the_machine_can_give(tmp_path):

@@ -62,7 +62,7 @@ def notify_socket(tmp_path):
 def spawn(tmp_path, env, *extra):
     args = [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
             "--shm-socket", str(tmp_path / "kvstore.sock"), "--ready-file", str(tmp_path / "ready.json"),
-            "--arena-bytes", "16MiB", "--set", "dram.slab_bytes=4MiB", *extra]
+            "--arena-bytes", "16MiB", "--set", "dram.slab_bytes=4MiB", "--set", "nvme.enabled=false", *extra]
     return subprocess.Popen(args, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
