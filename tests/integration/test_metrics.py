@@ -119,19 +119,18 @@ def test_nvme_tier_moves_are_exported_per_tier(start_server, tmp_path):
     server = start_server({"nvme.enabled": "true", "nvme.paths": f"{tmp_path}/shard0", "nvme.map_bytes": "256MiB",
                            "dram.arena_bytes": "8MiB"})
     big = Namespace(model="tiers", page_bytes=1 << 20)
-    keys = [f"t{i}" for i in range(6)]
+    chains = [[f"c{chain}-{i}" for i in range(6)] for chain in range(3)]
     with KVStoreClient(server.address) as client:
-        assert client.put(big, keys, np.ones((6, 1 << 20), np.uint8)) == 6
-        deadline = time.monotonic() + 20  # write-through runs in the background
-        while value(scrape(server), "kvstore_tier_pages", tier="nvme") < 6:
-            assert time.monotonic() < deadline, "pages never reached the NVMe tier"
-            time.sleep(0.05)
-        for round_ in range(2):  # push the first chain out of DRAM, then read it back up
-            more = [f"u{round_}-{i}" for i in range(6)]
-            assert client.put(big, more, np.ones((6, 1 << 20), np.uint8)) == 6
-        assert client.get(big, keys, np.zeros((6, 1 << 20), np.uint8)) == 6
+        for written, keys in enumerate(chains, 1):  # 18 MiB through an 8 MiB arena: the first chain goes down
+            assert client.put(big, keys, np.ones((6, 1 << 20), np.uint8)) == 6
+            deadline = time.monotonic() + 20  # write-through runs in the background
+            while value(scrape(server), "kvstore_tier_pages", tier="nvme") < 6 * written:
+                assert time.monotonic() < deadline, "pages never reached the NVMe tier"
+                time.sleep(0.05)
+        assert client.get(big, chains[0], np.zeros((6, 1 << 20), np.uint8)) == 6  # promoted back up
     samples = scrape(server)
-    assert value(samples, "kvstore_tier_demotions_total", tier="dram") >= 6
+    assert value(samples, "kvstore_tier_demotions_total", tier="dram") == 18
     assert value(samples, "kvstore_tier_promotions_total", tier="dram") >= 1
-    assert value(samples, "kvstore_tier_bytes_in_total", tier="nvme") >= 6 << 20
+    assert value(samples, "kvstore_tier_bytes_in_total", tier="nvme") == 18 << 20
+    assert value(samples, "kvstore_tier_evictions_total", tier="dram") >= 10
     assert value(samples, "kvstore_tier_capacity_bytes", tier="nvme") == 256 << 20
