@@ -18,6 +18,7 @@ class ServerProcess:
         command = [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                    "--shm-socket", os.path.join(self.tmp.name, "kvstore.sock"), "--ready-file", ready,
                    "--set", "server.log_level=WARNING", "--set", "nvme.enabled=false",
+                   "--set", "ops.metrics_address=127.0.0.1:0",
                    *[a for s in settings for a in ("--set", s)]]
         if cpus:
             command = ["taskset", "-c", cpus, *command]

@@ -40,7 +40,8 @@ def start_node(workdir: str) -> tuple[subprocess.Popen, str]:
     node = subprocess.Popen([sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                              "--shm-socket", os.path.join(workdir, "kvstore.sock"), "--ready-file", ready,
                              "--arena-bytes", "1GiB", "--set", "server.log_level=WARNING",
-                             "--set", f"nvme.paths={os.path.join(workdir, 'nvme-0')}"])
+                             "--set", f"nvme.paths={os.path.join(workdir, 'nvme-0')}",
+                             "--set", "ops.metrics_address=127.0.0.1:0"])
     while not os.path.exists(ready):
         if node.poll() is not None:
             raise SystemExit("kvstore-server failed to start")

@@ -105,6 +105,22 @@ class RdmaConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OpsConfig:
+    metrics_address: str = "127.0.0.1:9452"  # Prometheus /metrics, host:port; port 0 picks one; "" = off
+    log_format: str = "text"                 # text, json or logfmt (one line per event)
+    reflection: bool = False                 # gRPC server reflection (grpc.reflection.v1alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemdConfig:
+    # Filled from systemd's own variables (NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID) when
+    # it runs the unit; "" / 0 = not under systemd (no notifications, no watchdog).
+    notify_socket: str = ""
+    watchdog_usec: int = 0
+    watchdog_pid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     dram: DramConfig = DramConfig()
@@ -115,6 +131,8 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     tcp: TcpConfig = TcpConfig()
     rdma: RdmaConfig = RdmaConfig()
+    ops: OpsConfig = OpsConfig()
+    systemd: SystemdConfig = SystemdConfig()
 
     @property
     def shm_socket_path(self) -> str:
@@ -159,12 +177,20 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None,
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG":
             _put(tree, _env_to_dotted(name), value)
+    for name, dotted in _SYSTEMD_ENV.items():
+        if environ.get(name):
+            _put(tree, dotted, environ[name])
     for item in overrides or ():
         dotted, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         _put(tree, dotted.strip(), value.strip())
     return _build(tree)
+
+
+# systemd's protocol variables (sd_notify(3), sd_watchdog_enabled(3)); the unit cannot rename them.
+_SYSTEMD_ENV = {"NOTIFY_SOCKET": "systemd.notify_socket", "WATCHDOG_USEC": "systemd.watchdog_usec",
+                "WATCHDOG_PID": "systemd.watchdog_pid"}
 
 
 def _env_to_dotted(name: str) -> str:
@@ -267,6 +293,10 @@ def _validate(config: Config) -> None:
         ("tcp.write_buffer_low_bytes", 0 <= config.tcp.write_buffer_low_bytes <= config.tcp.write_buffer_high_bytes,
          "must be between 0 and tcp.write_buffer_high_bytes"),
         ("rdma.queue_pairs_max", config.rdma.queue_pairs_max > 0, "must be positive"),
+        ("ops.metrics_address", not config.ops.metrics_address or ":" in config.ops.metrics_address,
+         'must look like host:port, or "" to serve no metrics'),
+        ("ops.log_format", config.ops.log_format in ("text", "json", "logfmt"), "must be text, json or logfmt"),
+        ("systemd.watchdog_usec", config.systemd.watchdog_usec >= 0, "must not be negative"),
     ]
     for dotted, ok, why in checks:
         if not ok:
@@ -281,6 +311,7 @@ _SECTION_TYPES: dict[str, type] = {
     "server": ServerConfig, "dram": DramConfig, "nvme": NvmeConfig, "controller": ControllerConfig,
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
     "tcp": TcpConfig, "rdma": RdmaConfig,
+    "ops": OpsConfig, "systemd": SystemdConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

@@ -3,8 +3,10 @@
     kvstore-server --config kvstore.toml --set dram.arena_bytes=4GiB
 
 Start-up either serves or exits non-zero with one line naming the problem. SIGTERM
-(or SIGINT) drains: new leases are refused, open ones may finish until
-server.drain_timeout_s, then the node stops and exits 0.
+(or SIGINT) drains: health turns NOT_SERVING, new leases are refused, open ones may
+finish until server.drain_timeout_s, then the node stops and exits 0. Under systemd
+(Type=notify) the node sends READY=1 once it serves, WATCHDOG=1 while it is alive and
+STOPPING=1 when the drain starts (kvstore/ops/).
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ from kvstore.control.grpc_server import create_server
 from kvstore.control import recovery
 from kvstore.control.local_server import LocalServer
 from kvstore.control.service import KVStoreService
+from kvstore.ops import logs
+from kvstore.ops.health import HealthState
+from kvstore.ops.metrics import Metrics
+from kvstore.ops.notify import Notifier
+from kvstore.ops.supervise import serve_until_stopped
 from kvstore.tiers.dram import Arena
 from kvstore.transport.tcp import TcpServer, TcpSettings
 from kvstore_client.errors import TransportUnavailable
 from kvstore.tiers.nvme import NvmeTier
+from kvstore_client.proto import pb
 
 log = logging.getLogger("kvstore.server")
 
@@ -37,11 +45,16 @@ class Node:
 
     def __init__(self, config: Config):
         self.config = config
-        self.arena = Arena(config.dram.arena_bytes, config.dram.hugepages, config.dram.prefault)
+        try:
+            self.arena = Arena(config.dram.arena_bytes, config.dram.hugepages, config.dram.prefault)
+        except OSError as exc:
+            raise OSError(f"cannot allocate the DRAM arena of {config.dram.arena_bytes} bytes "
+                          f"(dram.arena_bytes): {exc.strerror}") from None
         self.local: LocalServer | None = None
         self.tcp: TcpServer | None = None
         self.rdma = None
         self.nvme: NvmeTier | None = None
+        self.metrics: Metrics | None = None
         try:
             if config.nvme.enabled:
                 self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes, config.nvme.io_threads)
@@ -50,9 +63,14 @@ class Node:
             if self.nvme:
                 report = recovery.rebuild(self.nvme, self.service.index, self.service.namespaces)
                 self.service.counters.recovered_pages = report.pages
+            grpc_service = local_service = self.service
+            if config.ops.metrics_address:
+                self.metrics = Metrics(self.service)
+                grpc_service = self.metrics.instrument(self.service, "grpc")
+                local_service = self.metrics.instrument(self.service, "local")
             if socket_path:
-                self.local = LocalServer(socket_path, self.service, self.arena.fd, config.allowed_uids)
-            self.grpc, self.grpc_port = create_server(self.service, config.server.grpc_address,
+                self.local = _listen_local(socket_path, local_service, self.arena.fd, config)
+            self.grpc, self.grpc_port = create_server(grpc_service, config.server.grpc_address,
                                                       config.server.grpc_workers)
             if config.tcp.enabled:
                 self.tcp = _tcp_server(config, self.service)
@@ -66,7 +84,12 @@ class Node:
                 except TransportUnavailable as exc:
                     raise OSError(f"rdma.enabled is set but {exc}") from None
                 self.service.rdma = self.rdma
+            self.health = HealthState(self.grpc, config.ops.reflection)
+            if self.metrics is not None:
+                self.metrics.serve(config.ops.metrics_address)
         except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
             if self.local is not None:
                 self.local.close()
             if self.tcp is not None:
@@ -83,6 +106,10 @@ class Node:
         host = self.config.server.grpc_address.rsplit(":", 1)[0]
         return f"{host}:{self.grpc_port}"
 
+    @property
+    def metrics_port(self) -> int:
+        return self.metrics.port if self.metrics is not None else 0
+
     def start(self) -> None:
         self.grpc.start()
         if self.local is not None:
@@ -90,9 +117,25 @@ class Node:
         if self.service.controller:
             self.service.controller.start()
         self._reaper.start()
+        self.health.serving()
+
+    def problem(self) -> str:
+        """"" while the node works; what is wrong otherwise. Blocks if the service lock is stuck."""
+        if not self._reaper.is_alive():
+            return "the lease reaper thread died"
+        self.service.open_leases()  # takes the service lock
+        return ""
+
+    def status(self) -> str:
+        stats = self.service.handle("Stats", pb.StatsRequest())
+        pages = sum(t.pages for t in stats.tiers)
+        used = sum(t.used_bytes for t in stats.tiers)
+        return f"serving pages={pages} used_bytes={used} leases_open={stats.leases_open}"
 
     def drain_and_stop(self) -> None:
-        deadline = time.monotonic() + self.config.server.drain_timeout_s
+        started = time.monotonic()
+        deadline = started + self.config.server.drain_timeout_s
+        self.health.draining()
         self.service.start_draining()
         open_leases = self.service.open_leases()
         log.info("draining started open_leases=%d timeout_s=%.1f", open_leases, self.config.server.drain_timeout_s)
@@ -111,7 +154,9 @@ class Node:
             self.service.controller.stop()
         if self.nvme is not None:
             self.nvme.close()
-        log.info("draining complete open_leases_left=%d", open_leases)
+        if self.metrics is not None:
+            self.metrics.close()
+        log.info("draining complete open_leases_left=%d duration_s=%.3f", open_leases, time.monotonic() - started)
 
     def _reap_loop(self) -> None:
         interval = self.config.leases.reap_interval_ms / 1000
@@ -131,6 +176,15 @@ def _tcp_server(config: Config, resolver: KVStoreService) -> TcpServer:
         write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion), resolver)
 
 
+def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Config) -> LocalServer:
+    try:
+        return LocalServer(path, service, arena_fd, config.allowed_uids)
+    except OSError as exc:
+        if exc.errno is None:  # already says what is wrong (another server, not a socket)
+            raise
+        raise OSError(f"cannot listen on {path} (shm.socket_path): {exc.strerror}") from None
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvstore-server", description="kvstore node: a tiered KV-cache store.")
     parser.add_argument("--config", help="TOML configuration file")
@@ -146,7 +200,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _write_ready_file(path: str, node: Node) -> None:
     info = {"pid": os.getpid(), "grpc_address": node.grpc_address, "grpc_port": node.grpc_port,
-            "shm_socket": node.local.path if node.local else "", "tcp_endpoint": node.service.tcp_endpoint}
+            "shm_socket": node.local.path if node.local else "", "tcp_endpoint": node.service.tcp_endpoint,
+            "metrics_port": node.metrics_port}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(info, f)
@@ -163,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"kvstore-server: configuration error: {exc}\n")
         return 2
-    logging.basicConfig(level=config.server.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(config.ops.log_format, config.server.log_level)
     log.info("effective configuration %s", json.dumps(config_module.as_dict(config), sort_keys=True))
+    started = time.monotonic()
+    notifier = Notifier(config.systemd)
     try:
         node = Node(config)
     except (OSError, RuntimeError) as exc:
@@ -177,11 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     node.start()
     if config.server.ready_file:
         _write_ready_file(config.server.ready_file, node)
-    log.info("serving version=%s grpc=%s shm_socket=%s arena_bytes=%d", __version__, node.grpc_address,
-             node.local.path if node.local else "-", config.dram.arena_bytes)
-    while not stop.wait(1.0):
-        pass
+    log.info("serving version=%s grpc=%s shm_socket=%s metrics_port=%d arena_bytes=%d startup_s=%.3f",
+             __version__, node.grpc_address, node.local.path if node.local else "-", node.metrics_port,
+             config.dram.arena_bytes, time.monotonic() - started)
+    notifier.ready(node.status())
+    serve_until_stopped(stop, notifier, node.problem, node.status)
+    notifier.stopping(f"draining open_leases={node.service.open_leases()}")
     node.drain_and_stop()
+    notifier.close()
     return 0
 
 

@@ -14,6 +14,8 @@ from typing import Iterator
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Every server a test starts binds its metrics on a free port (the default is a fixed one).
+os.environ.setdefault("KVSTORE_OPS_METRICS_ADDRESS", "127.0.0.1:0")
 
 
 class ServerProcess:

@@ -55,6 +55,8 @@ class Counters:
         self.write_queue_drops = 0
         self.nvme_write_errors = 0
         self.recovered_pages = 0
+        self.bytes_reserved = 0      # page bytes of slots granted for writing (clients copy into them)
+        self.bytes_acquired = 0      # page bytes of pages leased for reading (clients copy out of them)
 
 
 class KVStoreService:
@@ -178,6 +180,7 @@ class KVStoreService:
                 states[i], offsets[i] = pb.RESERVED, offset
             for i in wanted[len(granted):]:
                 states[i] = pb.NO_SPACE
+            self.counters.bytes_reserved += len(granted) * namespace.page_bytes
             if not lease.slots and not request.lease_id:
                 self._end_lease(lease)
                 if wanted:
@@ -275,6 +278,7 @@ class KVStoreService:
             lease.pinned = records
             if self.controller:
                 self.controller.on_hit(records)
+            self.counters.bytes_acquired += len(records) * namespace.page_bytes
         return pb.AcquireResponse(
             lease_id=lease.lease_id, hit_pages=len(records), offsets=[r.offset for r in records],
             checksums=[r.checksum for r in records], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms,

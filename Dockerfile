@@ -1,0 +1,27 @@
+# kvstore node image. Build from the repository root: `docker compose build`.
+# The entry point is the `kvstore-server` console script, the same one the tests start;
+# `kvstore` (the admin CLI) is in the image too and serves as the health check.
+FROM python:3.11-slim
+
+RUN groupadd --system --gid 990 kvstore \
+ && useradd --system --uid 990 --gid kvstore --no-create-home --shell /usr/sbin/nologin kvstore
+
+WORKDIR /src
+COPY clients/python /src/clients/python
+COPY pyproject.toml README.md /src/
+COPY kvstore /src/kvstore
+RUN pip install --no-cache-dir ./clients/python ./ && rm -rf /src
+WORKDIR /
+
+COPY deploy/docker/kvstore.toml /etc/kvstore/kvstore.toml
+RUN mkdir -p /run/kvstore /var/lib/kvstore/nvme \
+ && chown kvstore:kvstore /run/kvstore /var/lib/kvstore/nvme
+USER kvstore
+
+EXPOSE 50051 9452
+VOLUME ["/var/lib/kvstore/nvme"]
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["kvstore", "--target", "127.0.0.1:50051", "--timeout", "3", "health"]
+ENTRYPOINT ["kvstore-server"]
+CMD ["--config", "/etc/kvstore/kvstore.toml"]

@@ -1,0 +1,1 @@
+"""Operator tools for a running node: the `kvstore` command."""

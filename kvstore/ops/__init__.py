@@ -1,0 +1,1 @@
+"""Running a node as a service: systemd notifications, metrics, health, structured logs."""

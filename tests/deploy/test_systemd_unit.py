@@ -1,0 +1,108 @@
+"""The systemd unit: systemd-analyze verify prints nothing, the security exposure stays under
+the threshold, and the unit keeps what kvstore needs (notify + watchdog, a fixed user, pinned
+memory, devices and shared memory left reachable) with a config file that loads."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from kvstore import config
+from deploy_tools import require_tool
+
+ROOT = Path(__file__).resolve().parents[2]
+UNIT = ROOT / "deploy" / "systemd" / "kvstore.service"
+CONFIG = ROOT / "deploy" / "systemd" / "kvstore.toml"
+# systemd-analyze security rates exposure 0.0 (locked down) to 10.0; --threshold is in tenths.
+EXPOSURE_MAX_TENTHS = 25
+
+
+def directives(text: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith(("#", "[")) and "=" in line:
+            key, _, value = line.partition("=")
+            found.setdefault(key.strip(), []).append(value.strip())
+    return found
+
+
+def seconds(text: str) -> float:
+    match = re.fullmatch(r"(\d+)(s|min)?", text)
+    assert match, text
+    return int(match[1]) * (60 if match[2] == "min" else 1)
+
+
+def verifiable_copy(tmp_path: Path, text: str) -> Path:
+    """The unit with ExecStart pointing at this checkout's installed console script (verify checks it exists)."""
+    program = directives(text)["ExecStart"][0].split()[0]
+    installed = Path(sys.executable).with_name(Path(program).name)
+    assert installed.exists(), f"{installed} is not installed"
+    path = tmp_path / "kvstore.service"
+    path.write_text(text.replace(f"ExecStart={program}", f"ExecStart={installed}"))
+    return path
+
+
+def test_unit_keeps_what_kvstore_needs():
+    unit = directives(UNIT.read_text())
+    one = {key: values[-1] for key, values in unit.items()}
+    assert one["Type"] == "notify" and one["NotifyAccess"] == "main"
+    assert 0 < seconds(one["WatchdogSec"])
+    assert one["User"] == "kvstore" and "DynamicUser" not in unit
+    assert one["LimitMEMLOCK"] == "infinity"
+    for hides_devices_or_ipc in ("PrivateDevices", "PrivateUsers", "PrivateIPC", "MemoryDenyWriteExecute"):
+        assert one.get(hides_devices_or_ipc, "no") == "no", hides_devices_or_ipc
+    program = one["ExecStart"].split()[0]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts[Path(program).name] == "kvstore.server:main"
+
+
+def test_example_config_loads_and_fits_the_stop_timeout():
+    unit = directives(UNIT.read_text())
+    environ = dict(value.split("=", 1) for value in unit["Environment"])
+    config_path = unit["ExecStart"][0].split("--config", 1)[1].split()[0]
+    assert config_path == "/etc/kvstore/kvstore.toml" and "kvstore" in unit["ConfigurationDirectory"]
+    settings = config.load(str(CONFIG), environ=environ)
+    assert settings.shm.socket_path.startswith("/run/" + unit["RuntimeDirectory"][0] + "/")
+    assert settings.server.drain_timeout_s < seconds(unit["TimeoutStopSec"][0])
+    state = "/var/lib/" + unit["StateDirectory"][0] + "/"
+    assert settings.nvme.paths and all(p.startswith(state) for p in settings.nvme.paths), \
+        "ProtectSystem=strict leaves only the state directory writable"
+
+
+def test_systemd_analyze_verify_is_silent(tmp_path):
+    analyze = require_tool("systemd-analyze", "systemd")
+    result = subprocess.run([analyze, "verify", "--man=no", str(verifiable_copy(tmp_path, UNIT.read_text()))],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_verify_check_catches_a_broken_unit(tmp_path):
+    analyze = require_tool("systemd-analyze", "systemd")
+    broken = UNIT.read_text().replace("Type=notify", "Type=notfy")
+    result = subprocess.run([analyze, "verify", "--man=no", str(verifiable_copy(tmp_path, broken))],
+                            capture_output=True, text=True, timeout=60)
+    assert "Failed to parse service type" in result.stderr
+
+
+def test_security_exposure_under_threshold(tmp_path):
+    analyze = require_tool("systemd-analyze", "systemd")
+    unit = verifiable_copy(tmp_path, UNIT.read_text())
+    result = subprocess.run([analyze, "security", "--offline=true", f"--threshold={EXPOSURE_MAX_TENTHS}", str(unit)],
+                            capture_output=True, text=True, timeout=60)
+    level = re.search(r"Overall exposure level for kvstore.service: (\d+\.\d)", result.stdout)
+    assert level, result.stdout + result.stderr
+    assert result.returncode == 0, f"exposure {level[1]} over {EXPOSURE_MAX_TENTHS / 10}"
+    loose = tmp_path / "loose" / "kvstore.service"
+    loose.parent.mkdir()
+    loose.write_text("[Service]\nType=notify\nExecStart=/bin/true\n")
+    assert subprocess.run([analyze, "security", "--offline=true", f"--threshold={EXPOSURE_MAX_TENTHS}", str(loose)],
+                          capture_output=True, timeout=60).returncode != 0, "the threshold must reject a bare unit"
+
+
+@pytest.mark.parametrize("path", ["deploy/systemd/kvstore.sysusers"])
+def test_sysusers_creates_the_unit_user(path):
+    fields = (ROOT / path).read_text().splitlines()[-1].split()
+    assert fields[:2] == ["u", "kvstore"]
