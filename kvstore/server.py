@@ -20,6 +20,7 @@ import time
 
 from kvstore import __version__, config as config_module
 from kvstore.config import Config, ConfigError
+from kvstore.control.event_subscriber import EventSubscriber
 from kvstore.control.grpc_server import create_server
 from kvstore.control.local_server import LocalServer
 from kvstore.control.service import KVStoreService
@@ -42,6 +43,7 @@ class Node:
                 self.local = LocalServer(socket_path, self.service, self.arena.fd, config.allowed_uids)
             self.grpc, self.grpc_port = create_server(self.service, config.server.grpc_address,
                                                       config.server.grpc_workers)
+            self.subscribers = _subscribers(config, self.service)
         except BaseException:
             if self.local is not None:
                 self.local.close()
@@ -60,6 +62,8 @@ class Node:
         if self.local is not None:
             self.local.start()
         self._reaper.start()
+        for subscriber in self.subscribers:
+            subscriber.start()
 
     def drain_and_stop(self) -> None:
         deadline = time.monotonic() + self.config.server.drain_timeout_s
@@ -70,6 +74,8 @@ class Node:
             time.sleep(0.05)
             open_leases = self.service.open_leases()
         self._stop.set()
+        for subscriber in self.subscribers:
+            subscriber.stop()
         self.grpc.stop(grace=1.0).wait()
         if self.local is not None:
             self.local.close()
@@ -82,6 +88,16 @@ class Node:
                 self.service.reap_expired()
             except Exception:  # the reaper must outlive a bug in one pass
                 log.exception("lease reaping failed")
+
+
+def _subscribers(config: Config, service: KVStoreService) -> list[EventSubscriber]:
+    events = config.events
+    replays = events.replay_endpoints or ("",) * len(events.endpoints)
+    try:
+        return [EventSubscriber(engine_id, endpoint, replay, events.topic, service.engines, events.replay_timeout_ms)
+                for engine_id, endpoint, replay in zip(events.engine_ids, events.endpoints, replays)]
+    except ImportError as exc:
+        raise OSError(f"[events] needs pyzmq and msgspec ({exc}): pip install 'kvstore[events]'") from None
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

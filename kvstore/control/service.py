@@ -17,6 +17,8 @@ import xxhash
 
 from kvstore import __version__
 from kvstore.config import Config
+from kvstore.control import route
+from kvstore.control.engine_index import EngineIndex
 from kvstore.control.index import PageIndex, PageRecord
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
 from kvstore.limits import Limits
@@ -52,12 +54,15 @@ class KVStoreService:
         self.namespaces: dict[int, Namespace] = {}
         self.pending: dict[tuple[int, bytes], int] = {}   # reserved, uncommitted page -> lease id
         self.counters = Counters()
+        # The ENGINE tier: pages engines hold in their own memory, fed by their KV events.
+        self.engines = EngineIndex(config.events.blocks_max, config.events.hash_seed)
         self.draining = False
         self.lock = threading.Lock()
         self._methods: dict[str, Callable[[Any, object | None], Any]] = {
             "Hello": self.hello, "OpenNamespace": self.open_namespace, "Lookup": self.lookup,
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
             "Acquire": self.acquire, "Release": self.release, "Delete": self.delete, "Stats": self.stats,
+            "Route": self.route,
         }
 
     def handle(self, method: str, request: Any, owner: object | None = None) -> Any:
@@ -270,6 +275,18 @@ class KVStoreService:
             return pb.StatsResponse(
                 tiers=[dram], namespaces=namespaces, leases_open=len(self.leases), leases_expired=c.leases_expired,
                 pages_committed=c.pages_committed, checksum_failures=c.checksum_failures)
+
+    def route(self, request: pb.RouteRequest, owner: object | None) -> pb.RouteResponse:
+        namespace = self._namespace(request.namespace_id)
+        keys = self._lookup_keys(namespace, request)
+        engine_ids = route.check_engine_ids(request.engine_ids, self.config.route.engines_max)
+        with self.lock:
+            store_tiers = [pb.DRAM] * len(self.index.leading(request.namespace_id, keys))
+        weights = self.config.route
+        scores = route.score_engines(
+            engine_ids, store_tiers, self.engines.holders(keys, engine_ids), len(keys),
+            route.Weights(weights.weight_engine_gpu, weights.weight_engine_host, weights.weight_dram, weights.weight_nvme))
+        return pb.RouteResponse(scores=scores, best_engine_id=route.best_engine(scores))
 
     # -- lifecycle hooks for the carriers and the server --------------------------------
 
