@@ -1,25 +1,36 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    virtualenv + install, then a kvstore node on the embedded default and a short client run
+#   make run    virtualenv + install, then the TTFT demo: a multi-turn chat on a small Llama, recompute vs kvstore
 #   make test   virtualenv + install (with test extras), then the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench proto clean
+.PHONY: install run quickstart test bench proto clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e "./clients/python[fast]" -e ".[test]"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e "./clients/python[fast]" -e ".[test,events,demo]"
+	touch $@
+
+# vLLM's own KV-event classes and publisher for the event tests: vllm without its CUDA
+# dependencies (it pins a CUDA torch), plus what vllm.distributed.kv_events imports.
+VLLM_STAMP := $(VENV)/.vllm-installed
+$(VLLM_STAMP): $(STAMP) requirements/vllm-events.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps vllm==0.33.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements/vllm-events.txt
 	touch $@
 
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/ttft_demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
+
+quickstart: $(STAMP)
+	$(BIN)/python examples/quickstart.py
 
 bench: $(STAMP)
 	mkdir -p bench/results
