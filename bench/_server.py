@@ -12,15 +12,17 @@ import time
 
 
 class ServerProcess:
-    def __init__(self, *settings: str, cpus: str | None = None):
+    def __init__(self, *settings: str, cpus: str | None = None, log_path: str | None = None):
         self.tmp = tempfile.TemporaryDirectory(prefix="kvstore-bench-")
         ready = os.path.join(self.tmp.name, "ready.json")
         command = [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                    "--shm-socket", os.path.join(self.tmp.name, "kvstore.sock"), "--ready-file", ready,
-                   "--set", "server.log_level=WARNING", *[a for s in settings for a in ("--set", s)]]
+                   "--set", "server.log_level=WARNING", "--set", "nvme.enabled=false",
+                   *[a for s in settings for a in ("--set", s)]]
         if cpus:
             command = ["taskset", "-c", cpus, *command]
-        self.process = subprocess.Popen(command)
+        self._log = open(log_path, "ab") if log_path else None
+        self.process = subprocess.Popen(command, stderr=self._log)
         deadline = time.monotonic() + 60
         while not os.path.exists(ready):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -32,4 +34,6 @@ class ServerProcess:
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(30)
+        if self._log:
+            self._log.close()
         self.tmp.cleanup()

@@ -2,8 +2,8 @@
 
     python examples/quickstart.py
 
-Starts `kvstore-server` (DRAM tier, gRPC on a free loopback port, its Unix socket in a temp
-dir), then acts as an engine would: hashes a long prompt into page keys, stores each page's
+Starts `kvstore-server` on the embedded default (DRAM tier + one LMDB shard, here in a temp
+dir; gRPC on a free loopback port, its Unix socket beside it), then acts as an engine would: hashes a long prompt into page keys, stores each page's
 KV bytes, asks how much of a follow-up prompt is cached, loads those pages back and checks
 them. Prints hits and GB/s, then stops the node with SIGTERM.
 """
@@ -39,7 +39,8 @@ def start_node(workdir: str) -> tuple[subprocess.Popen, str]:
     ready = os.path.join(workdir, "ready.json")
     node = subprocess.Popen([sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                              "--shm-socket", os.path.join(workdir, "kvstore.sock"), "--ready-file", ready,
-                             "--arena-bytes", "1GiB", "--set", "server.log_level=WARNING"])
+                             "--arena-bytes", "1GiB", "--set", "server.log_level=WARNING",
+                             "--set", f"nvme.paths={os.path.join(workdir, 'nvme-0')}"])
     while not os.path.exists(ready):
         if node.poll() is not None:
             raise SystemExit("kvstore-server failed to start")

@@ -41,6 +41,25 @@ class DramConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NvmeConfig:
+    enabled: bool = True
+    paths: tuple[str, ...] = ()             # one LMDB shard per directory; () = <cache dir>/kvstore/nvme-0
+    map_bytes: int = 16 << 30               # upper bound of each shard's file; full -> evict
+    io_threads: int = 8                     # page reads in flight at once (promotion)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    write_policy: str = "write_through"     # write_through | write_through_selective | write_back
+    selective_hits: int = 2                 # write_through_selective: hits before a page is written down
+    high_watermark: float = 0.9             # write_back: DRAM fill above which LRU pages are written down
+    queue_pages_max: int = 8192             # pages waiting to be written down or prefetched
+    write_batch_pages: int = 64             # pages per LMDB write transaction
+    prefetch_timeout_ms: int = 1000         # TIMEOUT policy default, and the bound of background prefetch
+    promote_wait_ms_max: int = 10_000       # WAIT_COMPLETE waits at most this long
+
+
+@dataclasses.dataclass(frozen=True)
 class ShmConfig:
     enabled: bool = True
     socket_path: str = ""                   # "" = <tmp>/kvstore-<uid>/kvstore.sock
@@ -87,6 +106,8 @@ class RouteConfig:
 class Config:
     server: ServerConfig = ServerConfig()
     dram: DramConfig = DramConfig()
+    nvme: NvmeConfig = NvmeConfig()
+    controller: ControllerConfig = ControllerConfig()
     shm: ShmConfig = ShmConfig()
     leases: LeaseConfig = LeaseConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -98,6 +119,13 @@ class Config:
         if self.shm.socket_path:
             return self.shm.socket_path
         return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}", "kvstore.sock")
+
+    @property
+    def nvme_paths(self) -> tuple[str, ...]:
+        if self.nvme.paths:
+            return self.nvme.paths
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return (os.path.join(cache, "kvstore", "nvme-0"),)
 
     @property
     def allowed_uids(self) -> frozenset[int]:
@@ -191,9 +219,8 @@ def _parse(dotted: str, kind: Any, value: Any) -> Any:
                 raise ValueError
             return value
         if typing.get_origin(kind) is tuple:
-            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
-            item_kind = typing.get_args(kind)[0]
-            return tuple(_parse(dotted, item_kind, v.strip() if isinstance(v, str) else v) for v in items)
+            items = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
+            return tuple(_parse(dotted, typing.get_args(kind)[0], v) for v in items)
     except (ValueError, TypeError):
         pass
     raise ConfigError(f"{dotted}: cannot read {value!r} as {getattr(kind, '__name__', kind)}")
@@ -224,6 +251,15 @@ def _validate(config: Config) -> None:
         ("server.log_level", config.server.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
          "must be DEBUG, INFO, WARNING or ERROR"),
         ("server.grpc_address", ":" in config.server.grpc_address, "must look like host:port"),
+        ("nvme.map_bytes", config.nvme.map_bytes >= 1 << 20, "must be at least 1MiB"),
+        ("nvme.io_threads", 0 < config.nvme.io_threads <= 256, "must be 1 to 256"),
+        ("controller.write_policy", config.controller.write_policy in
+         ("write_through", "write_through_selective", "write_back"),
+         "must be write_through, write_through_selective or write_back"),
+        ("controller.selective_hits", config.controller.selective_hits >= 1, "must be at least 1"),
+        ("controller.high_watermark", 0 < config.controller.high_watermark <= 1, "must be in (0, 1]"),
+        ("controller.queue_pages_max", config.controller.queue_pages_max > 0, "must be positive"),
+        ("controller.write_batch_pages", config.controller.write_batch_pages > 0, "must be positive"),
     ]
     checks += _events_checks(config.events) + _route_checks(config.route)
     for dotted, ok, why in checks:
@@ -272,8 +308,8 @@ def as_dict(config: Config) -> dict[str, Any]:
 
 
 _SECTION_TYPES: dict[str, type] = {
-    "server": ServerConfig, "dram": DramConfig, "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
-    "events": EventsConfig, "route": RouteConfig,
+    "server": ServerConfig, "dram": DramConfig, "nvme": NvmeConfig, "controller": ControllerConfig,
+    "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig, "events": EventsConfig, "route": RouteConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

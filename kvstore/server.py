@@ -22,9 +22,11 @@ from kvstore import __version__, config as config_module
 from kvstore.config import Config, ConfigError
 from kvstore.control.event_subscriber import EventSubscriber
 from kvstore.control.grpc_server import create_server
+from kvstore.control import recovery
 from kvstore.control.local_server import LocalServer
 from kvstore.control.service import KVStoreService
 from kvstore.tiers.dram import Arena
+from kvstore.tiers.nvme import NvmeTier
 
 log = logging.getLogger("kvstore.server")
 
@@ -36,9 +38,15 @@ class Node:
         self.config = config
         self.arena = Arena(config.dram.arena_bytes, config.dram.hugepages, config.dram.prefault)
         self.local: LocalServer | None = None
+        self.nvme: NvmeTier | None = None
         try:
+            if config.nvme.enabled:
+                self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes, config.nvme.io_threads)
             socket_path = config.shm_socket_path if config.shm.enabled else ""
-            self.service = KVStoreService(config, self.arena, shm_socket=socket_path)
+            self.service = KVStoreService(config, self.arena, shm_socket=socket_path, nvme=self.nvme)
+            if self.nvme:
+                report = recovery.rebuild(self.nvme, self.service.index, self.service.namespaces)
+                self.service.counters.recovered_pages = report.pages
             if socket_path:
                 self.local = LocalServer(socket_path, self.service, self.arena.fd, config.allowed_uids)
             self.grpc, self.grpc_port = create_server(self.service, config.server.grpc_address,
@@ -47,6 +55,8 @@ class Node:
         except BaseException:
             if self.local is not None:
                 self.local.close()
+            if self.nvme is not None:
+                self.nvme.close()
             self.arena.close()
             raise
         self._stop = threading.Event()
@@ -61,6 +71,8 @@ class Node:
         self.grpc.start()
         if self.local is not None:
             self.local.start()
+        if self.service.controller:
+            self.service.controller.start()
         self._reaper.start()
         for subscriber in self.subscribers:
             subscriber.start()
@@ -79,6 +91,10 @@ class Node:
         self.grpc.stop(grace=1.0).wait()
         if self.local is not None:
             self.local.close()
+        if self.service.controller:
+            self.service.controller.stop()
+        if self.nvme is not None:
+            self.nvme.close()
         log.info("draining complete open_leases_left=%d", open_leases)
 
     def _reap_loop(self) -> None:

@@ -26,7 +26,8 @@ class ServerProcess:
         self.log_path = workdir / "server.log"
         args = [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                 "--shm-socket", self.socket_path, "--ready-file", str(self.ready_file)]
-        for key, value in {"dram.arena_bytes": "64MiB", "dram.slab_bytes": "4MiB", **settings}.items():
+        defaults = {"dram.arena_bytes": "64MiB", "dram.slab_bytes": "4MiB", "nvme.enabled": "false"}
+        for key, value in {**defaults, **settings}.items():
             args += ["--set", f"{key}={value}"]
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,

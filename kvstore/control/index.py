@@ -1,53 +1,73 @@
-"""The prefix-closed page index.
+"""The prefix-closed page index over every tier.
 
-Every page record knows its parent, and a page is only kept while its parent is kept:
-eviction takes leaves only (least recently used first, like a radix tree's), and delete
-takes a page with everything that extends it. So "how many leading pages of this chain
-are cached" is one pass that stops at the first miss, and no byte is spent on a page
-that could never be reached.
+Every page record knows its parent, and a page stays in the index only while its parent
+does: so "how many leading pages of this chain are cached" is one pass that stops at the
+first miss, and no byte is spent on a page that could never be reached. A page lives in
+DRAM (an arena slot), on NVMe, or both:
+- DRAM eviction takes the least recently used unpinned page that is either also on NVMe
+  (only its DRAM copy goes) or a leaf (it leaves the index).
+- NVMe eviction takes the least recently used page with no child on NVMe (so what survives
+  a restart stays prefix-closed), dropping only its NVMe copy when it is also in DRAM.
+- Delete takes a page with everything that extends it.
 
 Not thread-safe: the service's lock guards every call.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from typing import Callable, Iterator
 
 PageId = tuple[int, bytes]  # (namespace_id, key)
+NO_SLOT = -1
 
 
 class PageRecord:
     __slots__ = ("page_id", "parent", "children", "offset", "slot_bytes", "checksum",
-                 "pins", "hits", "tick", "alive")
+                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued")
 
     def __init__(self, page_id: PageId, parent: "PageRecord | None", offset: int, slot_bytes: int, checksum: int):
         self.page_id = page_id
         self.parent = parent
         self.children: set[PageRecord] | None = None
-        self.offset = offset
+        self.offset = offset       # DRAM slot, or NO_SLOT
         self.slot_bytes = slot_bytes
         self.checksum = checksum
-        self.pins = 0          # leases holding this page; a pinned page is never evicted
+        self.pins = 0              # leases and moves holding this page; a pinned page is never evicted
         self.hits = 0
-        self.tick = 0          # logical time of the last access
-        self.alive = True      # False once removed from the index
+        self.tick = 0              # logical time of the last access
+        self.alive = True          # False once removed from the index
+        self.on_nvme = False
+        self.busy = False          # being written down or promoted by the controller
+        self.queued = False        # waiting in the controller's write-down queue
 
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def in_dram(self) -> bool:
+        return self.offset != NO_SLOT
+
+
+_Entry = tuple[int, int, PageRecord]
+
 
 class PageIndex:
-    def __init__(self, on_free: Callable[[PageRecord], None]):
+    def __init__(self, on_removed: Callable[[PageRecord], None], on_dram_dropped: Callable[[PageRecord], None]):
         self._pages: dict[PageId, PageRecord] = {}
-        # Per slot size: heap of (tick, seq, record) over leaves. Entries go stale when the
-        # record is touched again, gains a child or leaves the index; they are skipped.
-        self._leaves: dict[int, list[tuple[int, int, PageRecord]]] = {}
+        # Heaps of (tick, seq, record); entries go stale when the record is touched again or
+        # changes state, and are skipped when popped. DRAM ones are per slot size.
+        self._dram: dict[int, list[_Entry]] = {}
+        self._nvme: list[_Entry] = []
         self._clock = itertools.count(1)
         self._seq = itertools.count()
-        self._on_free = on_free          # called when a removed page's slot may be reused
+        self._on_removed = on_removed          # a removed, unpinned page: free what it held
+        self._on_dram_dropped = on_dram_dropped  # a page's DRAM copy may be reused
         self.pages_by_namespace: dict[int, int] = {}
+        self.dram_pages = 0
+        self.nvme_pages = 0
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -58,33 +78,34 @@ class PageIndex:
     def get(self, page_id: PageId) -> PageRecord | None:
         return self._pages.get(page_id)
 
-    def insert(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
-               checksum: int) -> PageRecord:
-        record = self.add(page_id, parent, offset, slot_bytes, checksum)
-        self.touch(record)
-        return record
+    def records(self) -> Iterator[PageRecord]:
+        return iter(self._pages.values())
 
     def add(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
-            checksum: int) -> PageRecord:
+            checksum: int, on_nvme: bool = False) -> PageRecord:
         """Insert without an access tick; the caller touches the new pages (see touch_all)."""
         assert page_id not in self._pages, "a committed page is immutable"
         assert parent is None or parent.alive, "the index stays prefix-closed"
         record = PageRecord(page_id, parent, offset, slot_bytes, checksum)
+        record.on_nvme = on_nvme
         if parent is not None:
             if parent.children is None:
                 parent.children = set()
             parent.children.add(record)
         self._pages[page_id] = record
         self.pages_by_namespace[page_id[0]] = self.pages_by_namespace.get(page_id[0], 0) + 1
+        self.dram_pages += offset != NO_SLOT
+        self.nvme_pages += on_nvme
         return record
 
-    def touch(self, record: PageRecord) -> None:
-        record.tick = next(self._clock)
-        if record.is_leaf():
-            self._push_leaf(record)
+    def insert(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
+               checksum: int) -> PageRecord:
+        record = self.add(page_id, parent, offset, slot_bytes, checksum)
+        self.touch_all([record])
+        return record
 
     def leading(self, namespace_id: int, keys: list[bytes]) -> list[PageRecord]:
-        """Records of the leading keys present, stopping at the first miss. Touches nothing."""
+        """Records of the leading keys present in any tier, stopping at the first miss. Touches nothing."""
         pages = self._pages
         records = []
         for key in keys:
@@ -95,12 +116,11 @@ class PageIndex:
         return records
 
     def touch_all(self, records: list[PageRecord]) -> None:
-        """One access tick for pages written or read together; only leaves enter the LRU."""
+        """One access tick for pages written or read together."""
         tick = next(self._clock)
         for record in records:
             record.tick = tick
-            if not record.children and record.pins == 0:
-                self._push_leaf(record)
+            self._offer(record)
 
     def pin(self, record: PageRecord) -> None:
         record.pins += 1
@@ -116,49 +136,104 @@ class PageIndex:
     def unpin_all(self, records: list[PageRecord]) -> None:
         for record in records:
             record.pins -= 1
+            assert record.pins >= 0, "unpin of a page that is not pinned"
             if record.pins == 0:
-                self._unpinned(record)
+                if record.alive:
+                    self._offer(record)
+                else:
+                    self._on_removed(record)
 
-    def _unpinned(self, record: PageRecord) -> None:
-        """The last lease on a page ended: free it if it was removed, else it may be evicted."""
-        assert record.pins == 0, "a page still pinned"
-        if not record.alive:
-            self._on_free(record)
-        elif record.is_leaf():
-            self._push_leaf(record)
+    def set_dram(self, record: PageRecord, offset: int) -> None:
+        assert not record.in_dram and offset != NO_SLOT
+        record.offset = offset
+        self.dram_pages += 1
+        self._offer(record)
 
-    def evict_leaf(self, slot_bytes: int) -> PageRecord | None:
-        """Remove the least recently used unpinned leaf of this slot size, if any."""
-        heap = self._leaves.get(slot_bytes)
+    def set_on_nvme(self, record: PageRecord, on_nvme: bool) -> None:
+        if record.on_nvme != on_nvme:
+            record.on_nvme = on_nvme
+            self.nvme_pages += 1 if on_nvme else -1
+            self._offer(record)
+
+    def add_recovered(self, records: list[PageRecord]) -> None:
+        """Adopt pages rebuilt from NVMe, already linked and prefix-closed (start-up path)."""
+        self._pages.update(zip((record.page_id for record in records), records))
+        for ns_id, count in collections.Counter(record.page_id[0] for record in records).items():
+            self.pages_by_namespace[ns_id] = self.pages_by_namespace.get(ns_id, 0) + count
+        self.nvme_pages += len(records)
+        # All share tick 0 and get increasing sequence numbers: appended in order, still a heap.
+        first = next(self._seq)
+        self._seq = itertools.count(first + len(records))
+        assert not self._nvme, "recovery runs before anything else reaches the index"
+        self._nvme.extend(zip(itertools.repeat(0), range(first, first + len(records)), records))
+
+    def release_busy(self, record: PageRecord) -> None:
+        record.busy = False
+        if record.alive:
+            self._offer(record)
+
+    def evict_dram(self, slot_bytes: int) -> PageRecord | None:
+        """Free the DRAM slot of the least recently used evictable page of this size, if any."""
+        heap = self._dram.get(slot_bytes)
         while heap:
-            tick, _, record = heapq.heappop(heap)
-            if record.alive and record.tick == tick and record.is_leaf() and record.pins == 0:
+            entry = heapq.heappop(heap)
+            record = entry[2]
+            if not self._dram_evictable(entry):
+                continue
+            if record.on_nvme:
+                self._drop_dram(record)
+            else:
                 self._remove(record)
-                return record
+            return record
         return None
 
-    def oldest_leaf_slot_bytes(self) -> int | None:
-        """The slot size whose LRU leaf is oldest across sizes (to free a whole slab)."""
+    def oldest_evictable_slot_bytes(self) -> int | None:
+        """The slot size whose LRU evictable page is oldest across sizes (to free a whole slab)."""
         best: tuple[int, int] | None = None
-        for slot_bytes, heap in self._leaves.items():
-            while heap and not self._valid(heap[0]):
+        for slot_bytes, heap in self._dram.items():
+            while heap and not self._dram_evictable(heap[0]):
                 heapq.heappop(heap)
             if heap and (best is None or heap[0][0] < best[0]):
                 best = (heap[0][0], slot_bytes)
         return best[1] if best else None
 
-    def remove_subtree(self, record: PageRecord) -> int:
-        """Remove a page and every page that extends it; returns pages removed."""
-        removed = 0
-        for node in list(_post_order(record)):
+    def evict_nvme(self, shard_of: Callable[[PageRecord], int], shard: int, count: int) -> list[PageRecord]:
+        """Take up to `count` pages off NVMe shard `shard`, least recently used first."""
+        taken, passed = [], []
+        while self._nvme and len(taken) < count:
+            entry = heapq.heappop(self._nvme)
+            if not self._nvme_evictable(entry):
+                continue
+            record = entry[2]
+            if shard_of(record) != shard:
+                passed.append(entry)
+                continue
+            self.set_on_nvme(record, False)
+            if not record.in_dram:
+                self._remove(record)
+            taken.append(record)
+        for entry in passed:
+            heapq.heappush(self._nvme, entry)
+        return taken
+
+    def dram_only_lru(self, count: int) -> list[PageRecord]:
+        """Up to `count` unpinned pages held only in DRAM, least recently used first (write-back)."""
+        found = [entry for heap in self._dram.values() for entry in heap
+                 if entry[2].alive and entry[2].tick == entry[0] and entry[2].in_dram
+                 and not entry[2].on_nvme and not entry[2].busy and entry[2].pins == 0]
+        return [entry[2] for entry in heapq.nsmallest(count, found)]
+
+    def remove_subtree(self, record: PageRecord) -> list[PageRecord]:
+        """Remove a page and every page that extends it; returns them."""
+        removed = list(_post_order(record))
+        for node in removed:
             self._remove(node)
-            removed += 1
         return removed
 
     def check_prefix_closed(self) -> None:
         """Assert the invariant over the whole index (tests and debugging)."""
         for record in self._pages.values():
-            assert record.alive
+            assert record.alive and (record.in_dram or record.on_nvme or record.busy)
             if record.parent is not None:
                 assert record.parent.alive and self._pages.get(record.parent.page_id) is record.parent
                 assert record in record.parent.children
@@ -167,26 +242,51 @@ class PageIndex:
         assert record.is_leaf(), "only leaves leave the index"
         del self._pages[record.page_id]
         self.pages_by_namespace[record.page_id[0]] -= 1
+        self.dram_pages -= record.in_dram
+        self.nvme_pages -= record.on_nvme
         record.alive = False
         parent = record.parent
         if parent is not None:
             parent.children.discard(record)
-            if not parent.children and parent.pins == 0:
-                self._push_leaf(parent)
+            if not parent.children:
+                self._offer(parent)
         if record.pins == 0:
-            self._on_free(record)
+            self._on_removed(record)
 
-    def _push_leaf(self, record: PageRecord) -> None:
-        heap = self._leaves.setdefault(record.slot_bytes, [])
-        heapq.heappush(heap, (record.tick, next(self._seq), record))
-        if len(heap) > 64 and len(heap) > 4 * len(self._pages):
-            heap[:] = [entry for entry in heap if self._valid(entry)]
-            heapq.heapify(heap)
+    def _drop_dram(self, record: PageRecord) -> None:
+        self.dram_pages -= 1
+        self._on_dram_dropped(record)
+        record.offset = NO_SLOT
+
+    def _offer(self, record: PageRecord) -> None:
+        """Put the page's current state up for eviction; stale heap entries are skipped later."""
+        if record.pins:
+            return
+        entry = (record.tick, next(self._seq), record)
+        if record.in_dram:
+            heap = self._dram.setdefault(record.slot_bytes, [])
+            heapq.heappush(heap, entry)
+            if len(heap) > 64 and len(heap) > 4 * len(self._pages):
+                heap[:] = [e for e in heap if self._dram_evictable(e)]
+                heapq.heapify(heap)
+        if record.on_nvme:
+            heapq.heappush(self._nvme, entry)
+            if len(self._nvme) > 64 and len(self._nvme) > 4 * len(self._pages):
+                self._nvme[:] = [e for e in self._nvme if self._nvme_evictable(e)]
+                heapq.heapify(self._nvme)
 
     @staticmethod
-    def _valid(entry: tuple[int, int, PageRecord]) -> bool:
+    def _dram_evictable(entry: _Entry) -> bool:
         tick, _, record = entry
-        return record.alive and record.tick == tick and record.is_leaf() and record.pins == 0
+        return (record.alive and record.tick == tick and record.in_dram and record.pins == 0
+                and not record.busy and (record.on_nvme or record.is_leaf()))
+
+    @staticmethod
+    def _nvme_evictable(entry: _Entry) -> bool:
+        tick, _, record = entry
+        return (record.alive and record.tick == tick and record.on_nvme and record.pins == 0 and not record.busy
+                and not any(child.on_nvme for child in record.children or ())
+                and (record.in_dram or record.is_leaf()))
 
 
 def _post_order(record: PageRecord) -> Iterator[PageRecord]:

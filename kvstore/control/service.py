@@ -3,11 +3,13 @@
 gRPC (grpc_server.py) and the local Unix-socket channel (local_server.py) both call
 `handle(method, request, owner)`. Methods raise the exceptions of kvstore_client.errors;
 the carriers turn them into statuses. One lock guards the index, allocator and leases;
-checksums of committed slots are computed outside it.
+checksums of committed slots, and NVMe reads and writes (controller.py), happen outside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -18,11 +20,13 @@ import xxhash
 from kvstore import __version__
 from kvstore.config import Config
 from kvstore.control import route
+from kvstore.control.controller import CacheController
 from kvstore.control.engine_index import EngineIndex
-from kvstore.control.index import PageIndex, PageRecord
+from kvstore.control.index import NO_SLOT, PageIndex, PageRecord
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
 from kvstore.limits import Limits
 from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
+from kvstore.tiers.nvme import NvmeTier
 from kvstore_client import errors
 from kvstore_client.keys import Namespace, encode_key, namespace_id, prefix_hashes
 from kvstore_client.proto import pb
@@ -34,22 +38,32 @@ NAMESPACES_MAX = 4096
 
 class Counters:
     def __init__(self) -> None:
-        self.hits = 0
+        self.dram_hits = 0          # pages served from DRAM as they were
+        self.nvme_hits = 0          # pages served after promotion from NVMe
         self.misses = 0
-        self.evictions = 0
+        self.evictions = 0          # DRAM copies dropped (pages only in DRAM leave the index)
+        self.nvme_evictions = 0
+        self.promotions = 0
+        self.promoted_bytes = 0
+        self.demotions = 0
+        self.demoted_bytes = 0
+        self.corrupt_pages = 0
         self.leases_expired = 0
         self.pages_committed = 0
         self.checksum_failures = 0
+        self.write_queue_drops = 0
+        self.nvme_write_errors = 0
+        self.recovered_pages = 0
 
 
 class KVStoreService:
-    def __init__(self, config: Config, arena: Arena, shm_socket: str = ""):
+    def __init__(self, config: Config, arena: Arena, shm_socket: str = "", nvme: NvmeTier | None = None):
         self.config = config
         self.limits = Limits.from_config(config)
         self.arena = arena
         self.shm_socket = shm_socket
         self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes)
-        self.index = PageIndex(on_free=lambda record: self.allocator.free(record.offset))
+        self.index = PageIndex(on_removed=self._on_removed, on_dram_dropped=self._free_slot)
         self.leases = LeaseTable()
         self.namespaces: dict[int, Namespace] = {}
         self.pending: dict[tuple[int, bytes], int] = {}   # reserved, uncommitted page -> lease id
@@ -58,6 +72,8 @@ class KVStoreService:
         self.engines = EngineIndex(config.events.blocks_max, config.events.hash_seed)
         self.draining = False
         self.lock = threading.Lock()
+        self.nvme = nvme
+        self.controller = CacheController(self, nvme, config.controller) if nvme else None
         self._methods: dict[str, Callable[[Any, object | None], Any]] = {
             "Hello": self.hello, "OpenNamespace": self.open_namespace, "Lookup": self.lookup,
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
@@ -109,8 +125,8 @@ class KVStoreService:
         keys = self._lookup_keys(namespace, request)
         ns_id = request.namespace_id
         with self.lock:
-            hits = len(self.index.leading(ns_id, keys))
-        return pb.LookupResponse(hit_pages=hits, tiers=[pb.DRAM] * hits)
+            tiers = [pb.DRAM if r.in_dram else pb.NVME for r in self.index.leading(ns_id, keys)]
+        return pb.LookupResponse(hit_pages=len(tiers), tiers=tiers)
 
     def reserve(self, request: pb.ReserveRequest, owner: object | None) -> pb.ReserveResponse:
         namespace = self._namespace(request.namespace_id)
@@ -152,7 +168,7 @@ class KVStoreService:
                     states[i] = pb.IN_FLIGHT
                 else:
                     wanted.append(i)
-            granted = self._allocate(slot_bytes, len(wanted))
+            granted = self.allocate_slots(slot_bytes, len(wanted))
             for i, offset in zip(wanted, granted):
                 pending[(ns_id, keys[i])] = lease.lease_id
                 lease.slots[first_index + i] = offset
@@ -231,16 +247,32 @@ class KVStoreService:
         with self.lock:
             self._check_not_draining()
             records = self.index.leading(ns_id, keys)
-            self.counters.hits += len(records)
+            in_dram = sum(1 for _ in _takewhile_in_dram(records))
+            missing = [r for r in records if not r.in_dram]
+            if missing and self.controller and request.policy == pb.BEST_EFFORT:
+                self.controller.prefetch(missing)
+        promoted = 0
+        if missing and self.controller and request.policy != pb.BEST_EFFORT:
+            deadline = time.monotonic() + self._promote_wait_s(request)
+            promoted = self.controller.promote(missing, deadline)
+            self.controller.wait_promoted(missing, deadline)
+        with self.lock:
+            records = list(_takewhile_in_dram(self.index.leading(ns_id, keys)))
+            from_dram = min(in_dram, len(records))
+            self.counters.dram_hits += from_dram
+            self.counters.nvme_hits += len(records) - from_dram
             self.counters.misses += len(keys) - len(records)
             if not records:
                 return pb.AcquireResponse(page_bytes=namespace.page_bytes)
             lease = self.leases.open(READ, ns_id, time.monotonic(), ttl_ms, owner)
             self.index.pin_all(records, hit=True)
             lease.pinned = records
+            if self.controller:
+                self.controller.on_hit(records)
         return pb.AcquireResponse(
             lease_id=lease.lease_id, hit_pages=len(records), offsets=[r.offset for r in records],
-            checksums=[r.checksum for r in records], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms)
+            checksums=[r.checksum for r in records], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms,
+            promoted_pages=min(promoted, len(records)))
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
         with self.lock:
@@ -252,36 +284,50 @@ class KVStoreService:
     def delete(self, request: pb.DeleteRequest, owner: object | None) -> pb.DeleteResponse:
         self._namespace(request.namespace_id)
         keys = self._check_keys(request.keys)
-        deleted = 0
+        removed: list[PageRecord] = []
         with self.lock:
             for key in keys:
                 record = self.index.get((request.namespace_id, key))
                 if record is not None:
-                    deleted += self.index.remove_subtree(record)
-        if deleted:
-            log.info("pages deleted namespace=%016x pages=%d", request.namespace_id, deleted)
-        return pb.DeleteResponse(deleted_pages=deleted)
+                    removed += self.index.remove_subtree(record)
+        on_nvme = [r.page_id for r in removed if r.on_nvme]
+        if on_nvme:
+            self.nvme.delete(on_nvme)  # before answering: a deleted page never comes back at restart
+        if removed:
+            log.info("pages deleted namespace=%016x pages=%d", request.namespace_id, len(removed))
+        return pb.DeleteResponse(deleted_pages=len(removed))
 
     def stats(self, request: pb.StatsRequest, owner: object | None) -> pb.StatsResponse:
         c = self.counters
+        nvme_used = self.nvme.used_bytes() if self.nvme else 0
         with self.lock:
-            dram = pb.TierStats(
+            tiers = [pb.TierStats(
                 tier=pb.DRAM, capacity_bytes=self.allocator.capacity_bytes, used_bytes=self.allocator.used_bytes,
-                pages=len(self.index), hits=c.hits, misses=c.misses, evictions=c.evictions)
+                pages=self.index.dram_pages, hits=c.dram_hits, misses=c.misses, evictions=c.evictions,
+                promotions=c.promotions, demotions=c.demotions, bytes_in=c.promoted_bytes,
+                bytes_out=c.demoted_bytes)]
+            if self.nvme:
+                tiers.append(pb.TierStats(
+                    tier=pb.NVME, capacity_bytes=self.nvme.capacity_bytes, used_bytes=nvme_used,
+                    pages=self.index.nvme_pages, hits=c.nvme_hits, evictions=c.nvme_evictions,
+                    promotions=c.demotions, demotions=c.promotions, bytes_in=c.demoted_bytes,
+                    bytes_out=c.promoted_bytes, corrupt_pages=c.corrupt_pages))
             namespaces = [
                 pb.NamespaceStats(namespace_id=ns_id, model=ns.model, tenant=ns.tenant, page_bytes=ns.page_bytes,
                                   pages=self.index.pages_by_namespace.get(ns_id, 0))
                 for ns_id, ns in self.namespaces.items()]
             return pb.StatsResponse(
-                tiers=[dram], namespaces=namespaces, leases_open=len(self.leases), leases_expired=c.leases_expired,
-                pages_committed=c.pages_committed, checksum_failures=c.checksum_failures)
+                tiers=tiers, namespaces=namespaces, leases_open=len(self.leases), leases_expired=c.leases_expired,
+                pages_committed=c.pages_committed, checksum_failures=c.checksum_failures,
+                write_queue_drops=c.write_queue_drops, recovered_pages=c.recovered_pages,
+                nvme_write_errors=c.nvme_write_errors)
 
     def route(self, request: pb.RouteRequest, owner: object | None) -> pb.RouteResponse:
         namespace = self._namespace(request.namespace_id)
         keys = self._lookup_keys(namespace, request)
         engine_ids = route.check_engine_ids(request.engine_ids, self.config.route.engines_max)
         with self.lock:
-            store_tiers = [pb.DRAM] * len(self.index.leading(request.namespace_id, keys))
+            store_tiers = [pb.DRAM if r.in_dram else pb.NVME for r in self.index.leading(request.namespace_id, keys)]
         weights = self.config.route
         scores = route.score_engines(
             engine_ids, store_tiers, self.engines.holders(keys, engine_ids), len(keys),
@@ -340,6 +386,8 @@ class KVStoreService:
             states.append(pb.COMMITTED)
         index.touch_all(published)
         self.counters.pages_committed += len(published)
+        if self.controller:
+            self.controller.on_commit(published)
         return states
 
     def _end_lease(self, lease: Lease) -> None:
@@ -352,15 +400,35 @@ class KVStoreService:
         if self.leases.get(lease.lease_id) is lease:
             self.leases.close(lease)
 
+    def _on_removed(self, record: PageRecord) -> None:
+        """A page left the index and no lease holds it: its DRAM slot may be reused."""
+        if record.in_dram:
+            self._free_slot(record)
+            record.offset = NO_SLOT
+
+    def _free_slot(self, record: PageRecord) -> None:
+        self.allocator.free(record.offset)
+
+    def namespace_spec(self, ns_id: int) -> dict:
+        return dataclasses.asdict(self.namespaces[ns_id])
+
+    def _promote_wait_s(self, request: pb.AcquireRequest) -> float:
+        controller = self.config.controller
+        if request.policy == pb.TIMEOUT:
+            return (request.timeout_ms or controller.prefetch_timeout_ms) / 1000
+        return controller.promote_wait_ms_max / 1000
+
     def _pin(self, lease: Lease, record: PageRecord) -> None:
         self.index.pin(record)
         lease.pinned.append(record)
 
-    def _allocate(self, slot_bytes: int, count: int) -> list[int]:
-        """Up to `count` free slots, evicting least recently used leaves when the arena is full."""
+    def allocate_slots(self, slot_bytes: int, count: int) -> list[int]:
+        """Lock held. Up to `count` free slots, evicting least recently used pages when the arena is full."""
         offsets = self.allocator.allocate_many(slot_bytes, count)
+        if len(offsets) < count and self.controller:
+            self.controller.demote_before_eviction(count - len(offsets))
         while len(offsets) < count:
-            if self.index.evict_leaf(slot_bytes) is None and not self._evict_for_slab():
+            if self.index.evict_dram(slot_bytes) is None and not self._evict_for_slab():
                 break
             self.counters.evictions += 1
             offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets))
@@ -370,8 +438,8 @@ class KVStoreService:
         """Evict the oldest leaves of other page sizes until a whole slab is free (bounded)."""
         budget = self.config.dram.slab_bytes // 4096
         while not self.allocator.has_free_slab() and budget > 0:
-            slot_bytes = self.index.oldest_leaf_slot_bytes()
-            if slot_bytes is None or self.index.evict_leaf(slot_bytes) is None:
+            slot_bytes = self.index.oldest_evictable_slot_bytes()
+            if slot_bytes is None or self.index.evict_dram(slot_bytes) is None:
                 return False
             self.counters.evictions += 1
             budget -= 1
@@ -430,3 +498,7 @@ class KVStoreService:
     def _check_not_draining(self) -> None:
         if self.draining:
             raise errors.Draining("the server is draining for shutdown and takes no new leases")
+
+
+def _takewhile_in_dram(records: list[PageRecord]):
+    return itertools.takewhile(lambda r: r.in_dram, records)

@@ -14,7 +14,8 @@ def freed():
 
 @pytest.fixture
 def index(freed):
-    return PageIndex(on_free=lambda record: freed.append(record.page_id[1]))
+    return PageIndex(on_removed=lambda record: freed.append(record.page_id[1]),
+                     on_dram_dropped=lambda record: freed.append(b"dram:" + record.page_id[1]))
 
 
 def chain(index, name, length, ns=1):
@@ -29,11 +30,11 @@ def chain(index, name, length, ns=1):
 def test_eviction_takes_leaves_oldest_first(index, freed):
     chain(index, "a", 3)
     chain(index, "b", 2)
-    evicted = [index.evict_leaf(SLOT).page_id[1] for _ in range(5)]
+    evicted = [index.evict_dram(SLOT).page_id[1] for _ in range(5)]
     # a2 is the oldest leaf; its parent a1 becomes a leaf older than b's, and so on
     assert evicted == [b"a2", b"a1", b"a0", b"b1", b"b0"]
     assert freed == evicted
-    assert index.evict_leaf(SLOT) is None
+    assert index.evict_dram(SLOT) is None
     index.check_prefix_closed()
 
 
@@ -42,21 +43,21 @@ def test_touch_moves_a_chain_to_the_back(index):
     chain(index, "b", 2)
     index.pin_all(a, hit=True)
     index.unpin_all(a)
-    assert index.evict_leaf(SLOT).page_id[1] == b"b1"
+    assert index.evict_dram(SLOT).page_id[1] == b"b1"
 
 
 def test_pinned_pages_are_never_evicted(index, freed):
     a = chain(index, "a", 2)
     index.pin_all(a, hit=True)
-    assert index.evict_leaf(SLOT) is None
+    assert index.evict_dram(SLOT) is None
     index.unpin_all(a)
-    assert index.evict_leaf(SLOT).page_id[1] == b"a1"
+    assert index.evict_dram(SLOT).page_id[1] == b"a1"
 
 
 def test_an_interior_page_is_never_evicted_before_its_children(index):
     a = chain(index, "a", 4)
     for _ in range(4):
-        victim = index.evict_leaf(SLOT)
+        victim = index.evict_dram(SLOT)
         assert victim.is_leaf()
         index.check_prefix_closed()
     assert len(index) == 0 and not any(r.alive for r in a)
@@ -66,7 +67,7 @@ def test_remove_subtree_takes_descendants_and_defers_pinned_slots(index, freed):
     a = chain(index, "a", 3)
     branch = index.insert((1, b"x"), a[0], offset=99 * SLOT, slot_bytes=SLOT, checksum=0)
     index.pin_all([a[2]], hit=False)
-    assert index.remove_subtree(a[1]) == 2
+    assert len(index.remove_subtree(a[1])) == 2
     assert (1, b"a1") not in index and (1, b"a2") not in index
     assert (1, b"x") in index and branch.parent is a[0]
     assert b"a2" not in freed  # still pinned by a reader: its slot is freed at unpin
@@ -80,3 +81,25 @@ def test_leading_stops_at_the_first_miss(index):
     keys = [b"a0", b"a1", b"zz", b"a2"]
     assert [r.page_id[1] for r in index.leading(1, keys)] == [b"a0", b"a1"]
     assert index.leading(2, keys) == []  # another namespace
+
+
+def test_pages_on_nvme_lose_only_their_dram_copy(index, freed):
+    a = chain(index, "a", 3)
+    for record in a[:2]:
+        index.set_on_nvme(record, True)
+    victim = index.evict_dram(SLOT)  # a0 is interior but on NVMe: only its DRAM copy goes
+    assert victim is a[0] and a[0].alive and not a[0].in_dram
+    assert freed == [b"dram:a0"]
+    assert index.evict_dram(SLOT) is a[1] and a[1].alive
+    assert index.evict_dram(SLOT) is a[2] and not a[2].alive  # a DRAM-only leaf leaves the index
+    index.check_prefix_closed()
+
+
+def test_nvme_eviction_keeps_what_is_on_disk_prefix_closed(index):
+    a = chain(index, "a", 3)
+    for record in a:
+        index.set_on_nvme(record, True)
+    taken = index.evict_nvme(lambda r: 0, 0, 1)
+    assert taken == [a[2]]  # the deepest page on NVMe goes first, though a0 is older
+    assert a[2].alive and not a[2].on_nvme  # still in DRAM
+    assert index.evict_nvme(lambda r: 1, 0, 5) == []  # other shards' pages are not taken

@@ -38,6 +38,7 @@ RESERVE_GROUP_PAGES = 32
 COMMIT_RUN_BYTES = 2 << 20
 
 _STORED_STATES = (pb.RESERVED, pb.PRESENT, pb.IN_FLIGHT)
+_PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_EFFORT, "timeout": pb.TIMEOUT}
 
 
 class KVStoreClient:
@@ -88,15 +89,25 @@ class KVStoreClient:
         del keepalive
         return stored
 
-    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, verify: bool = False) -> int:
-        """Copy the leading cached pages into `out`; returns how many were loaded."""
+    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, verify: bool = False,
+            policy: str = "wait_complete", timeout_ms: int = 0) -> int:
+        """Copy the leading cached pages into `out`; returns how many were loaded.
+
+        Pages only on the node's NVMe tier come up into DRAM first; `policy` says how long
+        to wait for them: "wait_complete" (all), "best_effort" (only what is in DRAM now;
+        the rest is prefetched for next time) or "timeout" (up to `timeout_ms`).
+        """
+        if policy not in _PREFETCH_POLICIES:
+            raise errors.InvalidArgument(f"policy must be one of {sorted(_PREFETCH_POLICIES)}, got {policy!r}")
         if verify and not checksums_available():
             raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
         raw_keys = encode_keys(keys)
         segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
         loaded = 0
         for start, stop in self._batches(len(raw_keys)):
-            batch_loaded = self._get_batch(namespace, raw_keys[start:stop], segments[start:stop], verify)
+            request = pb.AcquireRequest(keys=raw_keys[start:stop], policy=_PREFETCH_POLICIES[policy],
+                                        timeout_ms=timeout_ms)
+            batch_loaded = self._get_batch(namespace, request, segments[start:stop], verify)
             loaded += batch_loaded
             if batch_loaded < stop - start:
                 break
@@ -216,9 +227,10 @@ class KVStoreClient:
                                    checksums=checksums)
         return self._control.submit("Commit", request)
 
-    def _get_batch(self, namespace: Namespace, keys: list[bytes], segments: list[list[Segment]], verify: bool) -> int:
+    def _get_batch(self, namespace: Namespace, request: pb.AcquireRequest, segments: list[list[Segment]],
+                   verify: bool) -> int:
         sent_at = time.monotonic()
-        acquired = self._call_in(namespace, "Acquire", pb.AcquireRequest(keys=keys))
+        acquired = self._call_in(namespace, "Acquire", request)
         hits = acquired.hit_pages
         if not hits:
             return 0

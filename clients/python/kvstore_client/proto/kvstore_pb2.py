@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xea\x01\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bpage_tokens\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0e\n\x06layout\x18\n \x01(\t\x12\x12\n\npage_bytes\x18\x0b \x01(\x04\x12\x11\n\thash_seed\x18\x0c \x01(\t\"\xa0\x01\n\x06Limits\x12\x17\n\x0f\x62\x61tch_pages_max\x18\x01 \x01(\r\x12\x16\n\x0epage_bytes_max\x18\x02 \x01(\x04\x12\x15\n\rkey_bytes_max\x18\x03 \x01(\r\x12\x19\n\x11read_lease_ttl_ms\x18\x04 \x01(\r\x12\x1a\n\x12write_lease_ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0f\x66rame_bytes_max\x18\x06 \x01(\r\"#\n\x0cHelloRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"t\n\rHelloResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x12\n\nshm_socket\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\"\n\x06limits\x18\x04 \x01(\x0b\x32\x12.kvstore.v1.Limits\"?\n\x14OpenNamespaceRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\"-\n\x15OpenNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\"C\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06tokens\x18\x03 \x03(\r\"D\n\x0eLookupResponse\x12\x11\n\thit_pages\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\"\x84\x01\n\x0eReserveRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\x12\x10\n\x08lease_id\x18\x06 \x01(\x06\"\x89\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\x12(\n\x06states\x18\x02 \x03(\x0e\x32\x18.kvstore.v1.ReserveState\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x05 \x01(\r\"E\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"L\n\x0e\x43ommitResponse\x12\'\n\x06states\x18\x01 \x03(\x0e\x32\x17.kvstore.v1.CommitState\x12\x11\n\tchecksums\x18\x02 \x03(\x06\" \n\x0c\x41\x62ortRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\"&\n\rAbortResponse\x12\x15\n\raborted_pages\x18\x01 \x01(\r\"J\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"\x84\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\x12\x11\n\thit_pages\x18\x02 \x01(\r\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x06\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"3\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\'\n\x0e\x44\x65leteResponse\x12\x15\n\rdeleted_pages\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x97\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\"h\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\r\n\x05pages\x18\x05 \x01(\x04\"\xc6\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12.\n\nnamespaces\x18\x02 \x03(\x0b\x32\x1a.kvstore.v1.NamespaceStats\x12\x13\n\x0bleases_open\x18\x03 \x01(\x04\x12\x16\n\x0eleases_expired\x18\x04 \x01(\x04\x12\x17\n\x0fpages_committed\x18\x05 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x06 \x01(\x04\"V\n\x0cRouteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x12\n\nengine_ids\x18\x04 \x03(\t\"\xa2\x01\n\x0b\x45ngineScore\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x14\n\x0cprefix_pages\x18\x03 \x01(\r\x12\x18\n\x10\x65ngine_gpu_pages\x18\x04 \x01(\r\x12\x19\n\x11\x65ngine_host_pages\x18\x05 \x01(\r\x12\x12\n\ndram_pages\x18\x06 \x01(\r\x12\x12\n\nnvme_pages\x18\x07 \x01(\r\"P\n\rRouteResponse\x12\'\n\x06scores\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.EngineScore\x12\x16\n\x0e\x62\x65st_engine_id\x18\x02 \x01(\t*\xa4\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x17\n\x13NAMESPACE_NOT_FOUND\x10\x02\x12\x16\n\x12PAGE_SIZE_MISMATCH\x10\x03\x12\x13\n\x0fLEASE_NOT_FOUND\x10\x04\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\x05\x12\x11\n\rDUPLICATE_KEY\x10\x06\x12\x13\n\x0f\x42\x41TCH_TOO_LARGE\x10\x07\x12\x16\n\x12\x43\x41PACITY_EXHAUSTED\x10\x08\x12\x0c\n\x08\x44RAINING\x10\t\x12\x15\n\x11PERMISSION_DENIED\x10\n\x12\x15\n\x11MALFORMED_REQUEST\x10\x0b\x12\x0c\n\x08INTERNAL\x10\x0c*Q\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x07\n\x03HBM\x10\x01\x12\x08\n\x04\x44RAM\x10\x02\x12\x08\n\x04NVME\x10\x03\x12\n\n\x06REMOTE\x10\x04\x12\n\n\x06\x45NGINE\x10\x05*Z\n\x0cReserveState\x12\x0c\n\x08RESERVED\x10\x00\x12\x0b\n\x07PRESENT\x10\x01\x12\r\n\tIN_FLIGHT\x10\x02\x12\x12\n\x0ePARENT_MISSING\x10\x03\x12\x0c\n\x08NO_SPACE\x10\x04*7\n\x0b\x43ommitState\x12\r\n\tCOMMITTED\x10\x00\x12\x19\n\x15\x43OMMIT_PARENT_MISSING\x10\x01\x32\xe6\x05\n\x07KVStore\x12<\n\x05Hello\x12\x18.kvstore.v1.HelloRequest\x1a\x19.kvstore.v1.HelloResponse\x12T\n\rOpenNamespace\x12 .kvstore.v1.OpenNamespaceRequest\x1a!.kvstore.v1.OpenNamespaceResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xea\x01\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bpage_tokens\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0e\n\x06layout\x18\n \x01(\t\x12\x12\n\npage_bytes\x18\x0b \x01(\x04\x12\x11\n\thash_seed\x18\x0c \x01(\t\"\xa0\x01\n\x06Limits\x12\x17\n\x0f\x62\x61tch_pages_max\x18\x01 \x01(\r\x12\x16\n\x0epage_bytes_max\x18\x02 \x01(\x04\x12\x15\n\rkey_bytes_max\x18\x03 \x01(\r\x12\x19\n\x11read_lease_ttl_ms\x18\x04 \x01(\r\x12\x1a\n\x12write_lease_ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0f\x66rame_bytes_max\x18\x06 \x01(\r\"#\n\x0cHelloRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"t\n\rHelloResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x12\n\nshm_socket\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\"\n\x06limits\x18\x04 \x01(\x0b\x32\x12.kvstore.v1.Limits\"?\n\x14OpenNamespaceRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\"-\n\x15OpenNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\"C\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06tokens\x18\x03 \x03(\r\"D\n\x0eLookupResponse\x12\x11\n\thit_pages\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvstore.v1.Tier\"\x84\x01\n\x0eReserveRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\x12\x10\n\x08lease_id\x18\x06 \x01(\x06\"\x89\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\x12(\n\x06states\x18\x02 \x03(\x0e\x32\x18.kvstore.v1.ReserveState\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x05 \x01(\r\"E\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"L\n\x0e\x43ommitResponse\x12\'\n\x06states\x18\x01 \x03(\x0e\x32\x17.kvstore.v1.CommitState\x12\x11\n\tchecksums\x18\x02 \x03(\x06\" \n\x0c\x41\x62ortRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\"&\n\rAbortResponse\x12\x15\n\raborted_pages\x18\x01 \x01(\r\"\x8a\x01\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\x12*\n\x06policy\x18\n \x01(\x0e\x32\x1a.kvstore.v1.PrefetchPolicy\x12\x12\n\ntimeout_ms\x18\x0b \x01(\r\"\x9c\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x06\x12\x11\n\thit_pages\x18\x02 \x01(\r\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12\x16\n\x0epromoted_pages\x18\n \x01(\r\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x06\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"3\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\'\n\x0e\x44\x65leteResponse\x12\x15\n\rdeleted_pages\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xfa\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x12\n\npromotions\x18\n \x01(\x04\x12\x11\n\tdemotions\x18\x0b \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0c \x01(\x04\x12\x11\n\tbytes_out\x18\r \x01(\x04\x12\x15\n\rcorrupt_pages\x18\x0e \x01(\x04\"h\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\r\n\x05pages\x18\x05 \x01(\x04\"\x95\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12.\n\nnamespaces\x18\x02 \x03(\x0b\x32\x1a.kvstore.v1.NamespaceStats\x12\x13\n\x0bleases_open\x18\x03 \x01(\x04\x12\x16\n\x0eleases_expired\x18\x04 \x01(\x04\x12\x17\n\x0fpages_committed\x18\x05 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x06 \x01(\x04\x12\x19\n\x11write_queue_drops\x18\n \x01(\x04\x12\x17\n\x0frecovered_pages\x18\x0b \x01(\x04\x12\x19\n\x11nvme_write_errors\x18\x0c \x01(\x04\"V\n\x0cRouteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x06\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x12\n\nengine_ids\x18\x04 \x03(\t\"\xa2\x01\n\x0b\x45ngineScore\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x14\n\x0cprefix_pages\x18\x03 \x01(\r\x12\x18\n\x10\x65ngine_gpu_pages\x18\x04 \x01(\r\x12\x19\n\x11\x65ngine_host_pages\x18\x05 \x01(\r\x12\x12\n\ndram_pages\x18\x06 \x01(\r\x12\x12\n\nnvme_pages\x18\x07 \x01(\r\"P\n\rRouteResponse\x12\'\n\x06scores\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.EngineScore\x12\x16\n\x0e\x62\x65st_engine_id\x18\x02 \x01(\t*\xa4\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x17\n\x13NAMESPACE_NOT_FOUND\x10\x02\x12\x16\n\x12PAGE_SIZE_MISMATCH\x10\x03\x12\x13\n\x0fLEASE_NOT_FOUND\x10\x04\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\x05\x12\x11\n\rDUPLICATE_KEY\x10\x06\x12\x13\n\x0f\x42\x41TCH_TOO_LARGE\x10\x07\x12\x16\n\x12\x43\x41PACITY_EXHAUSTED\x10\x08\x12\x0c\n\x08\x44RAINING\x10\t\x12\x15\n\x11PERMISSION_DENIED\x10\n\x12\x15\n\x11MALFORMED_REQUEST\x10\x0b\x12\x0c\n\x08INTERNAL\x10\x0c*Q\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x07\n\x03HBM\x10\x01\x12\x08\n\x04\x44RAM\x10\x02\x12\x08\n\x04NVME\x10\x03\x12\n\n\x06REMOTE\x10\x04\x12\n\n\x06\x45NGINE\x10\x05*Z\n\x0cReserveState\x12\x0c\n\x08RESERVED\x10\x00\x12\x0b\n\x07PRESENT\x10\x01\x12\r\n\tIN_FLIGHT\x10\x02\x12\x12\n\x0ePARENT_MISSING\x10\x03\x12\x0c\n\x08NO_SPACE\x10\x04*A\n\x0ePrefetchPolicy\x12\x11\n\rWAIT_COMPLETE\x10\x00\x12\x0f\n\x0b\x42\x45ST_EFFORT\x10\x01\x12\x0b\n\x07TIMEOUT\x10\x02*7\n\x0b\x43ommitState\x12\r\n\tCOMMITTED\x10\x00\x12\x19\n\x15\x43OMMIT_PARENT_MISSING\x10\x01\x32\xe6\x05\n\x07KVStore\x12<\n\x05Hello\x12\x18.kvstore.v1.HelloRequest\x1a\x19.kvstore.v1.HelloResponse\x12T\n\rOpenNamespace\x12 .kvstore.v1.OpenNamespaceRequest\x1a!.kvstore.v1.OpenNamespaceResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=2536
-  _globals['_ERRORCODE']._serialized_end=2828
-  _globals['_TIER']._serialized_start=2830
-  _globals['_TIER']._serialized_end=2911
-  _globals['_RESERVESTATE']._serialized_start=2913
-  _globals['_RESERVESTATE']._serialized_end=3003
-  _globals['_COMMITSTATE']._serialized_start=3005
-  _globals['_COMMITSTATE']._serialized_end=3060
+  _globals['_ERRORCODE']._serialized_start=2803
+  _globals['_ERRORCODE']._serialized_end=3095
+  _globals['_TIER']._serialized_start=3097
+  _globals['_TIER']._serialized_end=3178
+  _globals['_RESERVESTATE']._serialized_start=3180
+  _globals['_RESERVESTATE']._serialized_end=3270
+  _globals['_PREFETCHPOLICY']._serialized_start=3272
+  _globals['_PREFETCHPOLICY']._serialized_end=3337
+  _globals['_COMMITSTATE']._serialized_start=3339
+  _globals['_COMMITSTATE']._serialized_end=3394
   _globals['_NAMESPACESPEC']._serialized_start=41
   _globals['_NAMESPACESPEC']._serialized_end=275
   _globals['_LIMITS']._serialized_start=278
@@ -67,32 +69,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTREQUEST']._serialized_end=1302
   _globals['_ABORTRESPONSE']._serialized_start=1304
   _globals['_ABORTRESPONSE']._serialized_end=1342
-  _globals['_ACQUIREREQUEST']._serialized_start=1344
-  _globals['_ACQUIREREQUEST']._serialized_end=1418
-  _globals['_ACQUIRERESPONSE']._serialized_start=1421
-  _globals['_ACQUIRERESPONSE']._serialized_end=1553
-  _globals['_RELEASEREQUEST']._serialized_start=1555
-  _globals['_RELEASEREQUEST']._serialized_end=1590
-  _globals['_RELEASERESPONSE']._serialized_start=1592
-  _globals['_RELEASERESPONSE']._serialized_end=1627
-  _globals['_DELETEREQUEST']._serialized_start=1629
-  _globals['_DELETEREQUEST']._serialized_end=1680
-  _globals['_DELETERESPONSE']._serialized_start=1682
-  _globals['_DELETERESPONSE']._serialized_end=1721
-  _globals['_STATSREQUEST']._serialized_start=1723
-  _globals['_STATSREQUEST']._serialized_end=1737
-  _globals['_TIERSTATS']._serialized_start=1740
-  _globals['_TIERSTATS']._serialized_end=1891
-  _globals['_NAMESPACESTATS']._serialized_start=1893
-  _globals['_NAMESPACESTATS']._serialized_end=1997
-  _globals['_STATSRESPONSE']._serialized_start=2000
-  _globals['_STATSRESPONSE']._serialized_end=2198
-  _globals['_ROUTEREQUEST']._serialized_start=2200
-  _globals['_ROUTEREQUEST']._serialized_end=2286
-  _globals['_ENGINESCORE']._serialized_start=2289
-  _globals['_ENGINESCORE']._serialized_end=2451
-  _globals['_ROUTERESPONSE']._serialized_start=2453
-  _globals['_ROUTERESPONSE']._serialized_end=2533
-  _globals['_KVSTORE']._serialized_start=3063
-  _globals['_KVSTORE']._serialized_end=3805
+  _globals['_ACQUIREREQUEST']._serialized_start=1345
+  _globals['_ACQUIREREQUEST']._serialized_end=1483
+  _globals['_ACQUIRERESPONSE']._serialized_start=1486
+  _globals['_ACQUIRERESPONSE']._serialized_end=1642
+  _globals['_RELEASEREQUEST']._serialized_start=1644
+  _globals['_RELEASEREQUEST']._serialized_end=1679
+  _globals['_RELEASERESPONSE']._serialized_start=1681
+  _globals['_RELEASERESPONSE']._serialized_end=1716
+  _globals['_DELETEREQUEST']._serialized_start=1718
+  _globals['_DELETEREQUEST']._serialized_end=1769
+  _globals['_DELETERESPONSE']._serialized_start=1771
+  _globals['_DELETERESPONSE']._serialized_end=1810
+  _globals['_STATSREQUEST']._serialized_start=1812
+  _globals['_STATSREQUEST']._serialized_end=1826
+  _globals['_TIERSTATS']._serialized_start=1829
+  _globals['_TIERSTATS']._serialized_end=2079
+  _globals['_NAMESPACESTATS']._serialized_start=2081
+  _globals['_NAMESPACESTATS']._serialized_end=2185
+  _globals['_STATSRESPONSE']._serialized_start=2188
+  _globals['_STATSRESPONSE']._serialized_end=2465
+  _globals['_ROUTEREQUEST']._serialized_start=2467
+  _globals['_ROUTEREQUEST']._serialized_end=2553
+  _globals['_ENGINESCORE']._serialized_start=2556
+  _globals['_ENGINESCORE']._serialized_end=2718
+  _globals['_ROUTERESPONSE']._serialized_start=2720
+  _globals['_ROUTERESPONSE']._serialized_end=2800
+  _globals['_KVSTORE']._serialized_start=3397
+  _globals['_KVSTORE']._serialized_end=4139
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,12 @@ class ReserveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PARENT_MISSING: _ClassVar[ReserveState]
     NO_SPACE: _ClassVar[ReserveState]
 
+class PrefetchPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WAIT_COMPLETE: _ClassVar[PrefetchPolicy]
+    BEST_EFFORT: _ClassVar[PrefetchPolicy]
+    TIMEOUT: _ClassVar[PrefetchPolicy]
+
 class CommitState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMMITTED: _ClassVar[CommitState]
@@ -68,6 +74,9 @@ PRESENT: ReserveState
 IN_FLIGHT: ReserveState
 PARENT_MISSING: ReserveState
 NO_SPACE: ReserveState
+WAIT_COMPLETE: PrefetchPolicy
+BEST_EFFORT: PrefetchPolicy
+TIMEOUT: PrefetchPolicy
 COMMITTED: CommitState
 COMMIT_PARENT_MISSING: CommitState
 
@@ -224,30 +233,36 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted_pages: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "lease_ttl_ms")
+    __slots__ = ("namespace_id", "keys", "lease_ttl_ms", "policy", "timeout_ms")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_ms: int
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    policy: PrefetchPolicy
+    timeout_ms: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms")
+    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     hit_pages: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
     lease_ttl_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    promoted_pages: int
+    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
@@ -280,7 +295,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions")
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "promotions", "demotions", "bytes_in", "bytes_out", "corrupt_pages")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +303,11 @@ class TierStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_bytes: int
     used_bytes: int
@@ -295,7 +315,12 @@ class TierStats(_message.Message):
     hits: int
     misses: int
     evictions: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    promotions: int
+    demotions: int
+    bytes_in: int
+    bytes_out: int
+    corrupt_pages: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., corrupt_pages: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace_id", "model", "tenant", "page_bytes", "pages")
@@ -312,20 +337,26 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures")
+    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     PAGES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_QUEUE_DROPS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NVME_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     leases_open: int
     leases_expired: int
     pages_committed: int
     checksum_failures: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+    write_queue_drops: int
+    recovered_pages: int
+    nvme_write_errors: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("namespace_id", "keys", "tokens", "engine_ids")

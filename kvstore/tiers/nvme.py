@@ -1,0 +1,261 @@
+"""NVMe tier: pages in N LMDB environments ("shards"), one directory each, so each can sit on its own disk.
+
+A page goes to the shard its key hashes to. Each shard has three named databases, and a
+page's header and bytes are written in one transaction, so a page is on disk whole or not
+at all:
+    meta        ns_id(8 LE) + key -> header (format version, namespace, page size, checksum, parent key)
+    data        ns_id(8 LE) + key -> page bytes
+    namespaces  ns_id(8 LE)       -> namespace spec (JSON), so a restart knows what pages mean
+Start-up rebuilds the index from `meta` alone: dense B-tree leaves, no page bytes read.
+
+LMDB flags, chosen for a cache whose pages must never be served corrupt:
+- sync=True, metasync=False (MDB_NOMETASYNC): each write transaction flushes its data pages
+  but not the meta page. A process crash (SIGKILL) loses nothing committed; an OS crash or
+  power loss may undo the last committed transaction, never more, and never corrupts.
+- writemap=False: a stray write through a mapping cannot reach the file, and the file grows
+  only as pages are written (map_bytes is an upper bound, not an allocation).
+- readahead=False: pages are not read through the mapping at all (see read_into), and
+  B-tree lookups are random, so readahead on the mapping would only pull in neighbours.
+- max_readers sized for the server's threads; lock=True (readers and the writer in one process
+  may be several threads).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import struct
+from typing import Iterator
+
+import lmdb
+import numpy as np
+import xxhash
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# version, parent key length, reserved, namespace id, page bytes, checksum; then the parent key
+HEADER = struct.Struct("<HHIQQQ")
+PARENT_BYTES_MAX = 64
+
+
+class NvmeError(OSError):
+    """A shard could not be written (I/O error, directory gone): the pages stay in DRAM only."""
+
+
+class NvmeFull(NvmeError):
+    """A shard's map or its disk is full: evict pages from it, then write again."""
+
+    def __init__(self, shard: int):
+        super().__init__(f"NVMe shard {shard} is full")
+        self.shard = shard
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredPage:
+    namespace_id: int
+    key: bytes
+    parent_key: bytes
+    page_bytes: int
+    checksum: int
+
+
+def record_key(namespace_id: int, key: bytes) -> bytes:
+    return namespace_id.to_bytes(8, "little") + key
+
+
+def encode_header(page: StoredPage) -> bytes:
+    return HEADER.pack(FORMAT_VERSION, len(page.parent_key), 0, page.namespace_id, page.page_bytes,
+                       page.checksum) + page.parent_key
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return 0
+    return stat.f_bavail * stat.f_frsize
+
+
+def _map_address(path: str, fd: int) -> int | None:
+    """Where LMDB mapped data.mdb in this process (LMDB only reports it with MDB_FIXEDMAP).
+
+    Read from /proc/self/maps and confirmed by comparing the mapping's first bytes with the
+    file's; None (reads then go through the mapping) if either step fails.
+    """
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5] == real and int(fields[2], 16) == 0:
+                    start = int(fields[0].split("-")[0], 16)
+                    if ctypes.string_at(start, 64) == os.pread(fd, 64, 0):
+                        return start
+    except OSError:
+        pass
+    log.warning("mapping of %s not found; NVMe reads go through the mapping", path)
+    return None
+
+
+class _Shard:
+    def __init__(self, index: int, path: str, map_bytes: int):
+        self.index = index
+        self.path = path
+        try:
+            os.makedirs(path, exist_ok=True)
+            self.env = lmdb.open(path, map_size=map_bytes, subdir=True, max_dbs=3, sync=True, metasync=False,
+                                 writemap=False, readahead=False, max_readers=256, lock=True)
+        except (OSError, lmdb.Error) as exc:
+            raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
+        self.data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+        self.map_address = _map_address(os.path.join(path, "data.mdb"), self.data_fd)
+        self.meta = self.env.open_db(b"meta")
+        self.data = self.env.open_db(b"data")
+        self.namespaces = self.env.open_db(b"namespaces")
+
+
+class NvmeTier:
+    """Pages on local disks. Thread-safe: LMDB serializes writers and lets readers run alongside."""
+
+    def __init__(self, paths: tuple[str, ...], map_bytes: int, io_threads: int = 8):
+        self.map_bytes = map_bytes
+        self.shards = [_Shard(i, path, map_bytes) for i, path in enumerate(paths)]
+        self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.map_bytes * len(self.shards)
+
+    def used_bytes(self) -> int:
+        total = 0
+        for shard in self.shards:
+            info, stat = shard.env.info(), shard.env.stat()
+            total += (info["last_pgno"] + 1) * stat["psize"]
+        return total
+
+    def shard_of(self, namespace_id: int, key: bytes) -> int:
+        return xxhash.xxh3_64_intdigest(key, seed=namespace_id & 0xFFFFFFFFFFFFFFFF) % len(self.shards)
+
+    def write(self, shard: int, pages: list[tuple[StoredPage, memoryview]]) -> None:
+        """Write pages (header + bytes) to one shard in one transaction. Raises NvmeFull."""
+        target = self.shards[shard]
+        try:
+            with target.env.begin(write=True) as txn:
+                for page, view in pages:
+                    rkey = record_key(page.namespace_id, page.key)
+                    txn.put(rkey, view, db=target.data)
+                    txn.put(rkey, encode_header(page), db=target.meta)
+        except lmdb.MapFullError:
+            raise NvmeFull(shard) from None
+        except lmdb.Error as exc:  # the transaction was aborted: nothing of it is on disk
+            # A full disk surfaces as ENOSPC or, from the commit's write, as EIO.
+            needed = sum(len(view) for _, view in pages) + (1 << 20)
+            if "No space left" in str(exc) or _free_bytes(target.path) < needed:
+                raise NvmeFull(shard) from None
+            raise NvmeError(f"NVMe shard {target.path}: {exc}") from None
+
+    def read_into(self, pages: list[tuple[int, bytes, memoryview]]) -> list[bool]:
+        """Copy each page's bytes from disk into its `out` view; False where absent or mis-sized.
+
+        The value is located through LMDB (its place in the map is its offset in data.mdb) and
+        read with one pread straight into `out`: the kernel sees a sequential read of the
+        whole page (readahead works, unlike 4 KiB faults on a mapping) and the bytes are
+        copied once, from the page cache into the slot. The reads of a batch run on
+        `io_threads` threads, so the disk sees several at once. The read transactions stay
+        open across the reads, so LMDB cannot reuse those file pages meanwhile.
+        """
+        found: list[bool] = []
+        reads = []
+        txns: dict[int, lmdb.Transaction] = {}
+        try:
+            for ns_id, key, out in pages:
+                shard = self.shards[self.shard_of(ns_id, key)]
+                txn = txns.get(shard.index)
+                if txn is None:
+                    txn = txns[shard.index] = shard.env.begin(buffers=True)
+                value = txn.get(record_key(ns_id, key), db=shard.data)
+                if value is None or len(value) != len(out):
+                    found.append(False)
+                elif shard.map_address is None:  # mapping not found: copy through it instead
+                    out[:] = value
+                    found.append(True)
+                else:
+                    offset = np.frombuffer(value, dtype=np.uint8).ctypes.data - shard.map_address
+                    reads.append((len(found), self._io.submit(os.preadv, shard.data_fd, [out], offset)))
+                    found.append(False)
+            for position, read in reads:
+                found[position] = read.result() == len(pages[position][2])
+        finally:
+            for txn in txns.values():
+                txn.abort()
+        return found
+
+    def delete(self, pages: list[tuple[int, bytes]]) -> None:
+        by_shard: dict[int, list[bytes]] = {}
+        for ns_id, key in pages:
+            by_shard.setdefault(self.shard_of(ns_id, key), []).append(record_key(ns_id, key))
+        for shard_index, rkeys in by_shard.items():
+            shard = self.shards[shard_index]
+            with shard.env.begin(write=True) as txn:
+                for rkey in rkeys:
+                    txn.delete(rkey, db=shard.meta)
+                    txn.delete(rkey, db=shard.data)
+
+    def save_namespace(self, namespace_id: int, spec: dict) -> None:
+        value = json.dumps(spec, sort_keys=True).encode()
+        for shard in self.shards:
+            try:
+                with shard.env.begin(write=True) as txn:
+                    txn.put(namespace_id.to_bytes(8, "little"), value, db=shard.namespaces)
+            except lmdb.MapFullError:
+                raise NvmeFull(shard.index) from None
+
+    def load_namespaces(self) -> dict[int, dict]:
+        specs: dict[int, dict] = {}
+        for shard in self.shards:
+            with shard.env.begin() as txn:
+                for rkey, value in txn.cursor(db=shard.namespaces):
+                    try:
+                        specs[int.from_bytes(rkey, "little")] = json.loads(value)
+                    except ValueError:
+                        log.error("unreadable namespace record in %s; its pages will be dropped", shard.path)
+        return specs
+
+    def scan(self) -> Iterator[tuple[bytes, bytes | None, int, int, int]]:
+        """(record key, parent key, page bytes, checksum, shard) of every page, headers only.
+
+        An unreadable header comes out with parent key None, for the caller to drop. This
+        is the start-up path, so it stays lean: tuples, no objects per page.
+        """
+        unpack, size = HEADER.unpack_from, HEADER.size
+        for shard in self.shards:
+            with shard.env.begin() as txn:
+                for rkey, value in txn.cursor(db=shard.meta).iternext():
+                    try:
+                        version, parent_len, _, ns_id, page_bytes, checksum = unpack(value)
+                        if (version != FORMAT_VERSION or parent_len > PARENT_BYTES_MAX or len(value) != size + parent_len
+                                or page_bytes == 0
+                                or int.from_bytes(rkey[:8], "little") != ns_id or len(rkey) <= 8):
+                            raise ValueError
+                    except (ValueError, struct.error):
+                        yield rkey, None, 0, 0, shard.index
+                        continue
+                    yield rkey, value[size:], page_bytes, checksum, shard.index
+
+    def drop_records(self, shard: int, rkeys: list[bytes]) -> None:
+        target = self.shards[shard]
+        with target.env.begin(write=True) as txn:
+            for rkey in rkeys:
+                txn.delete(rkey, db=target.meta)
+                txn.delete(rkey, db=target.data)
+
+    def close(self) -> None:
+        self._io.shutdown()
+        for shard in self.shards:
+            os.close(shard.data_fd)
+            shard.env.close()
