@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    virtualenv + install, then a kvstore node on the embedded default and a short client run
+#   make run    virtualenv + install, then the TTFT demo: a multi-turn chat on a small Llama, recompute vs kvstore
 #   make test   virtualenv + install (with test extras), then the whole test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -7,11 +7,19 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ENGINES := $(VENV)/.engines
 
-.PHONY: install run test bench bench-tcp proto clean
+.PHONY: install run quickstart test bench bench-tcp proto clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e "./clients/python[fast]" -e ".[test]"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e "./clients/python[fast]" -e ".[test,events,demo]"
+	touch $@
+
+# vLLM's own KV-event classes and publisher for the event tests: vllm without its CUDA
+# dependencies (it pins a CUDA torch), plus what vllm.distributed.kv_events imports.
+VLLM_STAMP := $(VENV)/.vllm-installed
+$(VLLM_STAMP): $(STAMP) requirements/vllm-events.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps vllm==0.33.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements/vllm-events.txt
 	touch $@
 
 install: $(STAMP)
@@ -23,10 +31,13 @@ $(ENGINES): $(STAMP) tests/requirements-engines.txt
 	touch $@
 
 run: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/ttft_demo.py
 
-test: $(STAMP) $(ENGINES)
+test: $(STAMP) $(ENGINES) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
+
+quickstart: $(STAMP)
+	$(BIN)/python examples/quickstart.py
 
 bench: $(STAMP)
 	mkdir -p bench/results

@@ -121,6 +121,28 @@ class SystemdConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EventsConfig:
+    """Engines whose KV events (vLLM/SGLang --kv-events-config) feed the ENGINE tier."""
+    engine_ids: tuple[str, ...] = ()        # one id per endpoint; Route names engines by these
+    endpoints: tuple[str, ...] = ()         # each engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557
+    replay_endpoints: tuple[str, ...] = ()  # () or one per endpoint ("" = none): the engine's ROUTER
+    topic: str = ""                         # the engines' kv-events topic
+    hash_seed: str = ""                     # prior hash of the first page, as in the namespace
+    blocks_max: int = 4_000_000             # engine pages indexed across engines; more are dropped
+    replay_timeout_ms: int = 2_000          # wait for a replay answer at most this long
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteConfig:
+    """What a page is worth to Route, by where it is: in the engine's GPU it costs nothing to use."""
+    weight_engine_gpu: float = 1.0
+    weight_engine_host: float = 0.8         # the engine's own CPU offload
+    weight_dram: float = 0.6                # this store's DRAM: one copy to the engine
+    weight_nvme: float = 0.3                # this store's NVMe: a read, then a copy
+    engines_max: int = 256                  # candidate engines in one Route
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     dram: DramConfig = DramConfig()
@@ -133,6 +155,8 @@ class Config:
     rdma: RdmaConfig = RdmaConfig()
     ops: OpsConfig = OpsConfig()
     systemd: SystemdConfig = SystemdConfig()
+    events: EventsConfig = EventsConfig()
+    route: RouteConfig = RouteConfig()
 
     @property
     def shm_socket_path(self) -> str:
@@ -247,7 +271,7 @@ def _parse(dotted: str, kind: Any, value: Any) -> Any:
                 raise ValueError
             return value
         if typing.get_origin(kind) is tuple:
-            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+            items = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
             return tuple(_parse(dotted, typing.get_args(kind)[0], v) for v in items)
     except (ValueError, TypeError):
         pass
@@ -298,9 +322,46 @@ def _validate(config: Config) -> None:
         ("ops.log_format", config.ops.log_format in ("text", "json", "logfmt"), "must be text, json or logfmt"),
         ("systemd.watchdog_usec", config.systemd.watchdog_usec >= 0, "must not be negative"),
     ]
+    checks += _events_checks(config.events) + _route_checks(config.route)
     for dotted, ok, why in checks:
         if not ok:
             raise ConfigError(f"{dotted}: {why}")
+
+
+def _events_checks(events: EventsConfig) -> list[tuple[str, bool, str]]:
+    ids = events.engine_ids
+    return [
+        ("events.endpoints", len(events.endpoints) == len(ids), "needs one endpoint per events.engine_ids entry"),
+        ("events.engine_ids", len(set(ids)) == len(ids) and all(ids), "must be distinct, non-empty ids"),
+        ("events.replay_endpoints", len(events.replay_endpoints) in (0, len(ids)),
+         "must be empty or hold one entry per events.engine_ids entry"),
+        ("events.endpoints", all(e.startswith(("tcp://", "ipc://")) for e in events.endpoints),
+         "each must be a ZMQ tcp:// or ipc:// endpoint"),
+        ("events.blocks_max", events.blocks_max > 0, "must be positive"),
+        ("events.replay_timeout_ms", events.replay_timeout_ms > 0, "must be positive"),
+        ("events.hash_seed", _is_hex(events.hash_seed), "must be a hex string"),
+    ]
+
+
+def _route_checks(route: RouteConfig) -> list[tuple[str, bool, str]]:
+    return [
+        ("route.weight_engine_gpu", route.weight_engine_gpu > route.weight_dram,
+         "must exceed route.weight_dram: a page in the engine's GPU is worth more than one to copy"),
+        ("route.weight_engine_host", 0 < route.weight_engine_host <= route.weight_engine_gpu,
+         "must be positive and at most route.weight_engine_gpu"),
+        ("route.weight_dram", route.weight_dram > route.weight_nvme,
+         "must exceed route.weight_nvme: DRAM is nearer than NVMe"),
+        ("route.weight_nvme", route.weight_nvme > 0, "must be positive"),
+        ("route.engines_max", 0 < route.engines_max <= 4096, "must be 1 to 4096"),
+    ]
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 def as_dict(config: Config) -> dict[str, Any]:
@@ -312,6 +373,7 @@ _SECTION_TYPES: dict[str, type] = {
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
+    "events": EventsConfig, "route": RouteConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

@@ -22,8 +22,9 @@ import time
 
 from kvstore import __version__, config as config_module
 from kvstore.config import Config, ConfigError
-from kvstore.control.grpc_server import create_server
+from kvstore.control.event_subscriber import EventSubscriber
 from kvstore.control import recovery
+from kvstore.control.grpc_server import create_server
 from kvstore.control.local_server import LocalServer
 from kvstore.control.service import KVStoreService
 from kvstore.ops import logs
@@ -32,9 +33,9 @@ from kvstore.ops.metrics import Metrics
 from kvstore.ops.notify import Notifier
 from kvstore.ops.supervise import serve_until_stopped
 from kvstore.tiers.dram import Arena
+from kvstore.tiers.nvme import NvmeTier
 from kvstore.transport.tcp import TcpServer, TcpSettings
 from kvstore_client.errors import TransportUnavailable
-from kvstore.tiers.nvme import NvmeTier
 from kvstore_client.proto import pb
 
 log = logging.getLogger("kvstore.server")
@@ -87,6 +88,7 @@ class Node:
             self.health = HealthState(self.grpc, config.ops.reflection)
             if self.metrics is not None:
                 self.metrics.serve(config.ops.metrics_address)
+            self.subscribers = _subscribers(config, self.service)
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
@@ -117,12 +119,16 @@ class Node:
         if self.service.controller:
             self.service.controller.start()
         self._reaper.start()
+        for subscriber in self.subscribers:
+            subscriber.start()
         self.health.serving()
 
     def problem(self) -> str:
         """"" while the node works; what is wrong otherwise. Blocks if the service lock is stuck."""
         if not self._reaper.is_alive():
             return "the lease reaper thread died"
+        if self.service.controller and not self.service.controller.alive():
+            return "the cache controller thread died"
         self.service.open_leases()  # takes the service lock
         return ""
 
@@ -143,6 +149,8 @@ class Node:
             time.sleep(0.05)
             open_leases = self.service.open_leases()
         self._stop.set()
+        for subscriber in self.subscribers:
+            subscriber.stop()
         self.grpc.stop(grace=1.0).wait()
         if self.local is not None:
             self.local.close()
@@ -183,6 +191,14 @@ def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Con
         if exc.errno is None:  # already says what is wrong (another server, not a socket)
             raise
         raise OSError(f"cannot listen on {path} (shm.socket_path): {exc.strerror}") from None
+def _subscribers(config: Config, service: KVStoreService) -> list[EventSubscriber]:
+    events = config.events
+    replays = events.replay_endpoints or ("",) * len(events.endpoints)
+    try:
+        return [EventSubscriber(engine_id, endpoint, replay, events.topic, service.engines, events.replay_timeout_ms)
+                for engine_id, endpoint, replay in zip(events.engine_ids, events.endpoints, replays)]
+    except ImportError as exc:
+        raise OSError(f"[events] needs pyzmq and msgspec ({exc}): pip install 'kvstore[events]'") from None
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -58,6 +58,9 @@ class CacheController:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         with self._wake:
             self._stopping = True

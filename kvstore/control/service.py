@@ -21,7 +21,9 @@ import xxhash
 
 from kvstore import __version__
 from kvstore.config import Config
+from kvstore.control import route
 from kvstore.control.controller import CacheController
+from kvstore.control.engine_index import EngineIndex
 from kvstore.control.index import NO_SLOT, PageIndex, PageRecord
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
 from kvstore.limits import Limits
@@ -71,6 +73,8 @@ class KVStoreService:
         self.namespaces: dict[int, Namespace] = {}
         self.pending: dict[tuple[int, bytes], int] = {}   # reserved, uncommitted page -> lease id
         self.counters = Counters()
+        # The ENGINE tier: pages engines hold in their own memory, fed by their KV events.
+        self.engines = EngineIndex(config.events.blocks_max, config.events.hash_seed)
         self.draining = False
         self.instance_id = secrets.token_bytes(8)
         self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
@@ -83,6 +87,7 @@ class KVStoreService:
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
             "Acquire": self.acquire, "Release": self.release, "Delete": self.delete, "Stats": self.stats,
             "RdmaConnect": self.rdma_connect,
+            "Route": self.route,
         }
 
     def handle(self, method: str, request: Any, owner: object | None = None) -> Any:
@@ -412,6 +417,17 @@ class KVStoreService:
         if nbytes != page_bytes:
             raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
         return page_bytes
+    def route(self, request: pb.RouteRequest, owner: object | None) -> pb.RouteResponse:
+        namespace = self._namespace(request.namespace_id)
+        keys = self._lookup_keys(namespace, request)
+        engine_ids = route.check_engine_ids(request.engine_ids, self.config.route.engines_max)
+        with self.lock:
+            store_tiers = [pb.DRAM if r.in_dram else pb.NVME for r in self.index.leading(request.namespace_id, keys)]
+        weights = self.config.route
+        scores = route.score_engines(
+            engine_ids, store_tiers, self.engines.holders(keys, engine_ids), len(keys),
+            route.Weights(weights.weight_engine_gpu, weights.weight_engine_host, weights.weight_dram, weights.weight_nvme))
+        return pb.RouteResponse(scores=scores, best_engine_id=route.best_engine(scores))
 
     # -- lifecycle hooks for the carriers and the server --------------------------------
 

@@ -70,3 +70,23 @@ def test_data_plane_settings_are_checked(override, dotted):
 def test_data_plane_settings_load_from_every_source():
     cfg = config.load(environ={"KVSTORE_TCP_CONGESTION": "cubic"}, overrides=["tcp.address=0.0.0.0:7070"])
     assert cfg.tcp.congestion == "cubic" and cfg.tcp.address == "0.0.0.0:7070" and not cfg.rdma.enabled
+
+
+def test_events_section_reads_lists_and_checks_they_line_up():
+    cfg = config.load(environ={}, overrides=["events.engine_ids=e1, e2",
+                                         "events.endpoints=tcp://10.0.0.1:5557,ipc:///tmp/e2"])
+    assert cfg.events.engine_ids == ("e1", "e2")
+    assert cfg.events.endpoints == ("tcp://10.0.0.1:5557", "ipc:///tmp/e2")
+    with pytest.raises(ConfigError, match="events.endpoints: needs one endpoint per"):
+        config.load(environ={}, overrides=["events.engine_ids=e1,e2", "events.endpoints=tcp://h:1"])
+    with pytest.raises(ConfigError, match="events.endpoints: each must be a ZMQ"):
+        config.load(environ={}, overrides=["events.engine_ids=e1", "events.endpoints=h:1"])
+    with pytest.raises(ConfigError, match="events.engine_ids: must be distinct"):
+        config.load(environ={}, overrides=["events.engine_ids=e1,e1", "events.endpoints=tcp://h:1,tcp://h:2"])
+
+
+def test_route_weights_keep_their_order():
+    with pytest.raises(ConfigError, match="route.weight_engine_gpu: must exceed route.weight_dram"):
+        config.load(environ={}, overrides=["route.weight_dram=1.5"])
+    with pytest.raises(ConfigError, match="route.weight_dram: must exceed route.weight_nvme"):
+        config.load(environ={}, overrides=["route.weight_nvme=0.7"])

@@ -126,6 +126,14 @@ class KVStoreClient:
         request = pb.LookupRequest(keys=encode_keys(keys or ()), tokens=list(tokens or ()))
         return self._call_in(namespace, "Lookup", request).hit_pages
 
+    def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
+              tokens: Sequence[int] | None = None) -> pb.RouteResponse:
+        """Score candidate engines by how much of this prefix each can reuse (its GPU, then this store)."""
+        if (keys is None) == (tokens is None):
+            raise ValueError("pass exactly one of keys or tokens")
+        request = pb.RouteRequest(keys=encode_keys(keys or ()), tokens=list(tokens or ()), engine_ids=list(engine_ids))
+        return self._call_in(namespace, "Route", request)
+
     def delete(self, namespace: Namespace, keys: Sequence[Key]) -> int:
         """Remove pages and every page that extends them; returns pages removed."""
         return self._call_in(namespace, "Delete", pb.DeleteRequest(keys=encode_keys(keys))).deleted_pages

@@ -411,3 +411,41 @@ class RdmaConnectResponse(_message.Message):
     rkey: int
     arena_bytes: int
     def __init__(self, queue_pair: _Optional[_Union[RdmaQueuePair, _Mapping]] = ..., arena_addr: _Optional[int] = ..., rkey: _Optional[int] = ..., arena_bytes: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "tokens", "engine_ids")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineScore(_message.Message):
+    __slots__ = ("engine_id", "score", "prefix_pages", "engine_gpu_pages", "engine_host_pages", "dram_pages", "nvme_pages")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_GPU_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NVME_PAGES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    score: float
+    prefix_pages: int
+    engine_gpu_pages: int
+    engine_host_pages: int
+    dram_pages: int
+    nvme_pages: int
+    def __init__(self, engine_id: _Optional[str] = ..., score: _Optional[float] = ..., prefix_pages: _Optional[int] = ..., engine_gpu_pages: _Optional[int] = ..., engine_host_pages: _Optional[int] = ..., dram_pages: _Optional[int] = ..., nvme_pages: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("scores", "best_engine_id")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    BEST_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[EngineScore]
+    best_engine_id: str
+    def __init__(self, scores: _Optional[_Iterable[_Union[EngineScore, _Mapping]]] = ..., best_engine_id: _Optional[str] = ...) -> None: ...

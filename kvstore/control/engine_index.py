@@ -1,0 +1,196 @@
+"""The ENGINE tier: which engine holds which pages in its own memory, from its KV events.
+
+Engines (vLLM, SGLang) announce the blocks they cache as `BlockStored(block_hashes,
+parent_block_hash, token_ids, block_size, medium, ...)` and drop them with `BlockRemoved`
+or `AllBlocksCleared`. Their block hashes are their own (vLLM: the low 64 bits of a
+SHA-256 over CBOR with a per-process seed; SGLang: its own), so they cannot be compared
+with our keys directly. Each BlockStored carries the block's token ids and its parent's
+hash, though, so this index rebuilds our key chain for every block,
+`key = page_hash(tokens, key_of(parent))` (kvstore_client.keys, SGLang's chain), and keeps
+both: (engine, engine hash) -> key to apply removals, and key -> engines to route.
+
+A block whose parent was never announced (the subscriber joined late and had no replay)
+cannot get a key and is counted in `orphans`; so are its descendants. A block whose hash
+also depends on more than tokens (LoRA, multimodal inputs, cache salt) is skipped: a
+token-only key would claim a prefix the engine cannot reuse for a plain request.
+
+Thread-safe: one subscriber thread per engine writes, Route reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Hashable, Iterable, Sequence
+
+from kvstore_client.keys import encode_key, page_hash
+
+log = logging.getLogger(__name__)
+
+GPU = "GPU"
+HOST = "HOST"
+# Medium names the engines use, mapped onto the two places an engine can hold a page.
+# vLLM: GPU, CPU (its CPU offload), STORAGE; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL.
+# Pages an engine keeps on disk or in an external store are not in its memory: not indexed.
+MEDIUMS = {None: GPU, "GPU": GPU, "CPU": HOST, "CPU_PINNED": HOST}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    block_hashes: Sequence[Hashable]
+    parent_block_hash: Hashable | None
+    token_ids: Sequence[int]
+    block_size: int
+    medium: str | None = None
+    plain: bool = True          # False when the engine's hash covers more than tokens (LoRA, mm, salt)
+    group_idx: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Removed:
+    block_hashes: Sequence[Hashable]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    stored: int = 0            # blocks indexed
+    removed: int = 0
+    orphans: int = 0           # parent never announced: no key
+    skipped: int = 0           # not token-only, another KV group, or a medium not in memory
+    dropped_full: int = 0      # refused because events.blocks_max was reached
+    batches: int = 0
+    gaps: int = 0              # sequence numbers the subscriber never received
+
+
+class EngineIndex:
+    def __init__(self, blocks_max: int, hash_seed: str = ""):
+        self.blocks_max = blocks_max
+        self.hash_seed = hash_seed
+        self._lock = threading.Lock()
+        # engine -> place (GPU/HOST) -> engine block hash -> our key (hex str)
+        self._blocks: dict[str, dict[str, dict[Hashable, str]]] = {}
+        # our key (bytes) -> engine -> place -> engine blocks naming that key there (usually 1)
+        self._holders: dict[bytes, dict[str, dict[str, int]]] = {}
+        self._count = 0
+        self.counters: dict[str, EngineCounters] = {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def apply(self, engine_id: str, events: Iterable[Event]) -> None:
+        """Apply one batch of an engine's events, in order."""
+        with self._lock:
+            counters = self.counters.setdefault(engine_id, EngineCounters())
+            counters.batches += 1
+            for event in events:
+                if isinstance(event, Stored):
+                    self._store(engine_id, event, counters)
+                elif isinstance(event, Removed):
+                    self._remove(engine_id, event, counters)
+                else:
+                    self._clear(engine_id)
+
+    def note_gap(self, engine_id: str, missed: int) -> None:
+        with self._lock:
+            self.counters.setdefault(engine_id, EngineCounters()).gaps += missed
+
+    def holders(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> dict[str, list[str | None]]:
+        """For each engine, the best place (GPU over HOST) it holds each key, or None."""
+        with self._lock:
+            result: dict[str, list[str | None]] = {engine: [None] * len(keys) for engine in engine_ids}
+            for position, key in enumerate(keys):
+                holding = self._holders.get(key)
+                if not holding:
+                    continue
+                for engine, places in holding.items():
+                    if engine in result:
+                        result[engine][position] = GPU if GPU in places else HOST
+            return result
+
+    def engine_pages(self, engine_id: str) -> int:
+        with self._lock:
+            return sum(len(blocks) for blocks in self._blocks.get(engine_id, {}).values())
+
+    # -- with the lock held -------------------------------------------------------------
+
+    def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:
+        place = MEDIUMS.get(event.medium)
+        count = len(event.block_hashes)
+        if place is None or not event.plain or event.group_idx not in (None, 0):
+            counters.skipped += count
+            return
+        if event.block_size <= 0 or len(event.token_ids) != count * event.block_size:
+            log.warning("engine %s sent BlockStored with %d tokens for %d blocks of %d; ignored",
+                        engine_id, len(event.token_ids), count, event.block_size)
+            counters.skipped += count
+            return
+        blocks = self._blocks.setdefault(engine_id, {}).setdefault(place, {})
+        if event.parent_block_hash is None:
+            prior = self.hash_seed or None
+        else:
+            prior = self._key_of(engine_id, event.parent_block_hash)
+            if prior is None:
+                counters.orphans += count
+                return
+        size = event.block_size
+        for i, block_hash in enumerate(event.block_hashes):
+            key = page_hash(event.token_ids[i * size:(i + 1) * size], prior)
+            prior = key
+            if block_hash in blocks:
+                continue
+            if self._count >= self.blocks_max:
+                counters.dropped_full += count - i
+                return
+            blocks[block_hash] = key
+            places = self._holders.setdefault(encode_key(key), {}).setdefault(engine_id, {})
+            places[place] = places.get(place, 0) + 1
+            self._count += 1
+            counters.stored += 1
+
+    def _key_of(self, engine_id: str, block_hash: Hashable) -> str | None:
+        for blocks in self._blocks.get(engine_id, {}).values():
+            key = blocks.get(block_hash)
+            if key is not None:
+                return key
+        return None
+
+    def _remove(self, engine_id: str, event: Removed, counters: EngineCounters) -> None:
+        place = MEDIUMS.get(event.medium)
+        if place is None or event.group_idx not in (None, 0):
+            return
+        blocks = self._blocks.get(engine_id, {}).get(place)
+        if not blocks:
+            return
+        for block_hash in event.block_hashes:
+            key = blocks.pop(block_hash, None)
+            if key is not None:
+                self._forget(encode_key(key), engine_id, place)
+                counters.removed += 1
+
+    def _clear(self, engine_id: str) -> None:
+        for place, blocks in self._blocks.pop(engine_id, {}).items():
+            for key in blocks.values():
+                self._forget(encode_key(key), engine_id, place)
+
+    def _forget(self, key: bytes, engine_id: str, place: str) -> None:
+        holding = self._holders[key]
+        places = holding[engine_id]
+        places[place] -= 1
+        if not places[place]:
+            del places[place]
+        if not places:
+            del holding[engine_id]
+            if not holding:
+                del self._holders[key]
+        self._count -= 1

@@ -1,0 +1,148 @@
+"""vLLM's own hashing and ZMQ publisher feed a real server's ENGINE tier; Route scores follow what each engine published.
+
+Each fake engine is vLLM's ZmqEventPublisher (PUB + replay ROUTER) publishing KVEventBatches
+built from vLLM's event classes, with block hashes from vLLM's prefix-cache hashing
+(sha256_cbor, as `--prefix-caching-hash-algo sha256_cbor`). Only the scheduler that would
+call publish() is absent: it needs a GPU model runner.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core import kv_cache_utils
+
+from kvstore_client import KVStoreClient, Namespace, prefix_hashes
+
+BLOCK = 16
+PAGE_BYTES = 4096
+NS = Namespace(model="route-test", page_bytes=PAGE_BYTES, page_tokens=BLOCK)
+
+
+class FakeEngine:
+    """What a vLLM engine publishes for the prompts it prefills: one BlockStored per prefill, chained."""
+
+    def __init__(self, workdir, name: str, int_hashes: bool = True):
+        self.endpoint = f"ipc://{workdir}/{name}-pub"
+        self.replay = f"ipc://{workdir}/{name}-replay"
+        self.publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=self.endpoint,
+                                           replay_endpoint=self.replay, buffer_steps=100)
+        self.int_hashes = int_hashes
+        self.hashes: list = []
+
+    def block_hashes(self, tokens):
+        hashes, parent = [], None
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, tokens[start:start + BLOCK])
+            hashes.append(kv_cache_utils.maybe_convert_block_hash(parent) if self.int_hashes else bytes(parent))
+        return hashes
+
+    def prefill(self, tokens, cached_blocks=0):
+        """Publish the blocks of `tokens` past the first `cached_blocks` (already announced)."""
+        hashes = self.block_hashes(tokens)
+        new = hashes[cached_blocks:]
+        self.publish(BlockStored(
+            block_hashes=new, parent_block_hash=hashes[cached_blocks - 1] if cached_blocks else None,
+            token_ids=list(tokens[cached_blocks * BLOCK:len(hashes) * BLOCK]), block_size=BLOCK,
+            lora_id=None, medium="GPU", lora_name=None))
+        return hashes
+
+    def publish(self, *events):
+        self.publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+    def close(self):
+        self.publisher.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_hashing():
+    kv_cache_utils.init_none_hash(sha256_cbor)
+
+
+@pytest.fixture
+def engines(tmp_path):
+    made = [FakeEngine(tmp_path, "e1"), FakeEngine(tmp_path, "e2", int_hashes=False)]
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def routed(client, tokens, engine_ids, until, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = client.route(NS, engine_ids, tokens=tokens)
+        scores = {s.engine_id: s for s in answer.scores}
+        if until(scores) or time.monotonic() > deadline:
+            return answer, scores
+        time.sleep(0.05)
+
+
+def test_route_follows_engine_events(start_server, engines, tmp_path):
+    e1, e2 = engines
+    server = start_server({
+        "events.engine_ids": "e1,e2", "events.endpoints": f"{e1.endpoint},{e2.endpoint}",
+        "events.replay_endpoints": f"{e1.replay},{e2.replay}",
+        "route.weight_engine_gpu": 1.0, "route.weight_dram": 0.5, "route.weight_nvme": 0.25})
+    rng = np.random.default_rng(7)
+    conversation = rng.integers(0, 32000, 8 * BLOCK).tolist()
+    other = rng.integers(0, 32000, 4 * BLOCK).tolist()
+    ids = ["e1", "e2", "e3"]
+    with KVStoreClient(server.address, timeout_s=10) as client:
+        # e1 prefilled the whole conversation in two turns; e2 only its first 3 pages and another prompt.
+        hashes1 = e1.prefill(conversation[:5 * BLOCK])
+        e1.prefill(conversation, cached_blocks=5)
+        e2.prefill(conversation[:3 * BLOCK])
+        e2.prefill(other)
+        # The store holds the first 5 pages in DRAM: any engine can load them.
+        keys = prefix_hashes(conversation, BLOCK)
+        assert client.put(NS, keys[:5], np.zeros((5, PAGE_BYTES), np.uint8)) == 5
+
+        answer, s = routed(client, conversation, ids, lambda s: s["e1"].engine_gpu_pages == 8
+                           and s["e2"].engine_gpu_pages == 3)
+        assert answer.best_engine_id == "e1"
+        assert (s["e1"].prefix_pages, s["e1"].engine_gpu_pages, s["e1"].score) == (8, 8, 8.0)
+        assert (s["e2"].prefix_pages, s["e2"].engine_gpu_pages, s["e2"].dram_pages) == (5, 3, 2)
+        assert s["e2"].score == pytest.approx(3 + 2 * 0.5)
+        assert (s["e3"].prefix_pages, s["e3"].dram_pages, s["e3"].score) == (5, 5, 2.5)
+        # The other prompt is only on e2.
+        answer, s = routed(client, other, ids, lambda s: s["e2"].engine_gpu_pages == 4)
+        assert answer.best_engine_id == "e2" and s["e1"].prefix_pages == 0 and s["e3"].score == 0
+
+        # e1 evicts its last 4 pages: page 4 is still in the store's DRAM, pages 5.. nowhere.
+        e1.publish(BlockRemoved(block_hashes=e1.block_hashes(conversation)[4:], medium="GPU"))
+        _, s = routed(client, conversation, ids, lambda s: s["e1"].engine_gpu_pages == 4)
+        assert (s["e1"].prefix_pages, s["e1"].engine_gpu_pages, s["e1"].dram_pages) == (5, 4, 1)
+        assert hashes1 == e1.block_hashes(conversation)[:5]
+
+        # e2 resets its prefix cache: it is back to what the store offers.
+        e2.publish(AllBlocksCleared())
+        answer, s = routed(client, conversation, ["e2", "e1"], lambda s: s["e2"].engine_gpu_pages == 0)
+        assert (s["e2"].prefix_pages, s["e2"].dram_pages, s["e2"].score) == (5, 5, 2.5)
+        assert answer.best_engine_id == "e1"
+
+
+def test_subscriber_joining_late_catches_up_through_replay(start_server, engines):
+    e1, _ = engines
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 32000, 6 * BLOCK).tolist()
+    e1.prefill(tokens[:2 * BLOCK])             # published before any subscriber exists
+    e1.prefill(tokens, cached_blocks=2)
+    time.sleep(0.3)
+    server = start_server({"events.engine_ids": "e1", "events.endpoints": e1.endpoint,
+                           "events.replay_endpoints": e1.replay})
+    with KVStoreClient(server.address, timeout_s=10) as client:
+        _, s = routed(client, tokens, ["e1"], lambda s: s["e1"].engine_gpu_pages == 6)
+        assert s["e1"].prefix_pages == 6 and s["e1"].engine_gpu_pages == 6
+
+
+def test_route_refuses_bad_requests(client):
+    from kvstore_client import errors
+
+    with pytest.raises(errors.InvalidArgument, match="engine_ids is empty"):
+        client.route(NS, [], tokens=list(range(BLOCK)))
+    with pytest.raises(errors.InvalidArgument, match="not both|empty"):
+        client.route(NS, ["e1"], keys=[])

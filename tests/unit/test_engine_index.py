@@ -1,0 +1,75 @@
+"""The ENGINE tier index rebuilds our key chain from engine blocks and forgets what engines drop."""
+
+from kvstore.control.engine_index import GPU, HOST, Cleared, EngineIndex, Removed, Stored
+from kvstore_client.keys import encode_key, prefix_hashes
+
+BLOCK = 4
+TOKENS = list(range(100, 124))                        # 6 blocks of 4
+KEYS = [encode_key(k) for k in prefix_hashes(TOKENS, BLOCK)]
+
+
+def stored(hashes, parent, first_block, medium="GPU", **extra):
+    tokens = TOKENS[first_block * BLOCK:(first_block + len(hashes)) * BLOCK]
+    return Stored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BLOCK,
+                  medium=medium, **extra)
+
+
+def test_blocks_get_our_keys_across_batches():
+    index = EngineIndex(blocks_max=100)
+    index.apply("e1", [stored([11, 12], None, 0)])
+    index.apply("e1", [stored([13, 14], 12, 2)])     # continues from the parent's key
+    places = index.holders(KEYS, ["e1", "e2"])
+    assert places["e1"] == [GPU] * 4 + [None, None]
+    assert places["e2"] == [None] * 6
+    assert index.counters["e1"].stored == 4 and len(index) == 4
+
+
+def test_removed_and_cleared_forget_blocks():
+    index = EngineIndex(blocks_max=100)
+    index.apply("e1", [stored([11, 12, 13], None, 0), stored([21], None, 0, medium="CPU")])
+    assert index.holders(KEYS[:1], ["e1"])["e1"] == [GPU]        # GPU wins over the host copy
+    index.apply("e1", [Removed(block_hashes=[11, 13], medium="GPU")])
+    assert index.holders(KEYS[:3], ["e1"])["e1"] == [HOST, GPU, None]
+    index.apply("e1", [Cleared()])
+    assert index.holders(KEYS[:3], ["e1"])["e1"] == [None] * 3
+    assert len(index) == 0
+
+
+def test_block_with_unknown_parent_is_an_orphan():
+    index = EngineIndex(blocks_max=100)
+    index.apply("e1", [stored([13, 14], 999, 2)])
+    assert index.counters["e1"].orphans == 2 and len(index) == 0
+
+
+def test_blocks_whose_hash_covers_more_than_tokens_are_skipped():
+    index = EngineIndex(blocks_max=100)
+    index.apply("e1", [stored([11], None, 0, plain=False), stored([31], None, 0, medium="DISK"),
+                       stored([41], None, 0, group_idx=1)])
+    assert index.counters["e1"].skipped == 3 and len(index) == 0
+
+
+def test_token_count_must_match_blocks():
+    index = EngineIndex(blocks_max=100)
+    index.apply("e1", [Stored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[1, 2, 3], block_size=BLOCK)])
+    assert len(index) == 0 and index.counters["e1"].skipped == 2
+
+
+def test_index_is_bounded():
+    index = EngineIndex(blocks_max=3)
+    index.apply("e1", [stored([11, 12, 13, 14, 15], None, 0)])
+    assert len(index) == 3 and index.counters["e1"].dropped_full == 2
+
+
+def test_hash_seed_starts_the_chain():
+    seed = "ab" * 32
+    index = EngineIndex(blocks_max=10, hash_seed=seed)
+    index.apply("e1", [stored([11], None, 0)])
+    seeded = encode_key(prefix_hashes(TOKENS[:BLOCK], BLOCK, seed)[0])
+    assert index.holders([seeded, KEYS[0]], ["e1"])["e1"] == [GPU, None]
+
+
+def test_same_key_under_two_engine_hashes_is_counted_twice():
+    index = EngineIndex(blocks_max=10)
+    index.apply("e1", [stored([11], None, 0), stored([12], None, 0)])
+    index.apply("e1", [Removed(block_hashes=[11], medium="GPU")])
+    assert index.holders(KEYS[:1], ["e1"])["e1"] == [GPU]
