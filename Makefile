@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 # vLLM's own KV-event classes and publisher for the event tests: vllm without its CUDA
 # dependencies (it pins a CUDA torch), plus what vllm.distributed.kv_events imports.
 VLLM_STAMP := $(VENV)/.vllm-installed
-$(VLLM_STAMP): $(STAMP) requirements/vllm-events.txt
+$(VLLM_STAMP): $(STAMP) tests/requirements-vllm-events.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps vllm==0.33.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements/vllm-events.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check -r tests/requirements-vllm-events.txt
 	touch $@
 
 install: $(STAMP)
