@@ -21,6 +21,13 @@ def checksums_available() -> bool:
 
 _memmove = ctypes.memmove
 
+# glibc copies large blocks with non-temporal stores, which bypass the cache. A put's page
+# is read back by the server right after it is written (the checksum at commit), so it is
+# copied in pieces below that switch: the bytes are still in the shared L3 cache when the
+# server hashes them, instead of a second stream competing for DRAM bandwidth. Measured
+# here with 4 MiB pages: 0.70 of memcpy whole, 0.98 in 256 KiB pieces (bench/shm_throughput.py).
+CACHED_COPY_BYTES = 256 << 10
+
 
 class ArenaMapping:
     def __init__(self, fd: int):
@@ -35,10 +42,11 @@ class ArenaMapping:
         self.view = memoryview(self._array)
 
     def write(self, offset: int, segments: list[Segment]) -> None:
-        """Copy a page's segments into the slot at `offset`."""
+        """Copy a page's segments into the slot at `offset`, in cache-sized pieces (see below)."""
         dst = self.base + offset
         for src, nbytes in segments:
-            _memmove(dst, src, nbytes)
+            for done in range(0, nbytes, CACHED_COPY_BYTES):
+                _memmove(dst + done, src + done, min(CACHED_COPY_BYTES, nbytes - done))
             dst += nbytes
 
     def read(self, offset: int, segments: list[Segment]) -> None:
