@@ -140,12 +140,13 @@ class PageIndex:
     def unpin_all(self, records: list[PageRecord]) -> None:
         for record in records:
             record.pins -= 1
-            assert record.pins >= 0, "unpin of a page that is not pinned"
             if record.pins == 0:
-                if record.alive:
-                    self._offer(record)
-                else:
+                if not record.alive:
                     self._on_removed(record)
+                elif record.on_nvme or not record.children:  # else not evictable: nothing to offer
+                    self._offer(record)
+            else:
+                assert record.pins > 0, "unpin of a page that is not pinned"
 
     def set_dram(self, record: PageRecord, offset: int) -> None:
         assert not record.in_dram and offset != NO_SLOT
@@ -263,11 +264,18 @@ class PageIndex:
         record.offset = NO_SLOT
 
     def _offer(self, record: PageRecord) -> None:
-        """Put the page's current state up for eviction; stale heap entries are skipped later."""
+        """Put the page's current state up for eviction; stale heap entries are skipped later.
+
+        Only what is evictable now: a page that becomes so later (its last child leaves, it
+        reaches NVMe) is offered again then. This keeps the read path's unpin cheap.
+        """
         if record.pins:
             return
+        in_dram = record.offset != NO_SLOT and (record.on_nvme or not record.children)
+        if not (in_dram or record.on_nvme):
+            return
         entry = (record.tick, next(self._seq), record)
-        if record.in_dram:
+        if in_dram:
             heap = self._dram.setdefault(record.slot_bytes, [])
             heapq.heappush(heap, entry)
             if len(heap) > 64 and len(heap) > 4 * len(self._pages):

@@ -261,29 +261,34 @@ class KVStoreService:
         with self.lock:
             self._check_not_draining()
             records = self.index.leading(ns_id, keys)
-            in_dram = sum(1 for _ in _takewhile_in_dram(records))
-            missing = [r for r in records if not r.in_dram]
-            if missing and self.controller and request.policy == pb.BEST_EFFORT:
-                self.controller.prefetch(missing)
-        promoted = 0
-        if missing and self.controller and request.policy != pb.BEST_EFFORT:
-            deadline = time.monotonic() + self._promote_wait_s(request)
-            promoted = self.controller.promote(missing, deadline)
-            self.controller.wait_promoted(missing, deadline)
+            missing = [r for r in records if r.offset == NO_SLOT]
+            if not missing or not self.controller or request.policy == pb.BEST_EFFORT:
+                if missing and self.controller:
+                    self.controller.prefetch(missing)
+                ready = records[:records.index(missing[0])] if missing else records
+                return self._read_lease(namespace, ns_id, keys, ready, len(ready), ttl_ms, owner, 0)
+            in_dram = records.index(missing[0])
+        deadline = time.monotonic() + self._promote_wait_s(request)
+        promoted = self.controller.promote(missing, deadline)
+        self.controller.wait_promoted(missing, deadline)
         with self.lock:
-            records = list(_takewhile_in_dram(self.index.leading(ns_id, keys)))
-            from_dram = min(in_dram, len(records))
-            self.counters.dram_hits += from_dram
-            self.counters.nvme_hits += len(records) - from_dram
-            self.counters.misses += len(keys) - len(records)
-            if not records:
-                return pb.AcquireResponse(page_bytes=namespace.page_bytes)
-            lease = self.leases.open(READ, ns_id, time.monotonic(), ttl_ms, owner)
-            self.index.pin_all(records, hit=True)
-            lease.pinned = records
-            if self.controller:
-                self.controller.on_hit(records)
-            self.counters.bytes_acquired += len(records) * namespace.page_bytes
+            ready = list(itertools.takewhile(lambda r: r.offset != NO_SLOT, self.index.leading(ns_id, keys)))
+            return self._read_lease(namespace, ns_id, keys, ready, min(in_dram, len(ready)), ttl_ms, owner, promoted)
+
+    def _read_lease(self, namespace: Namespace, ns_id: int, keys: list[bytes], records: list[PageRecord],
+                    from_dram: int, ttl_ms: int, owner: object | None, promoted: int) -> pb.AcquireResponse:
+        """Lock held: pin the leading pages ready in DRAM under a new read lease, and count."""
+        self.counters.dram_hits += from_dram
+        self.counters.nvme_hits += len(records) - from_dram
+        self.counters.misses += len(keys) - len(records)
+        if not records:
+            return pb.AcquireResponse(page_bytes=namespace.page_bytes)
+        lease = self.leases.open(READ, ns_id, time.monotonic(), ttl_ms, owner)
+        self.index.pin_all(records, hit=True)
+        lease.pinned = records
+        if self.controller:
+            self.controller.on_hit(records)
+        self.counters.bytes_acquired += len(records) * namespace.page_bytes
         return pb.AcquireResponse(
             lease_id=lease.lease_id, hit_pages=len(records), offsets=[r.offset for r in records],
             checksums=[r.checksum for r in records], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms,
@@ -602,6 +607,3 @@ class KVStoreService:
         if self.draining:
             raise errors.Draining("the server is draining for shutdown and takes no new leases")
 
-
-def _takewhile_in_dram(records: list[PageRecord]):
-    return itertools.takewhile(lambda r: r.in_dram, records)
