@@ -82,9 +82,6 @@ class CacheController:
         self._prefetch.extend(r for r in records[:max(room, 0)] if not r.busy)
         self._wake.notify()
 
-    def queued_pages(self) -> int:
-        return len(self._writes)
-
     def _enqueue(self, records: list[PageRecord]) -> None:
         for record in records:
             if record.on_nvme or record.queued:
@@ -101,19 +98,11 @@ class CacheController:
         that eviction can drop their DRAM copies instead of losing them."""
         if self.config.write_policy != WRITE_BACK:
             return
-        index = self._service.index
         chains: list[PageRecord] = []
         seen: set[PageRecord] = set()
-        for record in index.dram_only_lru(max(pages, self.config.write_batch_pages)):
-            for node in _unsaved_chain(record):
-                if node not in seen:
-                    seen.add(node)
-                    chains.append(node)
-        written = self._write_pages(chains, locked=True)
-        for record in written:
-            index.set_on_nvme(record, True)
-        self._service.counters.demotions += len(written)
-        self._service.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
+        for record in self._service.index.dram_only_lru(max(pages, self.config.write_batch_pages)):
+            _add_unsaved_chain(record, chains, seen)
+        self._mark_written(self._write_pages(chains, locked=True))
 
     # -- promotion (called without the lock, from the Acquire handler) ------------------
 
@@ -136,7 +125,7 @@ class CacheController:
         with service.lock:
             for index, (record, slot) in enumerate(zip(todo, slots)):
                 ok = index < len(results) and results[index]
-                self._service.index.release_busy(record)
+                service.index.release_busy(record)
                 if ok and record.alive:
                     service.index.set_dram(record, slot)
                     promoted += 1
@@ -146,7 +135,7 @@ class CacheController:
                     garbage += self._drop_corrupt(record)
             service.index.unpin_all(todo)
             service.counters.promotions += promoted
-            service.counters.promoted_bytes += promoted * (todo[0].slot_bytes if todo else 0)
+            service.counters.promoted_bytes += promoted * (self._page_bytes(todo[0]) if todo else 0)
             self._promoted.notify_all()
         if garbage:
             self._nvme.delete(garbage)
@@ -181,15 +170,17 @@ class CacheController:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._writes or self._prefetch or self._dram_too_full()):
-                    self._wake.wait(0.1)
-                if self._stopping:
-                    return
-                if not self._writes and self._dram_too_full():
-                    self._enqueue(self._service.index.dram_only_lru(self.config.write_batch_pages))
-                batch = self._take_batch()
-                prefetch = list(self._prefetch)
-                self._prefetch.clear()
+                while True:
+                    if self._stopping:
+                        return
+                    if not self._writes and self._write_back_due():
+                        self._enqueue(self._service.index.dram_only_lru(self.config.write_batch_pages))
+                    batch = self._take_batch()
+                    prefetch = list(self._prefetch)
+                    self._prefetch.clear()
+                    if batch or prefetch:
+                        break
+                    self._wake.wait(0.1)  # nothing movable now (e.g. every candidate is busy): wait
             try:
                 if batch:
                     self._write_down(batch)
@@ -198,13 +189,10 @@ class CacheController:
             except Exception:  # the controller must outlive one bad batch
                 log.exception("cache controller pass failed")
 
-    def _dram_too_full(self) -> bool:
-        if self.config.write_policy != WRITE_BACK:
-            return False
+    def _write_back_due(self) -> bool:
         allocator = self._service.allocator
-        if allocator.used_bytes <= self.config.high_watermark * allocator.capacity_bytes:
-            return False
-        return bool(self._service.index.dram_only_lru(1))
+        return (self.config.write_policy == WRITE_BACK
+                and allocator.used_bytes > self.config.high_watermark * allocator.capacity_bytes)
 
     def _take_batch(self) -> list[PageRecord]:
         """Lock held: queued pages with their unsaved ancestors first, pinned and marked busy."""
@@ -213,10 +201,7 @@ class CacheController:
         while self._writes and len(batch) < self.config.write_batch_pages:
             record = self._writes.popleft()
             record.queued = False
-            for node in _unsaved_chain(record):
-                if node not in seen:
-                    seen.add(node)
-                    batch.append(node)
+            _add_unsaved_chain(record, batch, seen)
         for record in batch:
             record.busy = True
             record.pins += 1
@@ -233,20 +218,25 @@ class CacheController:
 
     def _finish_write_down(self, batch: list[PageRecord], written: list[PageRecord]) -> None:
         service = self._service
-        garbage = []
         with service.lock:
-            for record in written:
-                if record.alive:
-                    service.index.set_on_nvme(record, True)
-                else:  # deleted while it was being written
-                    garbage.append(record.page_id)
+            garbage = self._mark_written(written)
             for record in batch:
                 service.index.release_busy(record)
             service.index.unpin_all(batch)
-            service.counters.demotions += len(written)
-            service.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
         if garbage:
             self._nvme.delete(garbage)
+
+    def _mark_written(self, written: list[PageRecord]) -> list[tuple[int, bytes]]:
+        """Lock held: pages now on NVMe; returns those deleted meanwhile, to delete from disk too."""
+        garbage = []
+        for record in written:
+            if record.alive:
+                self._service.index.set_on_nvme(record, True)
+            else:
+                garbage.append(record.page_id)
+        self._service.counters.demotions += len(written)
+        self._service.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
+        return garbage
 
     def _write_pages(self, records: list[PageRecord], locked: bool) -> list[PageRecord]:
         """Write pages to their shards, one transaction per shard, making room when a map is full."""
@@ -275,7 +265,7 @@ class CacheController:
 
     def _stored(self, record: PageRecord) -> tuple[StoredPage, memoryview]:
         ns_id, key = record.page_id
-        page_bytes = self._service.namespaces[ns_id].page_bytes
+        page_bytes = self._page_bytes(record)
         parent_key = record.parent.page_id[1] if record.parent is not None else b""
         page = StoredPage(ns_id, key, parent_key, page_bytes, record.checksum)
         return page, self._service.arena.view[record.offset:record.offset + page_bytes]
@@ -300,6 +290,14 @@ class CacheController:
                 victims = evict()
         self._nvme.delete([r.page_id for r in victims])
         log.info("NVMe shard %d full: evicted pages=%d", shard, len(victims))
+
+
+def _add_unsaved_chain(record: PageRecord, batch: list[PageRecord], seen: set[PageRecord]) -> None:
+    """Append the page's unsaved chain to `batch`, root first, skipping pages already in it."""
+    for node in _unsaved_chain(record):
+        if node not in seen:
+            seen.add(node)
+            batch.append(node)
 
 
 def _unsaved_chain(record: PageRecord) -> list[PageRecord]:

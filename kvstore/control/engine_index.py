@@ -118,10 +118,6 @@ class EngineIndex:
                         result[engine][position] = GPU if GPU in places else HOST
             return result
 
-    def engine_pages(self, engine_id: str) -> int:
-        with self._lock:
-            return sum(len(blocks) for blocks in self._blocks.get(engine_id, {}).values())
-
     # -- with the lock held -------------------------------------------------------------
 
     def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:

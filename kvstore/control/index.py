@@ -78,9 +78,6 @@ class PageIndex:
     def get(self, page_id: PageId) -> PageRecord | None:
         return self._pages.get(page_id)
 
-    def records(self) -> Iterator[PageRecord]:
-        return iter(self._pages.values())
-
     def add(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
             checksum: int, on_nvme: bool = False) -> PageRecord:
         """Insert without an access tick; the caller touches the new pages (see touch_all)."""

@@ -134,8 +134,7 @@ class KVStoreService:
         namespace = self._namespace(request.namespace_id)
         keys = self._lookup_keys(namespace, request)
         ns_id = request.namespace_id
-        with self.lock:
-            tiers = [pb.DRAM if r.in_dram else pb.NVME for r in self.index.leading(ns_id, keys)]
+        tiers = self._store_tiers(ns_id, keys)
         return pb.LookupResponse(hit_pages=len(tiers), tiers=tiers)
 
     def reserve(self, request: pb.ReserveRequest, owner: object | None) -> pb.ReserveResponse:
@@ -333,8 +332,7 @@ class KVStoreService:
                 tiers.append(pb.TierStats(
                     tier=pb.NVME, capacity_bytes=self.nvme.capacity_bytes, used_bytes=nvme_used,
                     pages=self.index.nvme_pages, hits=c.nvme_hits, evictions=c.nvme_evictions,
-                    promotions=c.demotions, demotions=c.promotions, bytes_in=c.demoted_bytes,
-                    bytes_out=c.promoted_bytes, corrupt_pages=c.corrupt_pages))
+                    bytes_in=c.demoted_bytes, bytes_out=c.promoted_bytes, corrupt_pages=c.corrupt_pages))
             namespaces = [
                 pb.NamespaceStats(namespace_id=ns_id, model=ns.model, tenant=ns.tenant, page_bytes=ns.page_bytes,
                                   pages=self.index.pages_by_namespace.get(ns_id, 0))
@@ -422,12 +420,12 @@ class KVStoreService:
         if nbytes != page_bytes:
             raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
         return page_bytes
+
     def route(self, request: pb.RouteRequest, owner: object | None) -> pb.RouteResponse:
         namespace = self._namespace(request.namespace_id)
         keys = self._lookup_keys(namespace, request)
         engine_ids = route.check_engine_ids(request.engine_ids, self.config.route.engines_max)
-        with self.lock:
-            store_tiers = [pb.DRAM if r.in_dram else pb.NVME for r in self.index.leading(request.namespace_id, keys)]
+        store_tiers = self._store_tiers(request.namespace_id, keys)
         weights = self.config.route
         scores = route.score_engines(
             engine_ids, store_tiers, self.engines.holders(keys, engine_ids), len(keys),
@@ -448,13 +446,13 @@ class KVStoreService:
 
     def reap_expired(self) -> int:
         with self.lock:
-            expired = list(self.leases.expired(time.monotonic()))
-            for lease in expired:
+            expired = [(lease, len(lease.slots), len(lease.pinned)) for lease in self.leases.expired(time.monotonic())]
+            for lease, _, _ in expired:
                 self._end_lease(lease)
             self.counters.leases_expired += len(expired)
-        for lease in expired:
+        for lease, uncommitted, pinned in expired:
             log.info("lease expired kind=%s lease=%016x uncommitted_pages=%d pinned_pages=%d",
-                     lease.kind, lease.lease_id, len(lease.slots), len(lease.pinned))
+                     lease.kind, lease.lease_id, uncommitted, pinned)
         return len(expired)
 
     def start_draining(self) -> None:
@@ -507,6 +505,11 @@ class KVStoreService:
         lease.slots.clear()
         self.index.unpin_all(lease.pinned)
         lease.pinned = []
+
+    def _store_tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
+        """The tier of each leading page this store holds (DRAM when it is in both)."""
+        with self.lock:
+            return [pb.NVME if r.offset == NO_SLOT else pb.DRAM for r in self.index.leading(ns_id, keys)]
 
     def _on_removed(self, record: PageRecord) -> None:
         """A page left the index and no lease holds it: its DRAM slot may be reused."""

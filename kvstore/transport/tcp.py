@@ -88,9 +88,6 @@ class TcpServer:
         loop.call_soon_threadsafe(self._stop)
         self._thread.join(10)
 
-    def connection_count(self) -> int:
-        return len(self._connections)
-
     # -- loop thread ------------------------------------------------------------------
 
     def _run(self) -> None:

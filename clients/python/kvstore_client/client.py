@@ -78,8 +78,7 @@ class KVStoreClient:
         here as it is copied, so the server refuses a slot that does not hold what this
         process wrote (needs xxhash).
         """
-        if verify and not checksums_available():
-            raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
+        _check_verify(verify)
         raw_keys = encode_keys(keys)
         segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
         parent_key = encode_key(parent) if parent is not None else b""
@@ -104,8 +103,7 @@ class KVStoreClient:
         """
         if policy not in _PREFETCH_POLICIES:
             raise errors.InvalidArgument(f"policy must be one of {sorted(_PREFETCH_POLICIES)}, got {policy!r}")
-        if verify and not checksums_available():
-            raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
+        _check_verify(verify)
         raw_keys = encode_keys(keys)
         segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
         loaded = 0
@@ -212,7 +210,7 @@ class KVStoreClient:
             return self._remote.put_batch(ns_id, namespace.page_bytes, parent, keys, segments, verify)
         control = self._control
         group = RESERVE_GROUP_PAGES
-        starts = range(0, len(keys), group)
+        run = max(1, COMMIT_RUN_BYTES // namespace.page_bytes)
 
         def reserve(start: int, lease_id: int, parent_key: bytes) -> tuple[float, Pending]:
             request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent_key, keys=keys[start:start + group],
@@ -225,7 +223,7 @@ class KVStoreClient:
         sent_at, next_reserve = reserve(0, 0, parent)
         copy_until = 0.0
         try:
-            for start in starts:
+            for start in range(0, len(keys), group):
                 reserved = next_reserve.result()
                 group_states = list(reserved.states)
                 states += group_states
@@ -238,7 +236,6 @@ class KVStoreClient:
                     # Extend the lease only while it certainly holds uncommitted slots (this group's).
                     live = reserved.lease_id if reserved_indices else 0
                     _, next_reserve = reserve(start + group, live, keys[start + len(group_states) - 1])
-                run = max(1, COMMIT_RUN_BYTES // namespace.page_bytes)
                 for first in range(0, len(reserved_indices), run):
                     commits.append(self._copy_and_commit(reserved, reserved_indices[first:first + run], segments,
                                                          start, namespace.page_bytes, copy_until, verify))
@@ -340,3 +337,8 @@ class KVStoreClient:
             namespace_id = self._control.call("OpenNamespace", request).namespace_id
             self._namespace_ids[namespace] = namespace_id
         return namespace_id
+
+
+def _check_verify(verify: bool) -> None:
+    if verify and not checksums_available():
+        raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
