@@ -24,8 +24,6 @@ import mmap
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 

@@ -1,6 +1,5 @@
 """A client SIGKILLed mid-put never makes a page visible, and its slots come back to the pool."""
 
-import json
 import random
 import signal
 import subprocess

@@ -5,7 +5,6 @@ import json
 import re
 
 import numpy as np
-import pytest
 
 from kvstore_client import KVStoreClient, Namespace
 
