@@ -246,8 +246,8 @@ class CacheController:
         written: list[PageRecord] = []
         for shard, group in by_shard.items():
             pages = [self._stored(record) for record in group]
-            self._save_namespaces(group)
             try:
+                self._save_namespaces(group)
                 try:
                     self._nvme.write(shard, pages)
                 except NvmeFull:

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from typing import Iterator
 
 import lmdb
@@ -117,6 +118,10 @@ class _Shard:
         self.meta = self.env.open_db(b"meta")
         self.data = self.env.open_db(b"data")
         self.namespaces = self.env.open_db(b"namespaces")
+        self.lock = threading.Lock()
+        self.page_bytes = 0        # bytes of the pages stored here, by this process's count
+
+
 
 
 class NvmeTier:
@@ -124,6 +129,9 @@ class NvmeTier:
 
     def __init__(self, paths: tuple[str, ...], map_bytes: int, io_threads: int = 8):
         self.map_bytes = map_bytes
+        # Writes stop short of the map's end: LMDB deletes copy B-tree pages too, so a map
+        # filled to its last page could not even evict. Pages are refused beyond this.
+        self.page_bytes_max = map_bytes - max(map_bytes // 8, 1 << 20)
         self.shards = [_Shard(i, path, map_bytes) for i, path in enumerate(paths)]
         self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
 
@@ -144,6 +152,9 @@ class NvmeTier:
     def write(self, shard: int, pages: list[tuple[StoredPage, memoryview]]) -> None:
         """Write pages (header + bytes) to one shard in one transaction. Raises NvmeFull."""
         target = self.shards[shard]
+        incoming = sum(len(view) for _, view in pages)
+        if target.page_bytes + incoming > self.page_bytes_max:
+            raise NvmeFull(shard)
         try:
             with target.env.begin(write=True) as txn:
                 for page, view in pages:
@@ -158,6 +169,8 @@ class NvmeTier:
             if "No space left" in str(exc) or _free_bytes(target.path) < needed:
                 raise NvmeFull(shard) from None
             raise NvmeError(f"NVMe shard {target.path}: {exc}") from None
+        with target.lock:
+            target.page_bytes += incoming
 
     def read_into(self, pages: list[tuple[int, bytes, memoryview]]) -> list[bool]:
         """Copy each page's bytes from disk into its `out` view; False where absent or mis-sized.
@@ -200,11 +213,7 @@ class NvmeTier:
         for ns_id, key in pages:
             by_shard.setdefault(self.shard_of(ns_id, key), []).append(record_key(ns_id, key))
         for shard_index, rkeys in by_shard.items():
-            shard = self.shards[shard_index]
-            with shard.env.begin(write=True) as txn:
-                for rkey in rkeys:
-                    txn.delete(rkey, db=shard.meta)
-                    txn.delete(rkey, db=shard.data)
+            self.drop_records(shard_index, rkeys)
 
     def save_namespace(self, namespace_id: int, spec: dict) -> None:
         value = json.dumps(spec, sort_keys=True).encode()
@@ -229,11 +238,14 @@ class NvmeTier:
     def scan(self) -> Iterator[tuple[bytes, bytes | None, int, int, int]]:
         """(record key, parent key, page bytes, checksum, shard) of every page, headers only.
 
+        It also counts the bytes stored per shard (what the write path checks its limit against).
+
         An unreadable header comes out with parent key None, for the caller to drop. This
         is the start-up path, so it stays lean: tuples, no objects per page.
         """
         unpack, size = HEADER.unpack_from, HEADER.size
         for shard in self.shards:
+            shard.page_bytes = 0
             with shard.env.begin() as txn:
                 for rkey, value in txn.cursor(db=shard.meta).iternext():
                     try:
@@ -245,14 +257,38 @@ class NvmeTier:
                     except (ValueError, struct.error):
                         yield rkey, None, 0, 0, shard.index
                         continue
+                    shard.page_bytes += page_bytes
                     yield rkey, value[size:], page_bytes, checksum, shard.index
 
     def drop_records(self, shard: int, rkeys: list[bytes]) -> None:
+        """Delete records (header and bytes). Never raises for a full map: what cannot be
+        deleted now is logged and stays on disk, unindexed, until the next start-up drops it."""
         target = self.shards[shard]
+        try:
+            self._drop(target, rkeys)
+        except lmdb.MapFullError:
+            undeleted = 0
+            for rkey in rkeys:  # one record per transaction needs the fewest free pages
+                try:
+                    self._drop(target, [rkey])
+                except lmdb.MapFullError:
+                    undeleted += 1
+            if undeleted:
+                log.error("NVMe shard %s is too full to delete records=%d; they stay until the next start-up",
+                          target.path, undeleted)
+
+    @staticmethod
+    def _drop(target: _Shard, rkeys: list[bytes]) -> None:
+        freed = 0
         with target.env.begin(write=True) as txn:
             for rkey in rkeys:
+                header = txn.get(rkey, db=target.meta)
+                if header is not None and len(header) >= HEADER.size:
+                    freed += HEADER.unpack_from(header)[4]
                 txn.delete(rkey, db=target.meta)
                 txn.delete(rkey, db=target.data)
+        with target.lock:
+            target.page_bytes -= freed
 
     def close(self) -> None:
         self._io.shutdown()
