@@ -64,6 +64,7 @@ class ShmConfig:
     enabled: bool = True
     socket_path: str = ""                   # "" = <tmp>/kvstore-<uid>/kvstore.sock
     allowed_uids: tuple[int, ...] = ()      # () = only the server's own uid
+    connections_max: int = 256              # local-channel connections at once (a thread each); more are refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,9 @@ class LeaseConfig:
 class LimitsConfig:
     batch_pages_max: int = 1024
     page_bytes_max: int = 0                 # 0 = dram.slab_bytes (a page fits in one slab)
+    name_bytes_max: int = 256               # model, tenant, layout and dtype strings of a namespace
+    namespaces_per_tenant_max: int = 1024   # open namespaces of one tenant; idle ones are reclaimed first
+    stats_namespaces_max: int = 1000        # namespaces in one Stats answer (the rest are paged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,7 @@ class TcpConfig:
     address: str = "127.0.0.1:0"            # host:port to listen on; port 0 picks a free one
     advertise_host: str = ""                # host put in Hello's tcp_endpoint; "" = the listening host
     connections_max: int = 1024
+    idle_timeout_s: float = 300.0           # a connection with no frame for this long is closed
     write_buffer_high_bytes: int = 16 << 20  # stop reading a connection's requests above this queued output
     write_buffer_low_bytes: int = 4 << 20
     congestion: str = ""                    # TCP_CONGESTION of accepted sockets (e.g. cubic); "" = system's
@@ -143,6 +148,19 @@ class RouteConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScrubConfig:
+    """Background integrity checks: re-read pages and compare them with their checksums."""
+    bytes_per_s: int = 0                    # pages re-read per second, in bytes; 0 = off (one pass on demand only)
+
+
+@dataclasses.dataclass(frozen=True)
+class TestingConfig:
+    """Fault injection for the crash tests; empty in production (kvstore/failpoints.py)."""
+    failpoints: str = ""                    # e.g. "commit.after_publish=kill@3"
+    failpoints_seed: int = 0                # seeds the probabilistic (kill%P) points
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     dram: DramConfig = DramConfig()
@@ -157,6 +175,8 @@ class Config:
     systemd: SystemdConfig = SystemdConfig()
     events: EventsConfig = EventsConfig()
     route: RouteConfig = RouteConfig()
+    scrub: ScrubConfig = ScrubConfig()
+    testing: TestingConfig = TestingConfig()
 
     @property
     def shm_socket_path(self) -> str:
@@ -314,6 +334,12 @@ def _validate(config: Config) -> None:
         ("controller.write_batch_pages", config.controller.write_batch_pages > 0, "must be positive"),
         ("tcp.address", config.tcp.address.rpartition(":")[2].isdigit(), "must look like host:port"),
         ("tcp.connections_max", config.tcp.connections_max > 0, "must be positive"),
+        ("tcp.idle_timeout_s", config.tcp.idle_timeout_s > 0, "must be positive"),
+        ("shm.connections_max", config.shm.connections_max > 0, "must be positive"),
+        ("limits.name_bytes_max", 16 <= config.limits.name_bytes_max <= 4096, "must be 16 to 4096"),
+        ("limits.namespaces_per_tenant_max", config.limits.namespaces_per_tenant_max > 0, "must be positive"),
+        ("limits.stats_namespaces_max", config.limits.stats_namespaces_max > 0, "must be positive"),
+        ("scrub.bytes_per_s", config.scrub.bytes_per_s >= 0, "must not be negative (0 = off)"),
         ("tcp.write_buffer_low_bytes", 0 <= config.tcp.write_buffer_low_bytes <= config.tcp.write_buffer_high_bytes,
          "must be between 0 and tcp.write_buffer_high_bytes"),
         ("rdma.queue_pairs_max", config.rdma.queue_pairs_max > 0, "must be positive"),
@@ -373,7 +399,8 @@ _SECTION_TYPES: dict[str, type] = {
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
-    "events": EventsConfig, "route": RouteConfig,
+    "events": EventsConfig, "route": RouteConfig, "scrub": ScrubConfig,
+    "testing": TestingConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

@@ -221,22 +221,26 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "indices", "checksums")
+    __slots__ = ("lease_id", "indices", "checksums", "durable")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    durable: bool
+    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("states", "checksums")
+    __slots__ = ("states", "checksums", "durable_pages")
     STATES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[CommitState]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, states: _Optional[_Iterable[_Union[CommitState, str]]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    durable_pages: int
+    def __init__(self, states: _Optional[_Iterable[_Union[CommitState, str]]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable_pages: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -313,8 +317,12 @@ class DeleteResponse(_message.Message):
     def __init__(self, deleted_pages: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("namespaces_offset", "namespaces_max")
+    NAMESPACES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_MAX_FIELD_NUMBER: _ClassVar[int]
+    namespaces_offset: int
+    namespaces_max: int
+    def __init__(self, namespaces_offset: _Optional[int] = ..., namespaces_max: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "promotions", "demotions", "bytes_in", "bytes_out", "corrupt_pages")
@@ -359,7 +367,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors")
+    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +377,10 @@ class StatsResponse(_message.Message):
     WRITE_QUEUE_DROPS_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
     NVME_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_PAGES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_PAGES_BAD_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_PASSES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     leases_open: int
@@ -378,7 +390,23 @@ class StatsResponse(_message.Message):
     write_queue_drops: int
     recovered_pages: int
     nvme_write_errors: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ...) -> None: ...
+    namespaces_total: int
+    scrub_pages_checked: int
+    scrub_pages_bad: int
+    scrub_passes: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., scrub_pages_checked: _Optional[int] = ..., scrub_pages_bad: _Optional[int] = ..., scrub_passes: _Optional[int] = ...) -> None: ...
+
+class ScrubRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ScrubResponse(_message.Message):
+    __slots__ = ("pages_checked", "pages_bad")
+    PAGES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_BAD_FIELD_NUMBER: _ClassVar[int]
+    pages_checked: int
+    pages_bad: int
+    def __init__(self, pages_checked: _Optional[int] = ..., pages_bad: _Optional[int] = ...) -> None: ...
 
 class RdmaQueuePair(_message.Message):
     __slots__ = ("lid", "gid", "qp_num", "psn", "mtu")
