@@ -20,13 +20,19 @@ import sys
 import threading
 import time
 
-from kvstore import __version__, config as config_module
+from kvstore import __version__, config as config_module, failpoints
 from kvstore.config import Config, ConfigError
 from kvstore.control.event_subscriber import EventSubscriber
 from kvstore.control import recovery
 from kvstore.control.grpc_server import create_server
 from kvstore.control.local_server import LocalServer
+from kvstore.control.controller import CacheController
+from kvstore.control.data_plane import SlotGrants
+from kvstore.control.scrubber import Scrubber
 from kvstore.control.service import KVStoreService
+from kvstore.control.store import PageStore
+from kvstore.invariants import stop_node
+from kvstore.limits import Limits
 from kvstore.ops import logs
 from kvstore.ops.health import HealthState
 from kvstore.ops.metrics import Metrics
@@ -60,10 +66,13 @@ class Node:
             if config.nvme.enabled:
                 self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes, config.nvme.io_threads)
             socket_path = config.shm_socket_path if config.shm.enabled else ""
-            self.service = KVStoreService(config, self.arena, shm_socket=socket_path, nvme=self.nvme)
+            self.store = PageStore(config, self.arena)
             if self.nvme:
-                report = recovery.rebuild(self.nvme, self.service.index, self.service.namespaces)
-                self.service.counters.recovered_pages = report.pages
+                recovered = recovery.rebuild(self.nvme)
+                self.store.adopt_recovered(recovered.namespaces, recovered.records)
+            self.controller = CacheController(self.store, self.nvme, config.controller) if self.nvme else None
+            self.scrubber = Scrubber(self.store, self.nvme, config.scrub.bytes_per_s)
+            self.service = KVStoreService(self.store, self.controller, self.scrubber, shm_socket=socket_path)
             grpc_service = local_service = self.service
             if config.ops.metrics_address:
                 self.metrics = Metrics(self.service)
@@ -74,7 +83,7 @@ class Node:
             self.grpc, self.grpc_port = create_server(grpc_service, config.server.grpc_address,
                                                       config.server.grpc_workers)
             if config.tcp.enabled:
-                self.tcp = _tcp_server(config, self.service)
+                self.tcp = _tcp_server(config, SlotGrants(self.store))
                 self.tcp.start()
                 self.service.tcp_endpoint = f"{config.tcp.advertise_host or self.tcp.settings.host}:{self.tcp.port}"
             if config.rdma.enabled:
@@ -116,8 +125,9 @@ class Node:
         self.grpc.start()
         if self.local is not None:
             self.local.start()
-        if self.service.controller:
-            self.service.controller.start()
+        if self.controller:
+            self.controller.start()
+        self.scrubber.start()
         self._reaper.start()
         for subscriber in self.subscribers:
             subscriber.start()
@@ -127,9 +137,11 @@ class Node:
         """"" while the node works; what is wrong otherwise. Blocks if the service lock is stuck."""
         if not self._reaper.is_alive():
             return "the lease reaper thread died"
-        if self.service.controller and not self.service.controller.alive():
+        if self.controller and not self.controller.alive():
             return "the cache controller thread died"
-        self.service.open_leases()  # takes the service lock
+        if not self.scrubber.alive():
+            return "the scrubber thread died"
+        self.store.open_leases()  # takes the store's lock: a stuck lock stops the watchdog
         return ""
 
     def status(self) -> str:
@@ -158,8 +170,9 @@ class Node:
             self.tcp.close()
         if self.rdma is not None:
             self.rdma.close()
-        if self.service.controller:
-            self.service.controller.stop()
+        self.scrubber.stop()
+        if self.controller:
+            self.controller.stop()
         if self.nvme is not None:
             self.nvme.close()
         if self.metrics is not None:
@@ -171,22 +184,24 @@ class Node:
         while not self._stop.wait(interval):
             try:
                 self.service.reap_expired()
+            except AssertionError as exc:
+                stop_node("lease reaper", exc)
             except Exception:  # the reaper must outlive a bug in one pass
                 log.exception("lease reaping failed")
 
 
-def _tcp_server(config: Config, resolver: KVStoreService) -> TcpServer:
+def _tcp_server(config: Config, resolver: SlotGrants) -> TcpServer:
     host, _, port = config.tcp.address.rpartition(":")
-    limits = resolver.limits
+    limits = Limits.from_config(config)
     return TcpServer(TcpSettings(
         host=host, port=int(port), body_bytes_max=limits.page_bytes_max, connections_max=config.tcp.connections_max,
-        write_buffer_high_bytes=config.tcp.write_buffer_high_bytes,
+        idle_timeout_s=config.tcp.idle_timeout_s, write_buffer_high_bytes=config.tcp.write_buffer_high_bytes,
         write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion), resolver)
 
 
 def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Config) -> LocalServer:
     try:
-        return LocalServer(path, service, arena_fd, config.allowed_uids)
+        return LocalServer(path, service, arena_fd, config.allowed_uids, config.shm.connections_max)
     except OSError as exc:
         if exc.errno is None:  # already says what is wrong (another server, not a socket)
             raise
@@ -233,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         config = config_module.load(args.config, overrides=overrides)
     except ConfigError as exc:
         sys.stderr.write(f"kvstore-server: configuration error: {exc}\n")
+        return 2
+    try:
+        failpoints.arm(config.testing.failpoints, config.testing.failpoints_seed)
+    except ValueError as exc:
+        sys.stderr.write(f"kvstore-server: configuration error: testing.failpoints: {exc}\n")
         return 2
     logs.configure(config.ops.log_format, config.server.log_level)
     log.info("effective configuration %s", json.dumps(config_module.as_dict(config), sort_keys=True))

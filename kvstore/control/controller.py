@@ -1,21 +1,24 @@
-"""The cache controller: moves pages between DRAM and NVMe.
+"""The cache controller: moves pages between DRAM and NVMe, always outside the store's lock.
 
 - Write-down (background thread, bounded queue), by policy:
   write_through            every committed page;
   write_through_selective  a page once it has been hit `selective_hits` times;
   write_back               the least recently used DRAM-only pages once DRAM is fuller than
-                           `high_watermark`, so that eviction only has to drop DRAM copies;
-                           when clients fill DRAM faster than that, eviction writes the
-                           pages it needs down itself, under the lock (slow, but nothing
-                           committed is lost while NVMe has room).
-  A page is written after its ancestors (its whole unsaved chain goes first), so what is on
-  NVMe stays prefix-closed and survives a restart as whole prefixes.
-- Promotion (on Acquire): a page only on NVMe is copied once, from LMDB's mapping straight
-  into a DRAM slot, and its checksum verified; a corrupt page is dropped with everything
-  that extends it, counted and logged, never served.
+                           `high_watermark`, or as soon as the store reports DRAM short. Under
+                           write_back the store never evicts a page that is not yet on NVMe:
+                           a caller short of slots has the controller write pages down
+                           (`clean`), then asks the store again.
+  A page is written after its ancestors (its whole unsaved chain goes first), and is marked
+  on NVMe only once its parent is, so what is on NVMe stays prefix-closed and survives a
+  restart as whole prefixes.
+- Promotion (on Acquire, and prefetch for best_effort gets): a page only on NVMe is copied
+  once, from its shard straight into a DRAM slot of its own size, and its checksum verified;
+  a corrupt page is dropped with everything that extends it, counted and logged, never served.
+- Durable commits: `make_durable` writes given pages down before the commit is answered.
 
-The controller shares the service's lock; disk I/O happens outside it, with the pages
-involved pinned (so their slots cannot be reused) and marked busy.
+The controller's queues have their own lock; the store calls the listener methods
+(on_commit, on_hit, on_wanted, on_dram_short) with its lock held, so they only queue work.
+Lock order: store, then controller; the controller never calls the store holding its own.
 """
 
 from __future__ import annotations
@@ -24,16 +27,15 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import xxhash
 
+from kvstore import failpoints
 from kvstore.config import ControllerConfig
-from kvstore.control.index import NO_SLOT, PageRecord
+from kvstore.control.index import PageRecord
+from kvstore.control.store import Claim, Evict, PageId, PageStore
+from kvstore.invariants import stop_node
 from kvstore.tiers.nvme import NvmeError, NvmeFull, NvmeTier, StoredPage
-
-if TYPE_CHECKING:
-    from kvstore.control.service import KVStoreService
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +45,19 @@ PROMOTE_GROUP_PAGES = 128
 
 
 class CacheController:
-    def __init__(self, service: "KVStoreService", nvme: NvmeTier, config: ControllerConfig):
-        self._service = service
+    def __init__(self, store: PageStore, nvme: NvmeTier, config: ControllerConfig):
+        self._store = store
         self._nvme = nvme
         self.config = config
-        self._writes: collections.deque[PageRecord] = collections.deque()
-        self._prefetch: collections.deque[PageRecord] = collections.deque()
-        self._wake = threading.Condition(service.lock)
-        self._promoted = threading.Condition(service.lock)
+        self._queue = threading.Condition()
+        self._writes: collections.OrderedDict[PageRecord, None] = collections.OrderedDict()
+        self._prefetch: collections.OrderedDict[PageRecord, None] = collections.OrderedDict()
+        self._dram_short = False
         self._saved_namespaces: set[int] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="cache-controller", daemon=True)
+        store.protect_unsaved = config.write_policy == WRITE_BACK
+        store.listener = self
 
     def start(self) -> None:
         self._thread.start()
@@ -62,12 +66,12 @@ class CacheController:
         return self._thread.is_alive()
 
     def stop(self) -> None:
-        with self._wake:
+        with self._queue:
             self._stopping = True
-            self._wake.notify_all()
+            self._queue.notify_all()
         self._thread.join(10)
 
-    # -- triggers (called with the service lock held) -----------------------------------
+    # -- listener (the store's lock is held: queue only) ---------------------------------
 
     def on_commit(self, records: list[PageRecord]) -> None:
         if self.config.write_policy == WRITE_THROUGH:
@@ -77,238 +81,185 @@ class CacheController:
         if self.config.write_policy == SELECTIVE:
             self._enqueue([r for r in records if r.hits >= self.config.selective_hits and not r.on_nvme])
 
-    def prefetch(self, records: list[PageRecord]) -> None:
-        room = self.config.queue_pages_max - len(self._prefetch)
-        self._prefetch.extend(r for r in records[:max(room, 0)] if not r.busy)
-        self._wake.notify()
+    def on_wanted(self, records: list[PageRecord]) -> None:
+        with self._queue:
+            room = self.config.queue_pages_max - len(self._prefetch)
+            for record in records[:max(room, 0)]:
+                self._prefetch[record] = None   # a page asked for twice is queued once
+            self._queue.notify()
+
+    def on_dram_short(self) -> None:
+        if self.config.write_policy == WRITE_BACK:
+            with self._queue:
+                self._dram_short = True
+                self._queue.notify()
 
     def _enqueue(self, records: list[PageRecord]) -> None:
-        for record in records:
-            if record.on_nvme or record.queued:
-                continue
-            if len(self._writes) >= self.config.queue_pages_max:
-                self._service.counters.write_queue_drops += 1
-                continue
-            record.queued = True
-            self._writes.append(record)
-        self._wake.notify()
+        dropped = 0
+        with self._queue:
+            for record in records:
+                if record in self._writes:
+                    continue
+                if len(self._writes) >= self.config.queue_pages_max:
+                    dropped += 1
+                    continue
+                self._writes[record] = None
+            self._queue.notify()
+        if dropped:
+            self._store.counters.write_queue_drops += dropped  # store lock held by our caller
 
-    def demote_before_eviction(self, pages: int) -> None:
-        """Lock held. Under write_back, write down the least recently used DRAM-only pages so
-        that eviction can drop their DRAM copies instead of losing them."""
-        if self.config.write_policy != WRITE_BACK:
-            return
-        chains: list[PageRecord] = []
-        seen: set[PageRecord] = set()
-        for record in self._service.index.dram_only_lru(max(pages, self.config.write_batch_pages)):
-            _add_unsaved_chain(record, chains, seen)
-        self._mark_written(self._write_pages(chains, locked=True))
-
-    # -- promotion (called without the lock, from the Acquire handler) ------------------
+    # -- called by the service, without any lock ------------------------------------------
 
     def promote(self, records: list[PageRecord], deadline: float) -> int:
         """Bring these NVMe pages into DRAM, in order, until the deadline; returns pages promoted."""
-        service = self._service
-        with service.lock:
-            todo = [r for r in records if r.alive and not r.in_dram and r.on_nvme and not r.busy]
-            slots = service.allocate_slots(todo[0].slot_bytes, len(todo)) if todo else []
-            todo = todo[:len(slots)]
-            for record in todo:
-                record.busy = True
-                record.pins += 1
-        results: list[bool] = []
-        for start in range(0, len(todo), PROMOTE_GROUP_PAGES):
-            if time.monotonic() > deadline:
-                break
-            results += self._read_pages(todo[start:start + PROMOTE_GROUP_PAGES], slots[start:start + PROMOTE_GROUP_PAGES])
-        promoted, garbage = 0, []
-        with service.lock:
-            for index, (record, slot) in enumerate(zip(todo, slots)):
-                ok = index < len(results) and results[index]
-                service.index.release_busy(record)
-                if ok and record.alive:
-                    service.index.set_dram(record, slot)
-                    promoted += 1
-                    continue
-                service.allocator.free(slot)
-                if index < len(results) and not ok and record.alive:
-                    garbage += self._drop_corrupt(record)
-            service.index.unpin_all(todo)
-            service.counters.promotions += promoted
-            service.counters.promoted_bytes += promoted * (self._page_bytes(todo[0]) if todo else 0)
-            self._promoted.notify_all()
-        if garbage:
-            self._nvme.delete(garbage)
-        return promoted
+        claim = self._store.claim_for_promotion(records, self._evict())
+        if claim.short and self._store.protect_unsaved:
+            cleaned = self.clean(claim.short)
+            more = self._store.claim_for_promotion(records, Evict.CLEAN if cleaned else Evict.ANY)
+            claim = Claim(claim.records + more.records, claim.slots + more.slots, more.short)
+        return self._promote(claim, deadline)
 
-    def wait_promoted(self, records: list[PageRecord], deadline: float) -> None:
-        """Wait while another caller is still promoting one of these pages (up to the deadline)."""
-        with self._promoted:
-            while any(r.alive and r.busy and not r.in_dram for r in records):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                self._promoted.wait(remaining)
+    def clean(self, pages: int) -> int:
+        """Write down up to `pages` (at least a batch) least recently used DRAM-only pages, so that
+        allocation can drop their DRAM copies; returns pages written."""
+        candidates = self._store.unsaved_lru(max(pages, self.config.write_batch_pages))
+        batch = self._store.claim_unsaved(candidates, max(pages, self.config.write_batch_pages))
+        return len(self._write_down(batch)) if batch else 0
 
-    def _read_pages(self, records: list[PageRecord], slots: list[int]) -> list[bool]:
-        """Copy pages from NVMe into their new slots; True where the bytes match the checksum."""
-        arena = self._service.arena.view
-        views = [arena[slot:slot + self._page_bytes(r)] for r, slot in zip(records, slots)]
-        found = self._nvme.read_into([(*r.page_id, view) for r, view in zip(records, views)])
-        return [ok and xxhash.xxh3_64_intdigest(view) == r.checksum for r, view, ok in zip(records, views, found)]
+    def make_durable(self, records: list[PageRecord], deadline: float) -> int:
+        """Write these pages (a chain, in order) down now; returns how many leading ones are on NVMe."""
+        while True:
+            batch = self._store.claim_unsaved(records, len(records) + 4096)
+            written = self._write_down(batch) if batch else []
+            self._store.wait_settled(records, deadline)   # pages another pass is writing
+            durable, gone = self._store.leading_on_nvme(records)
+            if durable == len(records) or gone or time.monotonic() > deadline or (batch and not written):
+                return durable
+            if not batch:
+                time.sleep(0.005)  # an ancestor outside `records` is still moving
 
-    def _drop_corrupt(self, record: PageRecord) -> list[tuple[int, bytes]]:
-        """Lock held. Drop a page that failed its checksum, with its descendants; NVMe ids to delete."""
-        removed = self._service.index.remove_subtree(record)
-        self._service.counters.corrupt_pages += len(removed)
-        log.error("corrupt page dropped namespace=%016x key=%s pages_dropped=%d",
-                  record.page_id[0], record.page_id[1].hex()[:32], len(removed))
-        return [r.page_id for r in removed if r.on_nvme]
+    def nvme_usage(self) -> tuple[int, int]:
+        """(capacity, used) bytes of the NVMe tier."""
+        return self._nvme.capacity_bytes, self._nvme.used_bytes()
+
+    def forget(self, page_ids: list[PageId]) -> None:
+        """Delete pages from NVMe (they already left the index)."""
+        if page_ids:
+            failpoints.hit("delete.before_nvme")
+            self._nvme.delete(page_ids)
 
     # -- the background loop ----------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            with self._wake:
-                while True:
-                    if self._stopping:
-                        return
-                    if not self._writes and self._write_back_due():
-                        self._enqueue(self._service.index.dram_only_lru(self.config.write_batch_pages))
-                    batch = self._take_batch()
-                    prefetch = list(self._prefetch)
-                    self._prefetch.clear()
-                    if batch or prefetch:
+            with self._queue:
+                while not (self._stopping or self._writes or self._prefetch or self._dram_short):
+                    if self._queue.wait(0.1) is False and self._write_back_due():
                         break
-                    self._wake.wait(0.1)  # nothing movable now (e.g. every candidate is busy): wait
+                if self._stopping:
+                    return
+                writes = list(self._writes)[:self.config.write_batch_pages]
+                for record in writes:
+                    del self._writes[record]
+                prefetch = list(self._prefetch)
+                self._prefetch.clear()
+                short, self._dram_short = self._dram_short, False
             try:
-                if batch:
-                    self._write_down(batch)
-                if prefetch:
-                    self.promote(prefetch, time.monotonic() + self.config.prefetch_timeout_ms / 1000)
-            except Exception:  # the controller must outlive one bad batch
+                self._pass(writes, prefetch, short)
+            except AssertionError as exc:
+                stop_node("cache controller", exc)
+            except Exception:  # a pass releases what it claimed (finally blocks); the next one may work
                 log.exception("cache controller pass failed")
 
+    def _pass(self, writes: list[PageRecord], prefetch: list[PageRecord], short: bool) -> None:
+        if self.config.write_policy == WRITE_BACK and (short or self._write_back_due()):
+            writes += self._store.unsaved_lru(self.config.write_batch_pages)
+        batch = self._store.claim_unsaved(writes, self.config.write_batch_pages)
+        if batch:
+            self._write_down(batch)
+        if prefetch:
+            self.promote(prefetch, time.monotonic() + self.config.prefetch_timeout_ms / 1000)
+
     def _write_back_due(self) -> bool:
-        allocator = self._service.allocator
-        return (self.config.write_policy == WRITE_BACK
-                and allocator.used_bytes > self.config.high_watermark * allocator.capacity_bytes)
+        return self.config.write_policy == WRITE_BACK and self._store.dram_fill() > self.config.high_watermark
 
-    def _take_batch(self) -> list[PageRecord]:
-        """Lock held: queued pages with their unsaved ancestors first, pinned and marked busy."""
-        batch: list[PageRecord] = []
-        seen: set[PageRecord] = set()
-        while self._writes and len(batch) < self.config.write_batch_pages:
-            record = self._writes.popleft()
-            record.queued = False
-            _add_unsaved_chain(record, batch, seen)
-        for record in batch:
-            record.busy = True
-            record.pins += 1
-        return batch
+    def _evict(self) -> Evict:
+        return Evict.CLEAN if self._store.protect_unsaved else Evict.ANY
 
-    def _write_down(self, batch: list[PageRecord]) -> None:
-        started = time.perf_counter()
-        written: list[PageRecord] = []
+    # -- promotion --------------------------------------------------------------------
+
+    def _promote(self, claim: Claim, deadline: float) -> int:
+        results: list[bool] = []
         try:
-            written = self._write_pages(batch, locked=False)
+            failpoints.hit("promote.before_read")
+            for start in range(0, len(claim.records), PROMOTE_GROUP_PAGES):
+                if time.monotonic() > deadline:
+                    break
+                results += self._read_pages(claim.records[start:start + PROMOTE_GROUP_PAGES],
+                                            claim.slots[start:start + PROMOTE_GROUP_PAGES])
+            failpoints.hit("promote.after_read")
         finally:
-            self._finish_write_down(batch, written)
-        log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
-
-    def _finish_write_down(self, batch: list[PageRecord], written: list[PageRecord]) -> None:
-        service = self._service
-        with service.lock:
-            garbage = self._mark_written(written)
-            for record in batch:
-                service.index.release_busy(record)
-            service.index.unpin_all(batch)
+            promoted, garbage = self._store.finish_promotion(claim, results)
         if garbage:
             self._nvme.delete(garbage)
+        return promoted
 
-    def _mark_written(self, written: list[PageRecord]) -> list[tuple[int, bytes]]:
-        """Lock held: pages now on NVMe; returns those deleted meanwhile, to delete from disk too."""
-        garbage = []
-        for record in written:
-            if record.alive:
-                self._service.index.set_on_nvme(record, True)
-            else:
-                garbage.append(record.page_id)
-        self._service.counters.demotions += len(written)
-        self._service.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
-        return garbage
+    def _read_pages(self, records: list[PageRecord], slots: list[int]) -> list[bool]:
+        """Copy pages from NVMe into their new slots; True where the bytes match the checksum."""
+        views = [self._store.slot_view(r, slot) for r, slot in zip(records, slots)]
+        found = self._nvme.read_into([(*r.page_id, view) for r, view in zip(records, views)])
+        return [ok and xxhash.xxh3_64_intdigest(view) == r.checksum for r, view, ok in zip(records, views, found)]
 
-    def _write_pages(self, records: list[PageRecord], locked: bool) -> list[PageRecord]:
-        """Write pages to their shards, one transaction per shard, making room when a map is full."""
+    # -- write-down -------------------------------------------------------------------
+
+    def _write_down(self, batch: list[PageRecord]) -> list[PageRecord]:
+        """Write a claimed batch (chain order) to its shards; release it. Returns pages now on NVMe."""
+        started = time.perf_counter()
+        on_disk: set[PageRecord] = set()
+        try:
+            on_disk = self._write_pages(batch)
+        finally:
+            written, garbage = self._store.finish_writedown(batch, on_disk)
+        if garbage:
+            self._nvme.delete(garbage)
+        log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
+        return written
+
+    def _write_pages(self, batch: list[PageRecord]) -> set[PageRecord]:
+        """One transaction per shard; returns the pages that reached disk (the store decides which
+        count as on NVMe: those whose parent does)."""
         by_shard: dict[int, list[PageRecord]] = {}
-        for record in records:
+        for record in batch:
             by_shard.setdefault(self._nvme.shard_of(*record.page_id), []).append(record)
-        written: list[PageRecord] = []
+        on_disk: set[PageRecord] = set()
         for shard, group in by_shard.items():
             pages = [self._stored(record) for record in group]
             try:
                 self._save_namespaces(group)
+                failpoints.hit("writedown.before_lmdb_commit")
                 try:
                     self._nvme.write(shard, pages)
                 except NvmeFull:
-                    self._make_room(shard, len(group), locked)
+                    self._make_room(shard, len(group))
                     self._nvme.write(shard, pages)
+                failpoints.hit("writedown.after_lmdb_commit")
             except NvmeError as exc:
-                self._service.counters.nvme_write_errors += 1
+                self._store.count(nvme_write_errors=1)
                 log.error("write-down failed shard=%d pages=%d (they stay in DRAM only): %s", shard, len(group), exc)
                 continue
-            written += group
-        return written
-
-    def _page_bytes(self, record: PageRecord) -> int:
-        return self._service.namespaces[record.page_id[0]].page_bytes
+            on_disk.update(group)
+        return on_disk
 
     def _stored(self, record: PageRecord) -> tuple[StoredPage, memoryview]:
-        ns_id, key = record.page_id
-        page_bytes = self._page_bytes(record)
-        parent_key = record.parent.page_id[1] if record.parent is not None else b""
-        page = StoredPage(ns_id, key, parent_key, page_bytes, record.checksum)
-        return page, self._service.arena.view[record.offset:record.offset + page_bytes]
+        ns_id, key, parent_key, page_bytes, checksum, view = self._store.stored_page(record)
+        return StoredPage(ns_id, key, parent_key, page_bytes, checksum), view
 
     def _save_namespaces(self, records: list[PageRecord]) -> None:
         for ns_id in {r.page_id[0] for r in records} - self._saved_namespaces:
-            self._nvme.save_namespace(ns_id, self._service.namespace_spec(ns_id))
+            self._nvme.save_namespace(ns_id, self._store.namespace_spec(ns_id))
             self._saved_namespaces.add(ns_id)
 
-    def _make_room(self, shard: int, pages: int, locked: bool) -> None:
-        service = self._service
-
-        def evict() -> list[PageRecord]:
-            victims = service.index.evict_nvme(lambda r: self._nvme.shard_of(*r.page_id), shard, 2 * pages)
-            service.counters.nvme_evictions += len(victims)
-            return victims
-
-        if locked:
-            victims = evict()
-        else:
-            with service.lock:
-                victims = evict()
+    def _make_room(self, shard: int, pages: int) -> None:
+        victims = self._store.nvme_victims(lambda r: self._nvme.shard_of(*r.page_id), shard, 2 * pages)
         self._nvme.delete([r.page_id for r in victims])
         log.info("NVMe shard %d full: evicted pages=%d", shard, len(victims))
-
-
-def _add_unsaved_chain(record: PageRecord, batch: list[PageRecord], seen: set[PageRecord]) -> None:
-    """Append the page's unsaved chain to `batch`, root first, skipping pages already in it."""
-    for node in _unsaved_chain(record):
-        if node not in seen:
-            seen.add(node)
-            batch.append(node)
-
-
-def _unsaved_chain(record: PageRecord) -> list[PageRecord]:
-    """The page and its ancestors not yet on NVMe, root first; [] if one is gone or moving."""
-    chain = []
-    node: PageRecord | None = record
-    while node is not None and not node.on_nvme:
-        if not node.alive or node.offset == NO_SLOT or node.busy:
-            return []
-        chain.append(node)
-        node = node.parent
-    chain.reverse()
-    return chain
-

@@ -1,7 +1,9 @@
 """kvstore.v1.KVStore over gRPC: a thin carrier from wire bytes to KVStoreService.
 
 Requests are parsed here rather than by gRPC, so a malformed message gets
-INVALID_ARGUMENT with a readable reason instead of gRPC's generic INTERNAL.
+INVALID_ARGUMENT with a readable reason instead of gRPC's generic INTERNAL. A broken
+invariant (AssertionError) stops the node (kvstore/invariants.py) rather than being
+answered INTERNAL; any other unexpected exception is answered INTERNAL.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.control.service import KVStoreService
+from kvstore.invariants import stop_node
 from kvstore_client import errors, framing
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,8 @@ def _unary(service: KVStoreService, name: str, request_cls: type) -> Callable[[b
         except errors.KVStoreError as exc:
             context.set_trailing_metadata(((errors.ERROR_CODE_METADATA_KEY, str(exc.code)),))
             context.abort(exc.status, str(exc))
+        except AssertionError as exc:
+            stop_node("the gRPC carrier", exc)
         except Exception:
             log.exception("%s failed", name)
             context.set_trailing_metadata(((errors.ERROR_CODE_METADATA_KEY, str(errors.Internal.code)),))

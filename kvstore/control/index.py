@@ -5,12 +5,13 @@ does: so "how many leading pages of this chain are cached" is one pass that stop
 first miss, and no byte is spent on a page that could never be reached. A page lives in
 DRAM (an arena slot), on NVMe, or both:
 - DRAM eviction takes the least recently used unpinned page that is either also on NVMe
-  (only its DRAM copy goes) or a leaf (it leaves the index).
+  (only its DRAM copy goes: "clean") or a leaf (it leaves the index). The caller may ask for
+  clean pages only, so that write_back never loses a page that is not yet written down.
 - NVMe eviction takes the least recently used page with no child on NVMe (so what survives
   a restart stays prefix-closed), dropping only its NVMe copy when it is also in DRAM.
 - Delete takes a page with everything that extends it.
 
-Not thread-safe: the service's lock guards every call.
+Not thread-safe: the page store's lock guards every call (store.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 PageId = tuple[int, bytes]  # (namespace_id, key)
 NO_SLOT = -1
@@ -58,8 +59,8 @@ class PageIndex:
     def __init__(self, on_removed: Callable[[PageRecord], None], on_dram_dropped: Callable[[PageRecord], None]):
         self._pages: dict[PageId, PageRecord] = {}
         # Heaps of (tick, seq, record); entries go stale when the record is touched again or
-        # changes state, and are skipped when popped. DRAM ones are per slot size.
-        self._dram: dict[int, list[_Entry]] = {}
+        # changes state, and are skipped when popped. DRAM ones are per (slot size, clean).
+        self._dram: dict[tuple[int, bool], list[_Entry]] = {}
         self._nvme: list[_Entry] = []
         self._clock = itertools.count(1)
         self._seq = itertools.count()
@@ -174,30 +175,41 @@ class PageIndex:
         if record.alive:
             self._offer(record)
 
-    def evict_dram(self, slot_bytes: int) -> PageRecord | None:
+    def evict_dram(self, slot_bytes: int, clean_only: bool) -> PageRecord | None:
         """Free the DRAM slot of the least recently used evictable page of this size, if any."""
-        heap = self._dram.get(slot_bytes)
-        while heap:
-            entry = heapq.heappop(heap)
-            record = entry[2]
-            if not self._dram_evictable(entry):
-                continue
-            if record.on_nvme:
-                self._drop_dram(record)
-            else:
-                self._remove(record)
-            return record
-        return None
+        entry = self._oldest((slot_bytes,), clean_only)
+        if entry is None:
+            return None
+        heapq.heappop(self._dram[(slot_bytes, entry[2].on_nvme)])
+        record = entry[2]
+        if record.on_nvme:
+            self._drop_dram(record)
+        else:
+            self._remove(record)
+        return record
 
-    def oldest_evictable_slot_bytes(self) -> int | None:
+    def oldest_evictable_slot_bytes(self, clean_only: bool) -> int | None:
         """The slot size whose LRU evictable page is oldest across sizes (to free a whole slab)."""
-        best: tuple[int, int] | None = None
-        for slot_bytes, heap in self._dram.items():
-            while heap and not self._dram_evictable(heap[0]):
-                heapq.heappop(heap)
-            if heap and (best is None or heap[0][0] < best[0]):
-                best = (heap[0][0], slot_bytes)
-        return best[1] if best else None
+        entry = self._oldest({size for size, _ in self._dram}, clean_only)
+        return entry[2].slot_bytes if entry is not None else None
+
+    def _oldest(self, sizes: Iterable[int], clean_only: bool) -> _Entry | None:
+        """The oldest evictable entry at the top of the DRAM heaps of these sizes (stale tops dropped)."""
+        best: _Entry | None = None
+        for size in sizes:
+            for clean in (True,) if clean_only else (True, False):
+                heap = self._dram.get((size, clean))
+                while heap and not self._dram_evictable(heap[0], clean):
+                    heapq.heappop(heap)
+                if heap and (best is None or heap[0][:2] < best[:2]):
+                    best = heap[0]
+        return best
+
+    def records(self) -> Iterator[PageRecord]:
+        return iter(self._pages.values())
+
+    def page_ids(self) -> list[PageId]:
+        return list(self._pages)
 
     def evict_nvme(self, shard_of: Callable[[PageRecord], int], shard: int, count: int) -> list[PageRecord]:
         """Take up to `count` pages off NVMe shard `shard`, least recently used first."""
@@ -220,7 +232,7 @@ class PageIndex:
 
     def dram_only_lru(self, count: int) -> list[PageRecord]:
         """Up to `count` unpinned pages held only in DRAM, least recently used first (write-back)."""
-        found = [entry for heap in self._dram.values() for entry in heap
+        found = [entry for (_, clean), heap in self._dram.items() if not clean for entry in heap
                  if entry[2].alive and entry[2].tick == entry[0] and entry[2].in_dram
                  and not entry[2].on_nvme and not entry[2].busy and entry[2].pins == 0]
         return [entry[2] for entry in heapq.nsmallest(count, found)]
@@ -273,10 +285,11 @@ class PageIndex:
             return
         entry = (record.tick, next(self._seq), record)
         if in_dram:
-            heap = self._dram.setdefault(record.slot_bytes, [])
+            clean = record.on_nvme
+            heap = self._dram.setdefault((record.slot_bytes, clean), [])
             heapq.heappush(heap, entry)
             if len(heap) > 64 and len(heap) > 4 * len(self._pages):
-                heap[:] = [e for e in heap if self._dram_evictable(e)]
+                heap[:] = [e for e in heap if self._dram_evictable(e, clean)]
                 heapq.heapify(heap)
         if record.on_nvme:
             heapq.heappush(self._nvme, entry)
@@ -285,10 +298,10 @@ class PageIndex:
                 heapq.heapify(self._nvme)
 
     @staticmethod
-    def _dram_evictable(entry: _Entry) -> bool:
+    def _dram_evictable(entry: _Entry, clean: bool) -> bool:
         tick, _, record = entry
         return (record.alive and record.tick == tick and record.in_dram and record.pins == 0
-                and not record.busy and (record.on_nvme or record.is_leaf()))
+                and not record.busy and record.on_nvme == clean and (clean or record.is_leaf()))
 
     @staticmethod
     def _nvme_evictable(entry: _Entry) -> bool:

@@ -79,5 +79,8 @@ class LeaseTable:
         for entry in postponed:
             heapq.heappush(self._deadlines, entry)
 
+    def all(self) -> list[Lease]:
+        return list(self._leases.values())
+
     def owned_by(self, owner: object) -> list[Lease]:
         return [lease for lease in self._leases.values() if lease.owner is owner]

@@ -1,47 +1,61 @@
 """The Unix-socket server of a node: hands out the arena fd and carries the local control channel.
 
-A connection's peer uid (SO_PEERCRED) must be in the allow list, or every request on it
-is answered PERMISSION_DENIED. Frame 0 (MAP_ARENA) is answered with the arena's memfd
-over SCM_RIGHTS; other frames carry kvstore.v1 requests (framing.py). Leases taken on a
-connection end when it closes, so a client killed mid-put frees its slots at once.
+Each connection is checked as it is accepted, before any frame is read: a peer uid
+(SO_PEERCRED) outside shm.allowed_uids is answered PERMISSION_DENIED, and a connection
+beyond shm.connections_max is answered CAPACITY_EXHAUSTED; either gets that one frame and
+no thread. An accepted connection gets a thread. Frame 0 (MAP_ARENA) is answered with
+the arena's memfd over SCM_RIGHTS; other frames carry kvstore.v1 requests (framing.py).
+Leases taken on a connection end when it closes, so a client killed mid-put frees its
+slots at once. A broken invariant in the service stops the node (kvstore/invariants.py).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import select
 import socket
 import stat
 import struct
 import threading
+import time
 
 from google.protobuf.message import DecodeError
 
 from kvstore.control.service import KVStoreService
+from kvstore.invariants import stop_node
 from kvstore_client import errors, framing
 
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+# How long a refused peer has to read its answer before its socket is closed.
+REFUSAL_LINGER_S = 1.0
 
 
 class LocalServer:
-    def __init__(self, path: str, service: KVStoreService, arena_fd: int, allowed_uids: frozenset[int]):
+    def __init__(self, path: str, service: KVStoreService, arena_fd: int, allowed_uids: frozenset[int],
+                 connections_max: int):
         self.path = path
         self._service = service
         self._arena_fd = arena_fd
         self._allowed_uids = allowed_uids
+        self._connections_max = connections_max
         self._listener = _listen(path)
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._refusals = _Refusals(held_max=connections_max)
         self._thread = threading.Thread(target=self._accept_loop, name="shm-accept", daemon=True)
 
     def start(self) -> None:
+        self._refusals.start()
         self._thread.start()
 
     def close(self) -> None:
         self._closed = True
+        self._refusals.close()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -67,16 +81,30 @@ class LocalServer:
                     return
                 log.exception("accept failed on %s", self.path)
                 continue
-            with self._lock:
-                self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="shm-conn", daemon=True).start()
+            pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            refusal = self._admit(conn, pid, uid)
+            if refusal is not None:
+                self._refusals.refuse(conn, refusal)
+                continue
+            threading.Thread(target=self._serve, args=(conn, pid), name="shm-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        owner = object()
-        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        allowed = uid in self._allowed_uids
-        if not allowed:
+    def _admit(self, conn: socket.socket, pid: int, uid: int) -> errors.KVStoreError | None:
+        """Counts the connection in and returns None, or returns why it is refused. Reads nothing from it."""
+        if uid not in self._allowed_uids:
             log.warning("shm peer refused pid=%d uid=%d (not in shm.allowed_uids)", pid, uid)
+            return errors.PermissionDenied(f"uid {uid} may not use this kvstore node; add it to shm.allowed_uids")
+        with self._lock:
+            if len(self._connections) >= self._connections_max:
+                log.warning("shm connection refused pid=%d: shm.connections_max=%d reached",
+                            pid, self._connections_max)
+                return errors.CapacityExhausted(
+                    f"this node already serves shm.connections_max={self._connections_max} local connections; "
+                    f"close idle clients or raise shm.connections_max")
+            self._connections.add(conn)
+        return None
+
+    def _serve(self, conn: socket.socket, pid: int) -> None:
+        owner = object()
         try:
             while True:
                 header = _recv_exact(conn, framing.HEADER.size)
@@ -85,10 +113,6 @@ class LocalServer:
                 length, kind = framing.decode_header(header)
                 payload = _recv_exact(conn, length)
                 if payload is None:
-                    return
-                if not allowed:
-                    _send_error(conn, errors.PermissionDenied(
-                        f"uid {uid} may not use this kvstore node; add it to shm.allowed_uids"))
                     return
                 if kind == framing.MAP_ARENA:
                     conn.sendmsg([framing.encode(0, b"")],
@@ -103,7 +127,10 @@ class LocalServer:
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
-            self._service.end_owner(owner)
+            try:
+                self._service.end_owner(owner)
+            except AssertionError as exc:
+                stop_node("the local channel", exc)
 
     def _answer(self, conn: socket.socket, kind: int, payload: bytes, owner: object) -> None:
         method = framing.METHODS.get(kind)
@@ -119,11 +146,86 @@ class LocalServer:
         except errors.KVStoreError as exc:
             _send_error(conn, exc)
             return
+        except AssertionError as exc:  # a broken invariant is never answered and carried on from
+            stop_node("the local channel", exc)
         except Exception:
             log.exception("local %s failed", method[0] if method else kind)
             _send_error(conn, errors.Internal("internal error, see the server log"))
             return
         conn.sendall(framing.encode(0, response.SerializeToString()))
+
+
+class _Refusals:
+    """Refused connections: answered at once, then closed when the peer hangs up or after REFUSAL_LINGER_S.
+
+    Closing right after the answer would give a client whose first frame is already on
+    its way EPIPE instead of the reason. Only our side is shut down meanwhile; nothing is
+    read from them. One thread watches them all (epoll for the peer's hang-up), and at
+    most `held_max` are held: a flood closes the oldest first.
+    """
+
+    def __init__(self, held_max: int):
+        self._held_max = held_max
+        self._held: collections.OrderedDict[int, tuple[socket.socket, float]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._epoll = select.epoll()
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="shm-refusals", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def refuse(self, conn: socket.socket, error: errors.KVStoreError) -> None:
+        try:
+            conn.setblocking(False)  # a fresh socket's buffer takes one short frame; never wait for a peer
+            conn.send(framing.encode(error.code, str(error).encode()))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            conn.close()
+            return
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            if len(self._held) >= self._held_max:
+                _, (oldest, _) = self._held.popitem(last=False)
+                self._drop(oldest)
+            self._held[conn.fileno()] = (conn, time.monotonic() + REFUSAL_LINGER_S)
+            self._epoll.register(conn.fileno(), select.EPOLLRDHUP)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            while self._held:
+                self._drop(self._held.popitem()[1][0])
+            if not self._thread.is_alive():  # never started; otherwise the watcher closes it
+                self._epoll.close()
+
+    def _watch(self) -> None:
+        while not self._closed:
+            with self._lock:
+                # deadlines are in insertion order, so the first is the earliest
+                first = next(iter(self._held.values()), None)
+            timeout_s = REFUSAL_LINGER_S if first is None else max(0.0, first[1] - time.monotonic())
+            hung_up = self._epoll.poll(timeout_s)
+            now = time.monotonic()
+            with self._lock:
+                for fd, _ in hung_up:
+                    entry = self._held.pop(fd, None)
+                    if entry is not None:
+                        self._drop(entry[0])
+                while self._held:
+                    fd, (conn, deadline) = next(iter(self._held.items()))
+                    if deadline > now:
+                        break
+                    del self._held[fd]
+                    self._drop(conn)
+        with self._lock:  # close() may still be dropping what was held
+            self._epoll.close()
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._epoll.unregister(conn.fileno())
+        conn.close()
 
 
 def _send_error(conn: socket.socket, exc: errors.KVStoreError) -> None:

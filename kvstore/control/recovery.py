@@ -14,7 +14,8 @@ import gc
 import logging
 import time
 
-from kvstore.control.index import NO_SLOT, PageIndex, PageRecord
+from kvstore import failpoints
+from kvstore.control.index import NO_SLOT, PageRecord
 from kvstore.tiers.dram import slot_bytes_for
 from kvstore.tiers.nvme import NvmeTier
 from kvstore_client.keys import Namespace
@@ -30,19 +31,27 @@ class RecoveryReport:
     duration_s: float = 0.0
 
 
-def rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace]) -> RecoveryReport:
+@dataclasses.dataclass
+class Recovered:
+    namespaces: dict[int, Namespace]
+    records: list[PageRecord]        # linked to their parents, prefix-closed, for PageStore.adopt_recovered
+    report: RecoveryReport
+
+
+def rebuild(nvme: NvmeTier) -> Recovered:
     # Millions of long-lived records: the cyclic collector would rescan them over and over.
     gc.disable()
     try:
-        return _rebuild(nvme, index, namespaces)
+        return _rebuild(nvme)
     finally:
         gc.enable()
         gc.freeze()  # what start-up built stays; later collections skip it
 
 
-def _rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace]) -> RecoveryReport:
+def _rebuild(nvme: NvmeTier) -> Recovered:
     started = time.perf_counter()
     report = RecoveryReport()
+    namespaces: dict[int, Namespace] = {}
     for ns_id, spec in nvme.load_namespaces().items():
         try:
             namespaces[ns_id] = Namespace(**spec)
@@ -64,8 +73,8 @@ def _rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace])
         record.on_nvme = True
         if parent_key:
             parents.append((record, parent_key))
+    failpoints.hit("recovery.after_scan")
     orphans = _link(records, parents)
-    index.add_recovered(list(records.values()))
     for shard, rkeys in unreadable.items():
         nvme.drop_records(shard, rkeys)
     if orphans:
@@ -77,7 +86,7 @@ def _rebuild(nvme: NvmeTier, index: PageIndex, namespaces: dict[int, Namespace])
         log.warning("recovery dropped orphan_pages=%d unreadable_records=%d", report.orphans, report.unreadable)
     log.info("recovery complete pages=%d duration_ms=%.1f pages_per_s=%.0f", report.pages,
              report.duration_s * 1e3, report.pages / report.duration_s if report.duration_s else 0)
-    return report
+    return Recovered(namespaces, list(records.values()), report)
 
 
 

@@ -1,12 +1,8 @@
 """The service's data-plane hooks: tokens, slot checks, grants that outlive their lease, cut writes."""
 
-import time
-
 import pytest
 
-from kvstore import config
-from kvstore.control.service import KVStoreService
-from kvstore.tiers.dram import Arena
+from node_parts import ManualClock, make_service
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
@@ -15,13 +11,16 @@ PAGE = 8192
 
 
 @pytest.fixture
-def service():
-    cfg = config.load(environ={}, overrides=[
-        "dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "leases.read_ttl_ms=100", "leases.write_ttl_ms=100"])
-    arena = Arena(cfg.dram.arena_bytes)
-    svc = KVStoreService(cfg, arena)
+def clock():
+    return ManualClock()
+
+
+@pytest.fixture
+def service(clock):
+    svc = make_service([
+        "dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "leases.read_ttl_ms=100", "leases.write_ttl_ms=100"], clock)
     yield svc
-    arena.close()
+    svc.store.arena.close()
 
 
 def reserve(svc, keys, ttl_ms=0):
@@ -35,67 +34,67 @@ def test_tokens_are_random_per_lease_and_checked(service):
     _, b = reserve(service, [b"b0"])
     assert len(a.data_token) == 16 and a.data_token != b.data_token
     with pytest.raises(errors.TokenMismatch):
-        service.resolve_write(a.lease_id, b.data_token, 0, PAGE)
+        service.grants.resolve_write(a.lease_id, b.data_token, 0, PAGE)
     with pytest.raises(errors.LeaseNotFound):
-        service.resolve_write(12345, a.data_token, 0, PAGE)
+        service.grants.resolve_write(12345, a.data_token, 0, PAGE)
     with pytest.raises(errors.SlotNotInLease):
-        service.resolve_write(a.lease_id, a.data_token, 2, PAGE)
+        service.grants.resolve_write(a.lease_id, a.data_token, 2, PAGE)
     with pytest.raises(errors.SlotNotInLease, match="write lease"):
-        service.resolve_read(a.lease_id, a.data_token, 0, PAGE)
+        service.grants.resolve_read(a.lease_id, a.data_token, 0, PAGE)
     with pytest.raises(errors.LengthMismatch):
-        service.resolve_write(a.lease_id, a.data_token, 0, PAGE - 1)
-    grant = service.resolve_write(a.lease_id, a.data_token, 1, PAGE)
+        service.grants.resolve_write(a.lease_id, a.data_token, 0, PAGE - 1)
+    grant = service.grants.resolve_write(a.lease_id, a.data_token, 1, PAGE)
     assert len(grant.view) == PAGE and grant.write
     with pytest.raises(errors.SlotBusy):
-        service.resolve_write(a.lease_id, a.data_token, 1, PAGE)
+        service.grants.resolve_write(a.lease_id, a.data_token, 1, PAGE)
 
 
 def test_a_slot_being_written_cannot_be_committed_until_its_transfer_ends(service):
     ns, r = reserve(service, [b"k0", b"k1"])
-    grant = service.resolve_write(r.lease_id, r.data_token, 1, PAGE)
+    grant = service.grants.resolve_write(r.lease_id, r.data_token, 1, PAGE)
     with pytest.raises(errors.SlotBusy):
         service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
     grant.view[:] = b"\x05" * PAGE
-    service.finish_transfer(grant)
+    service.grants.finish_transfer(grant)
     assert list(service.commit(pb.CommitRequest(lease_id=r.lease_id), None).states) == [pb.COMMITTED] * 2
     acquired = service.acquire(pb.AcquireRequest(namespace_id=ns, keys=[b"k0", b"k1"]), None)
-    read = service.resolve_read(acquired.lease_id, acquired.data_token, 1, PAGE)
+    read = service.grants.resolve_read(acquired.lease_id, acquired.data_token, 1, PAGE)
     assert bytes(read.view) == b"\x05" * PAGE and not read.write
     with pytest.raises(errors.SlotNotInLease):
-        service.resolve_read(acquired.lease_id, acquired.data_token, 2, PAGE)
-    service.finish_transfer(read)
+        service.grants.resolve_read(acquired.lease_id, acquired.data_token, 2, PAGE)
+    service.grants.finish_transfer(read)
 
 
 def test_a_lease_ended_mid_transfer_frees_its_slot_only_when_the_transfer_ends(service):
     _, r = reserve(service, [b"x0"])
-    grant = service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    grant = service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
     service.abort(pb.AbortRequest(lease_id=r.lease_id), None)
-    assert service.allocator.used_bytes == PAGE     # still being written: not handed to anyone else
+    assert service.store.allocator.used_bytes == PAGE     # still being written: not handed to anyone else
     _, other = reserve(service, [b"y0"])
     assert other.offsets[0] != r.offsets[0]
-    service.finish_transfer(grant)
-    assert service.allocator.used_bytes == PAGE     # only the other lease's slot is left
+    service.grants.finish_transfer(grant)
+    assert service.store.allocator.used_bytes == PAGE     # only the other lease's slot is left
 
 
-def test_an_expired_lease_is_refused_and_reaped_after_its_transfer(service):
+def test_an_expired_lease_is_refused_and_reaped_after_its_transfer(service, clock):
     _, r = reserve(service, [b"e0"], ttl_ms=50)
-    grant = service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
-    time.sleep(0.08)
+    grant = service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    clock.advance(0.08)
     with pytest.raises(errors.LeaseNotFound):
-        service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+        service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
     assert service.reap_expired() == 1
-    assert service.allocator.used_bytes == PAGE
-    service.finish_transfer(grant)
-    assert service.allocator.used_bytes == 0
+    assert service.store.allocator.used_bytes == PAGE
+    service.grants.finish_transfer(grant)
+    assert service.store.allocator.used_bytes == 0
 
 
 def test_a_cut_write_ends_its_lease_and_nothing_becomes_visible(service):
     ns, r = reserve(service, [b"c0", b"c1"])
-    done = service.resolve_write(r.lease_id, r.data_token, 0, PAGE)
-    service.finish_transfer(done)
-    cut = service.resolve_write(r.lease_id, r.data_token, 1, PAGE)
-    service.cut_transfer(cut)
-    assert service.allocator.used_bytes == 0 and service.open_leases() == 0
+    done = service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    service.grants.finish_transfer(done)
+    cut = service.grants.resolve_write(r.lease_id, r.data_token, 1, PAGE)
+    service.grants.cut_transfer(cut)
+    assert service.store.allocator.used_bytes == 0 and service.open_leases() == 0
     with pytest.raises(errors.LeaseNotFound):
         service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
     assert service.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"c0"]), None).hit_pages == 0

@@ -30,11 +30,11 @@ def chain(index, name, length, ns=1):
 def test_eviction_takes_leaves_oldest_first(index, freed):
     chain(index, "a", 3)
     chain(index, "b", 2)
-    evicted = [index.evict_dram(SLOT).page_id[1] for _ in range(5)]
+    evicted = [index.evict_dram(SLOT, clean_only=False).page_id[1] for _ in range(5)]
     # a2 is the oldest leaf; its parent a1 becomes a leaf older than b's, and so on
     assert evicted == [b"a2", b"a1", b"a0", b"b1", b"b0"]
     assert freed == evicted
-    assert index.evict_dram(SLOT) is None
+    assert index.evict_dram(SLOT, clean_only=False) is None
     index.check_prefix_closed()
 
 
@@ -43,21 +43,21 @@ def test_touch_moves_a_chain_to_the_back(index):
     chain(index, "b", 2)
     index.pin_all(a, hit=True)
     index.unpin_all(a)
-    assert index.evict_dram(SLOT).page_id[1] == b"b1"
+    assert index.evict_dram(SLOT, clean_only=False).page_id[1] == b"b1"
 
 
 def test_pinned_pages_are_never_evicted(index, freed):
     a = chain(index, "a", 2)
     index.pin_all(a, hit=True)
-    assert index.evict_dram(SLOT) is None
+    assert index.evict_dram(SLOT, clean_only=False) is None
     index.unpin_all(a)
-    assert index.evict_dram(SLOT).page_id[1] == b"a1"
+    assert index.evict_dram(SLOT, clean_only=False).page_id[1] == b"a1"
 
 
 def test_an_interior_page_is_never_evicted_before_its_children(index):
     a = chain(index, "a", 4)
     for _ in range(4):
-        victim = index.evict_dram(SLOT)
+        victim = index.evict_dram(SLOT, clean_only=False)
         assert victim.is_leaf()
         index.check_prefix_closed()
     assert len(index) == 0 and not any(r.alive for r in a)
@@ -87,11 +87,11 @@ def test_pages_on_nvme_lose_only_their_dram_copy(index, freed):
     a = chain(index, "a", 3)
     for record in a[:2]:
         index.set_on_nvme(record, True)
-    victim = index.evict_dram(SLOT)  # a0 is interior but on NVMe: only its DRAM copy goes
+    victim = index.evict_dram(SLOT, clean_only=False)  # a0 is interior but on NVMe: only its DRAM copy goes
     assert victim is a[0] and a[0].alive and not a[0].in_dram
     assert freed == [b"dram:a0"]
-    assert index.evict_dram(SLOT) is a[1] and a[1].alive
-    assert index.evict_dram(SLOT) is a[2] and not a[2].alive  # a DRAM-only leaf leaves the index
+    assert index.evict_dram(SLOT, clean_only=False) is a[1] and a[1].alive
+    assert index.evict_dram(SLOT, clean_only=False) is a[2] and not a[2].alive  # a DRAM-only leaf leaves the index
     index.check_prefix_closed()
 
 

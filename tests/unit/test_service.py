@@ -1,13 +1,9 @@
 """The service's rules, in process over a real arena: leases, commits, chains, limits, draining."""
 
-import time
-
 import pytest
 import xxhash
 
-from kvstore import config
-from kvstore.control.service import KVStoreService
-from kvstore.tiers.dram import Arena
+from node_parts import ManualClock, make_service
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
@@ -16,14 +12,17 @@ PAGE = 8192
 
 
 @pytest.fixture
-def service():
-    cfg = config.load(environ={}, overrides=[
+def clock():
+    return ManualClock()
+
+
+@pytest.fixture
+def service(clock):
+    svc = make_service([
         "dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "limits.batch_pages_max=64",
-        "leases.read_ttl_ms=100", "leases.write_ttl_ms=100"])
-    arena = Arena(cfg.dram.arena_bytes)
-    svc = KVStoreService(cfg, arena)
+        "leases.read_ttl_ms=100", "leases.write_ttl_ms=100"], clock)
     yield svc
-    arena.close()
+    svc.store.arena.close()
 
 
 def open_ns(svc, page_bytes=PAGE, **kw):
@@ -39,7 +38,7 @@ def put(svc, ns, ks, parent=b"", fill=7):
     r = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=ks, parent_key=parent, page_bytes=PAGE), None)
     for state, offset in zip(r.states, r.offsets):
         if state == pb.RESERVED:
-            svc.arena.view[offset:offset + PAGE] = bytes([fill]) * PAGE
+            svc.store.arena.view[offset:offset + PAGE] = bytes([fill]) * PAGE
     if r.lease_id:
         svc.commit(pb.CommitRequest(lease_id=r.lease_id), None)
     return r
@@ -49,25 +48,25 @@ def lookup(svc, ns, ks):
     return svc.lookup(pb.LookupRequest(namespace_id=ns, keys=ks), None).hit_pages
 
 
-def test_uncommitted_pages_are_invisible_and_expire(service):
+def test_uncommitted_pages_are_invisible_and_expire(service, clock):
     ns = open_ns(service)
     r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 4), page_bytes=PAGE), None)
     assert list(r.states) == [pb.RESERVED] * 4
     assert lookup(service, ns, keys("a", 4)) == 0
-    assert service.allocator.used_bytes == 4 * PAGE
-    time.sleep(0.15)
+    assert service.store.allocator.used_bytes == 4 * PAGE
+    clock.advance(0.15)
     assert service.reap_expired() == 1
-    assert service.allocator.used_bytes == 0
+    assert service.store.allocator.used_bytes == 0
     with pytest.raises(errors.LeaseNotFound):
         service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
-    assert service.counters.leases_expired == 1
+    assert service.store.counters.leases_expired == 1
 
 
 def test_commit_verifies_checksums_before_anything_is_visible(service):
     ns = open_ns(service)
     r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 2), page_bytes=PAGE), None)
     for offset in r.offsets:
-        service.arena.view[offset:offset + PAGE] = b"\x01" * PAGE
+        service.store.arena.view[offset:offset + PAGE] = b"\x01" * PAGE
     good = xxhash.xxh3_64_intdigest(b"\x01" * PAGE)
     with pytest.raises(errors.ChecksumMismatch, match="index 1"):
         service.commit(pb.CommitRequest(lease_id=r.lease_id, indices=[0, 1], checksums=[good, good ^ 1]), None)
@@ -101,7 +100,7 @@ def test_commit_drops_pages_whose_in_flight_parent_was_aborted(service):
     service.abort(pb.AbortRequest(lease_id=writer.lease_id), None)
     done = service.commit(pb.CommitRequest(lease_id=child.lease_id), None)
     assert list(done.states) == [pb.COMMIT_PARENT_MISSING]
-    assert lookup(service, ns, [b"c"]) == 0 and service.allocator.used_bytes == 0
+    assert lookup(service, ns, [b"c"]) == 0 and service.store.allocator.used_bytes == 0
 
 
 def test_extending_a_lease_continues_its_chain(service):
@@ -115,23 +114,23 @@ def test_extending_a_lease_continues_its_chain(service):
     assert more.lease_id == first.lease_id and more.first_index == 2
     service.commit(pb.CommitRequest(lease_id=first.lease_id, indices=[0, 1, 2]), None)
     assert lookup(service, ns, keys("a", 3)) == 3
-    service.index.check_prefix_closed()
+    service.store.index.check_prefix_closed()
 
 
 def test_eviction_under_pressure_keeps_the_index_prefix_closed(service):
     ns = open_ns(service)
-    capacity = service.allocator.capacity_bytes // PAGE
+    capacity = service.store.allocator.capacity_bytes // PAGE
     for chain in range(capacity // 8 * 3):
         put(service, ns, keys(f"c{chain}-", 8))
-        service.index.check_prefix_closed()
-    assert service.counters.evictions > 0
+        service.store.index.check_prefix_closed()
+    assert service.store.counters.evictions > 0
     for chain in range(capacity // 8 * 3):
         ks = keys(f"c{chain}-", 8)
         present = [lookup(service, ns, [k]) for k in ks]
         assert present == sorted(present, reverse=True), f"chain {chain} has a hole: {present}"
 
 
-def test_read_leases_pin_pages_and_lookups_extend_nothing(service):
+def test_read_leases_pin_pages_and_lookups_extend_nothing(service, clock):
     ns = open_ns(service)
     put(service, ns, keys("hot", 4), fill=9)
     acquired = service.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys("hot", 4)), None)
@@ -140,10 +139,10 @@ def test_read_leases_pin_pages_and_lookups_extend_nothing(service):
         put(service, ns, keys(f"c{chain}-", 4))
     assert lookup(service, ns, keys("hot", 4)) == 4
     for offset in acquired.offsets:
-        assert bytes(service.arena.view[offset:offset + PAGE]) == b"\x09" * PAGE
+        assert bytes(service.store.arena.view[offset:offset + PAGE]) == b"\x09" * PAGE
     for _ in range(5):  # lookups during the lease do not extend it
         lookup(service, ns, keys("hot", 4))
-        time.sleep(0.03)
+        clock.advance(0.03)
     assert service.reap_expired() >= 1
     with pytest.raises(errors.LeaseNotFound):
         service.release(pb.ReleaseRequest(lease_ids=[acquired.lease_id]), None)
@@ -151,7 +150,7 @@ def test_read_leases_pin_pages_and_lookups_extend_nothing(service):
 
 def test_capacity_exhausted_when_everything_is_pinned(service):
     ns = open_ns(service)
-    capacity = service.allocator.capacity_bytes // PAGE
+    capacity = service.store.allocator.capacity_bytes // PAGE
     service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("w", 64), page_bytes=PAGE), None)
     service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("v", capacity - 64), page_bytes=PAGE), None)
     with pytest.raises(errors.CapacityExhausted):
@@ -217,4 +216,4 @@ def test_delete_takes_descendants(service):
     put(service, ns, keys("a", 4))
     assert service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"a1"]), None).deleted_pages == 3
     assert lookup(service, ns, keys("a", 4)) == 1
-    assert service.allocator.used_bytes == PAGE
+    assert service.store.allocator.used_bytes == PAGE

@@ -1,0 +1,105 @@
+"""Input checks of the control plane: sizes and identity, before any work is done.
+
+Pure functions over the request messages and the node's limits; each raises the error
+the caller gets, with a message that says what to change. A request is checked whole
+before the store sees any of it, so a rejected request costs no more than reading it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvstore.config import Config
+from kvstore.limits import Limits
+from kvstore_client import errors
+from kvstore_client.keys import Namespace, encode_key, prefix_hashes
+from kvstore_client.proto import pb
+
+_NAME_FIELDS = ("model", "tenant", "kv_dtype", "layout")
+
+
+def namespace_spec(spec: pb.NamespaceSpec, limits: Limits, name_bytes_max: int) -> Namespace:
+    if not spec.model:
+        raise errors.InvalidArgument("spec.model is empty: name the model whose KV this is")
+    for field in _NAME_FIELDS:
+        size = len(getattr(spec, field).encode())
+        if size > name_bytes_max:
+            raise errors.InvalidArgument(
+                f"spec.{field} has {size} bytes; names are at most {name_bytes_max} bytes (limits.name_bytes_max)")
+    if not 0 < spec.page_bytes <= limits.page_bytes_max:
+        raise errors.InvalidArgument(
+            f"spec.page_bytes={spec.page_bytes} must be 1 to {limits.page_bytes_max} (limits.page_bytes_max)")
+    if spec.tp_size and spec.tp_rank >= spec.tp_size:
+        raise errors.InvalidArgument(f"spec.tp_rank={spec.tp_rank} must be below spec.tp_size={spec.tp_size}")
+    if spec.hash_seed:
+        if len(spec.hash_seed) > 128:
+            raise errors.InvalidArgument("spec.hash_seed is at most 128 hex digits (a 64-byte digest)")
+        try:
+            bytes.fromhex(spec.hash_seed)
+        except ValueError:
+            raise errors.InvalidArgument("spec.hash_seed must be a hex string") from None
+    return Namespace.from_proto(spec)
+
+
+def keys(batch: Sequence[bytes], limits: Limits, what: str = "keys") -> list[bytes]:
+    if not batch:
+        raise errors.InvalidArgument(f"{what} is empty: send at least one key")
+    if len(batch) > limits.batch_pages_max:
+        raise errors.BatchTooLarge(
+            f"{len(batch)} keys in one call; limits.batch_pages_max is {limits.batch_pages_max}: split it")
+    sizes = list(map(len, batch))
+    if min(sizes) == 0 or max(sizes) > limits.key_bytes_max:
+        position = next(i for i, n in enumerate(sizes) if not 0 < n <= limits.key_bytes_max)
+        raise errors.InvalidArgument(
+            f"{what}[{position}] has {sizes[position]} bytes; keys are 1 to {limits.key_bytes_max} bytes")
+    if len(set(batch)) != len(batch):
+        raise errors.DuplicateKey(f"{what} holds the same key twice; a chain never repeats a page")
+    return list(batch)
+
+
+def lookup_keys(namespace: Namespace, request: pb.LookupRequest | pb.RouteRequest, limits: Limits) -> list[bytes]:
+    """The keys a Lookup or Route names, by keys or by tokens; the page count is checked before hashing."""
+    if request.keys and request.tokens:
+        raise errors.InvalidArgument("give keys or tokens, not both")
+    if not request.tokens:
+        return keys(request.keys, limits)
+    if not namespace.page_tokens:
+        raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
+    pages = len(request.tokens) // namespace.page_tokens
+    if pages > limits.batch_pages_max:
+        raise errors.BatchTooLarge(f"{pages} pages of tokens; limits.batch_pages_max is {limits.batch_pages_max}: "
+                                   "split the prompt")
+    return [encode_key(k) for k in prefix_hashes(request.tokens, namespace.page_tokens, namespace.hash_seed)]
+
+
+def lease_ttl_ms(asked_ms: int, default_ms: int, config: Config) -> int:
+    if asked_ms > config.leases.ttl_ms_max:
+        raise errors.InvalidArgument(
+            f"lease_ttl_ms={asked_ms} exceeds leases.ttl_ms_max={config.leases.ttl_ms_max}")
+    return asked_ms or default_ms
+
+
+def commit_indices(request: pb.CommitRequest) -> list[int]:
+    indices = list(request.indices)
+    if len(set(indices)) != len(indices):
+        raise errors.DuplicateKey("an index appears twice in indices")
+    if request.checksums and len(request.checksums) != len(indices) and indices:
+        raise errors.InvalidArgument(
+            f"{len(request.checksums)} checksums for {len(indices)} pages: give one per page or none")
+    return indices
+
+
+def promote_wait_s(request: pb.AcquireRequest, config: Config) -> float:
+    """How long an Acquire may wait for promotions: never beyond controller.promote_wait_ms_max."""
+    controller = config.controller
+    if request.policy == pb.TIMEOUT:
+        return min(request.timeout_ms or controller.prefetch_timeout_ms, controller.promote_wait_ms_max) / 1000
+    return controller.promote_wait_ms_max / 1000
+
+
+def stats_page(request: pb.StatsRequest, config: Config) -> tuple[int, int]:
+    most = config.limits.stats_namespaces_max
+    if request.namespaces_max > most:
+        raise errors.InvalidArgument(
+            f"namespaces_max={request.namespaces_max} exceeds limits.stats_namespaces_max={most}: page through")
+    return request.namespaces_offset, request.namespaces_max or most

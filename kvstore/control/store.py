@@ -1,0 +1,786 @@
+"""The page store: the one owner of page state on a node.
+
+It holds the lock and, under it, everything a page's life touches: the DRAM arena and its
+slab allocator, the prefix-closed index, namespaces, write and read leases, the pages
+being written, and the counters. Every method takes the lock itself and returns with it
+released; no caller holds it, so no method needs to know whether it is held.
+
+The store does no disk I/O. Allocation evicts only what it may drop without losing a
+page (a DRAM copy of an NVMe page, or any leaf when nothing protects DRAM-only pages);
+when that is not enough it reports the shortfall, the controller writes pages down
+outside the lock, and the caller asks again. Hashing a committed slot happens outside the
+lock too, with the slots marked busy.
+
+Who calls what: the service (RPC rules) and the controller (tier moves) call the store;
+the store calls neither. It tells a `StoreListener` (the controller) what happened —
+commits, hits, pages wanted from NVMe, DRAM running short — with the lock held, so a
+listener only queues work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hmac
+import itertools
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Protocol
+
+import xxhash
+
+from kvstore import failpoints
+from kvstore.config import Config
+from kvstore.control.index import NO_SLOT, PageIndex, PageRecord
+from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
+from kvstore.limits import Limits
+from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
+from kvstore_client import errors
+from kvstore_client.keys import Namespace, namespace_id
+from kvstore_client.proto import pb
+
+log = logging.getLogger(__name__)
+
+# Namespaces over all tenants; beyond it (and a tenant's own limit) idle ones are reclaimed.
+NAMESPACES_MAX = 4096
+Clock = Callable[[], float]
+PageId = tuple[int, bytes]
+
+
+class Evict(enum.Enum):
+    """What allocation may drop to free a slot."""
+
+    CLEAN = "clean"  # only DRAM copies of pages also on NVMe (write_back keeps the rest until written)
+    ANY = "any"      # also least recently used leaves held only in DRAM (they leave the cache)
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.dram_hits = 0          # pages served from DRAM as they were
+        self.nvme_hits = 0          # pages served after promotion from NVMe
+        self.misses = 0
+        self.evictions = 0          # DRAM copies dropped (pages only in DRAM leave the index)
+        self.nvme_evictions = 0
+        self.promotions = 0
+        self.promoted_bytes = 0
+        self.demotions = 0
+        self.demoted_bytes = 0
+        self.corrupt_pages = 0
+        self.leases_expired = 0
+        self.pages_committed = 0
+        self.checksum_failures = 0
+        self.write_queue_drops = 0
+        self.nvme_write_errors = 0
+        self.recovered_pages = 0
+        self.scrub_pages_checked = 0
+        self.scrub_pages_bad = 0
+        self.scrub_passes = 0
+        self.bytes_reserved = 0      # page bytes of slots granted for writing (clients copy into them)
+        self.bytes_acquired = 0      # page bytes of pages leased for reading (clients copy out of them)
+
+
+class StoreListener(Protocol):
+    """Told of page events with the store's lock held: queue work, never call the store back."""
+
+    def on_commit(self, records: list[PageRecord]) -> None: ...
+    def on_hit(self, records: list[PageRecord]) -> None: ...
+    def on_wanted(self, records: list[PageRecord]) -> None: ...
+    def on_dram_short(self) -> None: ...
+
+
+class _NoListener:
+    def on_commit(self, records: list[PageRecord]) -> None: pass
+    def on_hit(self, records: list[PageRecord]) -> None: pass
+    def on_wanted(self, records: list[PageRecord]) -> None: pass
+    def on_dram_short(self) -> None: pass
+
+
+@dataclasses.dataclass(eq=False)
+class Reservation:
+    """A Reserve in two steps: what the index said, then slots for the pages wanted."""
+
+    lease: Lease | None
+    first_index: int
+    states: list[int]
+    offsets: list[int]
+    wanted: list[int]            # positions still to be given a slot
+    slot_bytes: int
+    extending: bool
+
+
+@dataclasses.dataclass(eq=False)
+class Claim:
+    """NVMe pages taken for promotion: each has a DRAM slot of its own size, and is busy and pinned."""
+
+    records: list[PageRecord]
+    slots: list[int]
+    short: int                   # pages that got no slot (DRAM is full of pinned or unsaved pages)
+
+
+class PageStore:
+    def __init__(self, config: Config, arena: Arena, clock: Clock = time.monotonic):
+        self.config = config
+        self.limits = Limits.from_config(config)
+        self.arena = arena
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)   # a busy page stopped moving
+        self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes)
+        self.index = PageIndex(on_removed=self._on_removed, on_dram_dropped=self._free_dram)
+        self.leases = LeaseTable()
+        self.namespaces: dict[int, Namespace] = {}
+        self._namespace_used: dict[int, float] = {}        # last use, for reclaiming idle ones
+        self._pending: dict[PageId, int] = {}              # reserved, uncommitted page -> lease id
+        self.counters = Counters()
+        self.listener: StoreListener = _NoListener()
+        self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
+        self.draining = False
+
+    # -- namespaces -------------------------------------------------------------------
+
+    def open_namespace(self, namespace: Namespace) -> int:
+        ns_id = namespace_id(namespace)
+        with self._lock:
+            self._namespace_used[ns_id] = self.clock()
+            if ns_id in self.namespaces:
+                return ns_id
+            tenant_max = self.config.limits.namespaces_per_tenant_max
+            same_tenant = [i for i, ns in self.namespaces.items() if ns.tenant == namespace.tenant]
+            if len(same_tenant) >= tenant_max and not self._reclaim_idle(same_tenant):
+                raise errors.CapacityExhausted(
+                    f"tenant {namespace.tenant!r} already holds {tenant_max} namespaces with pages or leases "
+                    "(limits.namespaces_per_tenant_max): clear unused ones or raise the limit")
+            if len(self.namespaces) >= NAMESPACES_MAX and not self._reclaim_idle(list(self.namespaces)):
+                raise errors.CapacityExhausted(
+                    f"this node already holds {NAMESPACES_MAX} namespaces with pages or leases: clear unused ones")
+            self.namespaces[ns_id] = namespace
+        log.info("namespace opened id=%016x model=%s tenant=%s page_bytes=%d",
+                 ns_id, namespace.model, namespace.tenant, namespace.page_bytes)
+        return ns_id
+
+    def _reclaim_idle(self, candidates: list[int]) -> bool:
+        """Lock held: forget the least recently used namespace with no page, lease or write."""
+        busy = {lease.namespace_id for lease in self.leases.all()} | {ns for ns, _ in self._pending}
+        idle = [i for i in candidates if i not in busy and not self.index.pages_by_namespace.get(i)]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda i: self._namespace_used.get(i, 0.0))
+        del self.namespaces[victim]
+        self._namespace_used.pop(victim, None)
+        self.index.pages_by_namespace.pop(victim, None)
+        log.info("idle namespace reclaimed id=%016x", victim)
+        return True
+
+    def namespace(self, ns_id: int) -> Namespace:
+        namespace = self.namespaces.get(ns_id)
+        if namespace is None:
+            raise errors.NamespaceNotFound(
+                f"namespace {ns_id:#018x} is not open on this server; call OpenNamespace with its spec first")
+        return namespace
+
+    def adopt_recovered(self, namespaces: dict[int, Namespace], records: list[PageRecord]) -> None:
+        """Start-up: take the namespaces and pages rebuilt from NVMe (before anything is served)."""
+        with self._lock:
+            self.namespaces.update(namespaces)
+            self.index.add_recovered(records)
+            self.counters.recovered_pages = len(records)
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
+        """The tier of each leading page held here (DRAM when it is in both)."""
+        with self._lock:
+            return [pb.NVME if r.offset == NO_SLOT else pb.DRAM for r in self.index.leading(ns_id, keys)]
+
+    # -- writes: reserve, commit, abort -------------------------------------------------
+
+    def reserve(self, ns_id: int, keys: list[bytes], parent_key: bytes, lease_id: int, ttl_ms: int,
+                owner: object | None) -> Reservation:
+        """Step one: a write lease, the state of each key, pages of the chain pinned. No slots yet."""
+        slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
+        states = [pb.PARENT_MISSING] * len(keys)
+        with self._lock:
+            if self.draining:
+                raise errors.Draining("the server is draining for shutdown and takes no new leases")
+            if lease_id:
+                lease = self._lease(lease_id, WRITE)
+                if lease.namespace_id != ns_id:
+                    raise errors.InvalidArgument(f"lease {lease_id:#x} belongs to another namespace")
+                if parent_key != lease.keys[-1]:
+                    raise errors.InvalidArgument(
+                        "parent_key of an extending Reserve must be the last key reserved under the lease")
+            else:
+                parent = self.index.get((ns_id, parent_key)) if parent_key else None
+                if parent_key and parent is None and (ns_id, parent_key) not in self._pending:
+                    return Reservation(None, 0, states, [0] * len(keys), [], slot_bytes, False)
+                lease = self.leases.open(WRITE, ns_id, self.clock(), ttl_ms, owner)
+                lease.parent_key = parent_key
+                if parent is not None:
+                    self._pin(lease, parent)
+            first_index = len(lease.keys)
+            lease.keys.extend(keys)
+            wanted = []
+            for i, key in enumerate(keys):
+                record = self.index.get((ns_id, key))
+                if record is not None:
+                    states[i] = pb.PRESENT
+                    self._pin(lease, record)
+                elif (ns_id, key) in self._pending:
+                    states[i] = pb.IN_FLIGHT
+                else:
+                    wanted.append(i)
+                    states[i] = pb.NO_SPACE
+            lease.busy += 1   # not reaped between the two steps
+            self._namespace_used[ns_id] = self.clock()
+        return Reservation(lease, first_index, states, [0] * len(keys), wanted, slot_bytes, bool(lease_id))
+
+    def fill(self, reservation: Reservation, evict: Evict) -> int:
+        """Step two: slots for the wanted pages; returns how many are still short of a slot."""
+        lease = reservation.lease
+        if lease is None or not reservation.wanted:
+            return 0
+        with self._lock:
+            if lease.ended:
+                raise errors.LeaseNotFound(f"lease {lease.lease_id:#x} ended while its slots were found")
+            granted = self._allocate(reservation.slot_bytes, len(reservation.wanted), evict)
+            page_bytes = self.namespaces[lease.namespace_id].page_bytes
+            for i, offset in zip(reservation.wanted, granted):
+                self._pending[(lease.namespace_id, lease.keys[reservation.first_index + i])] = lease.lease_id
+                lease.slots[reservation.first_index + i] = offset
+                reservation.states[i], reservation.offsets[i] = pb.RESERVED, offset
+            self.counters.bytes_reserved += len(granted) * page_bytes
+            reservation.wanted = reservation.wanted[len(granted):]
+            if reservation.wanted:
+                self.listener.on_dram_short()
+        if granted:
+            failpoints.hit("reserve.after_allocate")
+        return len(reservation.wanted)
+
+    def finish_reservation(self, reservation: Reservation) -> None:
+        """End step two: a lease that holds nothing is closed; raises when nothing could be placed."""
+        lease = reservation.lease
+        if lease is None:
+            return
+        with self._lock:
+            lease.busy -= 1
+            if lease.slots or reservation.extending or lease.ended:
+                return
+            self._end_lease(lease)
+            reservation.lease = None
+            if reservation.wanted:
+                raise errors.CapacityExhausted(
+                    f"no slot of {reservation.slot_bytes} bytes can be freed: every page is pinned by a lease, "
+                    "waiting to be written down, or the arena is full of other page sizes")
+
+    def commit(self, lease_id: int, indices: list[int], checksums: list[int]) -> tuple[list[int], list[int],
+                                                                                    list[PageRecord]]:
+        """Hash the slots (unlocked: they belong to this lease alone), check, publish in chain order.
+
+        Returns (states, checksums, pages published)."""
+        with self._lock:
+            lease = self._lease(lease_id, WRITE)
+            indices = indices or sorted(lease.slots)
+            for index in indices:
+                if index not in lease.slots:
+                    raise errors.InvalidArgument(
+                        f"index {index} is not a reserved, uncommitted slot of lease {lease_id:#x}")
+                if index in lease.writing:
+                    raise errors.SlotBusy(f"index {index} of lease {lease_id:#x} is still being written "
+                                          "over the data plane: commit it after its transfer is answered")
+            if checksums and len(checksums) != len(indices):
+                raise errors.InvalidArgument(
+                    f"{len(checksums)} checksums for {len(indices)} pages: give one per page or none")
+            page_bytes = self.namespaces[lease.namespace_id].page_bytes
+            offsets = [lease.slots[i] for i in indices]
+            lease.busy += 1
+        try:
+            view = self.arena.view
+            sums = [xxhash.xxh3_64_intdigest(view[o:o + page_bytes]) for o in offsets]
+        finally:
+            with self._lock:
+                lease.busy -= 1
+        failpoints.hit("commit.before_publish")
+        with self._lock:
+            for position, (want, got) in enumerate(zip(checksums, sums)):
+                if want != got:
+                    self.counters.checksum_failures += 1
+                    raise errors.ChecksumMismatch(
+                        f"page at index {indices[position]} hashes to {got:#018x}, not {want:#018x}; "
+                        "nothing in this commit was made visible: rewrite the slot or abort")
+            if self.leases.get(lease.lease_id) is not lease:
+                raise errors.LeaseNotFound(f"lease {lease_id:#x} ended while its commit was checked")
+            states, published = self._publish(lease, indices, sums)
+            if not lease.slots:
+                self._end_lease(lease)
+        failpoints.hit("commit.after_publish")
+        return states, sums, published
+
+    def _publish(self, lease: Lease, indices: list[int], sums: list[int]) -> tuple[list[int], list[PageRecord]]:
+        """Lock held: make checked pages visible in chain order; a page whose parent is gone is dropped."""
+        ns_id, keys, index = lease.namespace_id, lease.keys, self.index
+        slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
+        states, published = [], []
+        for position, checksum in zip(indices, sums):
+            key = keys[position]
+            offset = lease.slots.pop(position)
+            del self._pending[(ns_id, key)]
+            parent_key = keys[position - 1] if position else lease.parent_key
+            parent = index.get((ns_id, parent_key)) if parent_key else None
+            if parent_key and parent is None:
+                self.allocator.free(offset)
+                states.append(pb.COMMIT_PARENT_MISSING)
+                continue
+            published.append(index.add((ns_id, key), parent, offset, slot_bytes, checksum))
+            states.append(pb.COMMITTED)
+        index.touch_all(published)
+        self.counters.pages_committed += len(published)
+        self.listener.on_commit(published)
+        return states, published
+
+    def abort(self, lease_id: int) -> int:
+        with self._lock:
+            lease = self._lease(lease_id, WRITE)
+            aborted = len(lease.slots)
+            self._end_lease(lease)
+        return aborted
+
+    # -- reads: acquire, release ---------------------------------------------------------
+
+    def hold_chain(self, ns_id: int, keys: list[bytes], ttl_ms: int, owner: object | None) -> Lease:
+        """A read lease pinning every leading page in any tier: none of them is a victim of the
+        promotion that may follow (trim_read_lease then keeps only what is in DRAM)."""
+        with self._lock:
+            if self.draining:
+                raise errors.Draining("the server is draining for shutdown and takes no new leases")
+            records = self.index.leading(ns_id, keys)
+            lease = self.leases.open(READ, ns_id, self.clock(), ttl_ms, owner)
+            self.index.pin_all(records, hit=False)
+            lease.pinned = records
+            lease.busy += 1   # not reaped while pages are promoted for it
+            self._namespace_used[ns_id] = self.clock()
+            return lease
+
+    def missing(self, lease: Lease) -> list[PageRecord]:
+        """Pages of the lease's chain not in DRAM, in chain order."""
+        with self._lock:
+            return [r for r in lease.pinned if r.offset == NO_SLOT]
+
+    def want(self, lease: Lease) -> None:
+        """Ask for the lease's pages not in DRAM to be promoted in the background."""
+        with self._lock:
+            wanted = [r for r in lease.pinned if r.offset == NO_SLOT and r.alive]
+            if wanted:
+                self.listener.on_wanted(wanted)
+
+    def trim_read_lease(self, lease: Lease, keys_asked: int, from_dram: int) -> Lease | None:
+        """Keep the leading pages in DRAM under the lease, unpin the rest, count; None if no page."""
+        with self._lock:
+            lease.busy -= 1
+            ready = list(itertools.takewhile(lambda r: r.alive and r.offset != NO_SLOT, lease.pinned))
+            self.index.unpin_all(lease.pinned[len(ready):])
+            lease.pinned = ready
+            from_dram = min(from_dram, len(ready))
+            self.counters.dram_hits += from_dram
+            self.counters.nvme_hits += len(ready) - from_dram
+            self.counters.misses += keys_asked - len(ready)
+            if not ready or lease.ended:
+                self._end_lease(lease)
+                return None
+            for record in ready:
+                record.hits += 1
+            self.index.touch_all(ready)
+            self.listener.on_hit(ready)
+            self.counters.bytes_acquired += len(ready) * self.namespaces[lease.namespace_id].page_bytes
+            return lease
+
+    def release(self, lease_ids: Iterable[int]) -> int:
+        with self._lock:
+            leases = [self._lease(lease_id, READ) for lease_id in lease_ids]
+            for lease in leases:
+                self._end_lease(lease)
+        return len(leases)
+
+    # -- delete -------------------------------------------------------------------------
+
+    def delete(self, ns_id: int, keys: list[bytes] | None) -> list[PageRecord]:
+        """Remove pages (None: every page of the namespace) with everything that extends them."""
+        removed: list[PageRecord] = []
+        with self._lock:
+            records = self.index.roots(ns_id) if keys is None else [self.index.get((ns_id, k)) for k in keys]
+            for record in records:
+                if record is not None and record.alive:
+                    removed += self.index.remove_subtree(record)
+        return removed
+
+    # -- leases: expiry, connections, draining -----------------------------------------
+
+    def end_owner(self, owner: object) -> int:
+        with self._lock:
+            leases = self.leases.owned_by(owner)
+            for lease in leases:
+                self._end_lease(lease)
+        return len(leases)
+
+    def reap_expired(self) -> list[tuple[Lease, int, int]]:
+        """End leases past their deadline; (lease, uncommitted pages, pinned pages) of each."""
+        with self._lock:
+            expired = [(lease, len(lease.slots), len(lease.pinned)) for lease in self.leases.expired(self.clock())]
+            for lease, _, _ in expired:
+                self._end_lease(lease)
+            self.counters.leases_expired += len(expired)
+        return expired
+
+    def start_draining(self) -> None:
+        with self._lock:
+            self.draining = True
+
+    def open_leases(self) -> int:
+        with self._lock:
+            return len(self.leases)
+
+    # -- data plane (see data_plane.py) --------------------------------------------------
+
+    def begin_transfer(self, lease_id: int, token: bytes, kind: str, slot: int, nbytes: int) -> tuple[Lease, int]:
+        """Check a frame against its lease; (lease, slot offset), held until end_transfer."""
+        with self._lock:
+            lease = self.leases.get(lease_id)
+            if lease is None or self.clock() > lease.deadline:
+                raise errors.LeaseNotFound(f"lease {lease_id:#x} is unknown, already finished, or expired")
+            if not hmac.compare_digest(lease.token, token):
+                raise errors.TokenMismatch(f"the token does not match lease {lease_id:#x}")
+            if lease.kind != kind:
+                verb = "written" if kind == WRITE else "read"
+                raise errors.SlotNotInLease(f"lease {lease_id:#x} is a {lease.kind} lease: its slots cannot be {verb}")
+            page_bytes = self.namespaces[lease.namespace_id].page_bytes
+            if nbytes != page_bytes:
+                raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
+            if kind == WRITE:
+                offset = lease.slots.get(slot)
+                if offset is None:
+                    raise errors.SlotNotInLease(f"slot {slot} is not a reserved, uncommitted slot of lease {lease_id:#x}")
+                if slot in lease.writing:
+                    raise errors.SlotBusy(f"slot {slot} of lease {lease_id:#x} is already being written")
+                lease.writing.add(slot)
+            else:
+                if not 0 <= slot < len(lease.pinned):
+                    raise errors.SlotNotInLease(f"lease {lease_id:#x} pins {len(lease.pinned)} pages; no page {slot}")
+                offset = lease.pinned[slot].offset
+            lease.transfers += 1
+            return lease, offset
+
+    def end_transfer(self, lease: Lease, slot: int) -> None:
+        with self._lock:
+            self._transfer_ended(lease, slot)
+
+    def cut_transfer(self, lease: Lease, slot: int) -> None:
+        """A write stopped part-way: its lease ends, so the torn page is never visible."""
+        with self._lock:
+            self._transfer_ended(lease, slot)
+            if self.leases.get(lease.lease_id) is lease:
+                log.info("data-plane write cut mid-page; lease=%016x aborted", lease.lease_id)
+                self._end_lease(lease)
+
+    def _transfer_ended(self, lease: Lease, slot: int) -> None:
+        lease.transfers -= 1
+        assert lease.transfers >= 0, "a transfer ended twice"
+        if lease.kind == WRITE:
+            lease.writing.discard(slot)
+        if lease.ended and not lease.transfers:
+            self._free_lease_memory(lease)
+
+    # -- for the controller: write-down ---------------------------------------------------
+
+    def claim_unsaved(self, records: Iterable[PageRecord], pages_max: int) -> list[PageRecord]:
+        """Pages to write down with their unsaved ancestors first, pinned and marked busy."""
+        batch: list[PageRecord] = []
+        seen: set[PageRecord] = set()
+        with self._lock:
+            for record in records:
+                if len(batch) >= pages_max:
+                    break
+                for node in _unsaved_chain(record):
+                    if node not in seen:
+                        seen.add(node)
+                        batch.append(node)
+            for record in batch:
+                record.busy = True
+                record.pins += 1
+        return batch
+
+    def unsaved_lru(self, count: int) -> list[PageRecord]:
+        """Up to `count` unpinned pages held only in DRAM, least recently used first."""
+        with self._lock:
+            return self.index.dram_only_lru(count)
+
+    def dram_fill(self) -> float:
+        with self._lock:
+            return self.allocator.used_bytes / max(self.allocator.capacity_bytes, 1)
+
+    def finish_writedown(self, batch: list[PageRecord], on_disk: set[PageRecord]) -> tuple[list[PageRecord],
+                                                                                         list[PageId]]:
+        """The batch (chain order) is no longer moving; `on_disk` reached NVMe. A page is marked on
+        NVMe only when its parent is, so the NVMe tier stays prefix-closed even when another
+        shard's write failed. Returns (pages now on NVMe, ids deleted meanwhile: the caller
+        deletes those from NVMe too)."""
+        garbage, written = [], []
+        with self._lock:
+            for record in batch:
+                if record not in on_disk:
+                    continue
+                if not record.alive:
+                    garbage.append(record.page_id)
+                elif record.parent is None or record.parent.on_nvme:
+                    self.index.set_on_nvme(record, True)
+                    written.append(record)
+            self.counters.demotions += len(written)
+            self.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
+            for record in batch:
+                self.index.release_busy(record)
+            self.index.unpin_all(batch)
+            self._settled.notify_all()
+        return written, garbage
+
+    def leading_on_nvme(self, records: list[PageRecord]) -> tuple[int, bool]:
+        """(leading pages of this chain on NVMe, whether the next one can never get there: it left)."""
+        with self._lock:
+            durable = sum(1 for _ in itertools.takewhile(lambda r: r.alive and r.on_nvme, records))
+            return durable, durable < len(records) and not records[durable].alive
+
+    def nvme_victims(self, shard_of: Callable[[PageRecord], int], shard: int, count: int) -> list[PageRecord]:
+        """Take up to `count` least recently used pages off one NVMe shard (the caller deletes them)."""
+        with self._lock:
+            victims = self.index.evict_nvme(shard_of, shard, count)
+            self.counters.nvme_evictions += len(victims)
+        failpoints.hit("evict.after_victims")
+        return victims
+
+    def stored_page(self, record: PageRecord) -> tuple[int, bytes, bytes, int, int, memoryview]:
+        """(namespace, key, parent key, page bytes, checksum, slot bytes) of a busy page to write down."""
+        with self._lock:
+            assert record.busy and record.offset != NO_SLOT, "only a claimed DRAM page is written down"
+            page_bytes = self._page_bytes(record)
+            parent_key = record.parent.page_id[1] if record.parent is not None else b""
+            view = self.arena.view[record.offset:record.offset + page_bytes]
+            return record.page_id[0], record.page_id[1], parent_key, page_bytes, record.checksum, view
+
+    def namespace_page_bytes(self, ns_id: int) -> int:
+        with self._lock:
+            return self.namespaces[ns_id].page_bytes
+
+    def namespace_spec(self, ns_id: int) -> dict:
+        with self._lock:
+            return dataclasses.asdict(self.namespaces[ns_id])
+
+    def count(self, **increments: int) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                setattr(self.counters, name, getattr(self.counters, name) + value)
+
+    # -- for the controller: promotion -----------------------------------------------------
+
+    def claim_for_promotion(self, records: list[PageRecord], evict: Evict) -> Claim:
+        """Slots for NVMe-only pages, in chain order, each of its own size; pinned and busy."""
+        with self._lock:
+            todo = [r for r in dict.fromkeys(records) if r.alive and r.offset == NO_SLOT and r.on_nvme and not r.busy]
+            slots: list[int] = []
+            for record in todo:
+                got = self._allocate(record.slot_bytes, 1, evict)
+                if not got:
+                    break
+                slots += got
+            short = len(todo) - len(slots)
+            todo = todo[:len(slots)]
+            for record in todo:
+                record.busy = True
+                record.pins += 1
+            if short:
+                self.listener.on_dram_short()
+        return Claim(todo, slots, short)
+
+    def slot_view(self, record: PageRecord, slot: int) -> memoryview:
+        return self.arena.view[slot:slot + self._page_bytes(record)]
+
+    def finish_promotion(self, claim: Claim, read_ok: list[bool]) -> tuple[int, list[PageId]]:
+        """Publish the slots whose bytes matched; drop pages that did not (with their descendants).
+
+        Returns (pages promoted, NVMe ids of dropped pages, for the caller to delete)."""
+        promoted, promoted_bytes, garbage = 0, 0, []
+        with self._lock:
+            for position, (record, slot) in enumerate(zip(claim.records, claim.slots)):
+                ok = position < len(read_ok) and read_ok[position]
+                self.index.release_busy(record)
+                if ok and record.alive:
+                    self.index.set_dram(record, slot)
+                    promoted += 1
+                    promoted_bytes += self._page_bytes(record)
+                    continue
+                self.allocator.free(slot)
+                if position < len(read_ok) and not ok and record.alive:
+                    garbage += self._drop_corrupt(record)
+            self.index.unpin_all(claim.records)
+            self.counters.promotions += promoted
+            self.counters.promoted_bytes += promoted_bytes
+            self._settled.notify_all()
+        return promoted, garbage
+
+    def wait_settled(self, records: list[PageRecord], deadline: float) -> None:
+        """Wait while one of these pages is still moving (up to the deadline)."""
+        with self._settled:
+            while any(r.alive and r.busy for r in records):
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return
+                self._settled.wait(remaining)
+
+    # -- for the scrubber ---------------------------------------------------------------
+
+    def page_ids(self) -> list[PageId]:
+        with self._lock:
+            return self.index.page_ids()
+
+    def scrub_batch(self, page_ids: list[PageId]) -> list[PageRecord]:
+        """The pages of these ids still held and not moving, pinned (so a DRAM slot stays put)."""
+        with self._lock:
+            batch = [r for r in map(self.index.get, page_ids) if r is not None and not r.busy]
+            for record in batch:
+                record.pins += 1
+            return batch
+
+    def scrub_done(self, batch: list[PageRecord], bad: list[PageRecord]) -> list[PageId]:
+        """Unpin a scrubbed batch; drop the bad pages with their descendants. NVMe ids to delete."""
+        garbage: list[PageId] = []
+        with self._lock:
+            bad = [r for r in bad if r.alive]   # a page deleted meanwhile is not bad, only gone
+            for record in bad:
+                if record.alive:   # an earlier one's subtree may have taken it
+                    garbage += self._drop_corrupt(record)
+            self.index.unpin_all(batch)
+            self.counters.scrub_pages_checked += len(batch)
+            self.counters.scrub_pages_bad += len(bad)
+        return garbage
+
+    def dram_checksum_ok(self, record: PageRecord) -> bool:
+        """Re-hash a pinned page's DRAM copy (unlocked: a pinned slot is never reused)."""
+        offset = record.offset
+        if offset == NO_SLOT:
+            return True
+        return xxhash.xxh3_64_intdigest(self.arena.view[offset:offset + self._page_bytes(record)]) == record.checksum
+
+    # -- Stats ---------------------------------------------------------------------------
+
+    def snapshot(self, offset: int, count: int) -> tuple[Counters, dict, list[pb.NamespaceStats], int]:
+        """Counters, DRAM figures and one page of namespaces (in id order), taken together."""
+        with self._lock:
+            counters = Counters()
+            counters.__dict__.update(self.counters.__dict__)
+            dram = {"capacity_bytes": self.allocator.capacity_bytes, "used_bytes": self.allocator.used_bytes,
+                    "dram_pages": self.index.dram_pages, "nvme_pages": self.index.nvme_pages,
+                    "leases_open": len(self.leases)}
+            ids = sorted(self.namespaces)[offset:offset + count]
+            namespaces = [
+                pb.NamespaceStats(namespace_id=i, model=self.namespaces[i].model, tenant=self.namespaces[i].tenant,
+                                  page_bytes=self.namespaces[i].page_bytes,
+                                  pages=self.index.pages_by_namespace.get(i, 0))
+                for i in ids]
+            return counters, dram, namespaces, len(self.namespaces)
+
+    def check_invariants(self) -> None:
+        """Assert the index and allocator agree (tests, and after recovery)."""
+        with self._lock:
+            self.index.check_prefix_closed()
+            held = sum(r.slot_bytes for r in self.index.records() if r.offset != NO_SLOT)
+            leased = sum(slot_bytes_for(self.namespaces[lease.namespace_id].page_bytes) * len(lease.slots)
+                         for lease in self.leases.all())
+            assert held + leased <= self.allocator.used_bytes, "a slot is used twice"
+
+    # -- internals (lock held) ------------------------------------------------------------
+
+    def _allocate(self, slot_bytes: int, count: int, evict: Evict) -> list[int]:
+        """Up to `count` free slots, evicting least recently used pages allowed by `evict`."""
+        offsets = self.allocator.allocate_many(slot_bytes, count)
+        keep_unsaved = evict is Evict.CLEAN
+        evicted = False
+        while len(offsets) < count:
+            if self.index.evict_dram(slot_bytes, keep_unsaved) is None and not self._evict_for_slab(keep_unsaved):
+                break
+            self.counters.evictions += 1
+            evicted = True
+            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets))
+        if evicted:
+            failpoints.hit("evict.after_victims")
+        return offsets
+
+    def _evict_for_slab(self, keep_unsaved: bool) -> bool:
+        """Evict the oldest pages of other sizes until a whole slab is free (bounded)."""
+        budget = self.config.dram.slab_bytes // 4096
+        while not self.allocator.has_free_slab() and budget > 0:
+            slot_bytes = self.index.oldest_evictable_slot_bytes(keep_unsaved)
+            if slot_bytes is None or self.index.evict_dram(slot_bytes, keep_unsaved) is None:
+                return False
+            self.counters.evictions += 1
+            budget -= 1
+        return self.allocator.has_free_slab()
+
+    def _drop_corrupt(self, record: PageRecord) -> list[PageId]:
+        removed = self.index.remove_subtree(record)
+        self.counters.corrupt_pages += len(removed)
+        log.error("corrupt page dropped namespace=%016x key=%s pages_dropped=%d",
+                  record.page_id[0], record.page_id[1].hex()[:32], len(removed))
+        return [r.page_id for r in removed if r.on_nvme]
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease.ended:
+            return
+        lease.ended = True
+        for index in lease.slots:
+            del self._pending[(lease.namespace_id, lease.keys[index])]
+        if not lease.transfers:  # else bytes still move through its slots: the last transfer frees them
+            self._free_lease_memory(lease)
+        if self.leases.get(lease.lease_id) is lease:
+            self.leases.close(lease)
+
+    def _free_lease_memory(self, lease: Lease) -> None:
+        for offset in lease.slots.values():
+            self.allocator.free(offset)
+        lease.slots.clear()
+        self.index.unpin_all(lease.pinned)
+        lease.pinned = []
+
+    def _lease(self, lease_id: int, kind: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise errors.LeaseNotFound(f"lease {lease_id:#x} is unknown, already finished, or expired")
+        if lease.kind != kind:
+            verb = "Abort or Commit" if lease.kind == WRITE else "Release"
+            raise errors.InvalidArgument(f"lease {lease_id:#x} is a {lease.kind} lease: end it with {verb}")
+        return lease
+
+    def _pin(self, lease: Lease, record: PageRecord) -> None:
+        self.index.pin(record)
+        lease.pinned.append(record)
+
+    def _page_bytes(self, record: PageRecord) -> int:
+        return self.namespaces[record.page_id[0]].page_bytes
+
+    def _on_removed(self, record: PageRecord) -> None:
+        """A page left the index and no lease holds it: its DRAM slot may be reused."""
+        if record.offset != NO_SLOT:
+            self.allocator.free(record.offset)
+            record.offset = NO_SLOT
+
+    def _free_dram(self, record: PageRecord) -> None:
+        self.allocator.free(record.offset)
+
+
+def _unsaved_chain(record: PageRecord) -> list[PageRecord]:
+    """The page and its ancestors not yet on NVMe, root first; [] if one is gone or moving."""
+    chain = []
+    node: PageRecord | None = record
+    while node is not None and not node.on_nvme:
+        if not node.alive or node.offset == NO_SLOT or node.busy:
+            return []
+        chain.append(node)
+        node = node.parent
+    chain.reverse()
+    return chain
