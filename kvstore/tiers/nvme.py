@@ -7,6 +7,8 @@ at all:
     data        ns_id(8 LE) + key -> page bytes
     namespaces  ns_id(8 LE)       -> namespace spec (JSON), so a restart knows what pages mean
 Start-up rebuilds the index from `meta` alone: dense B-tree leaves, no page bytes read.
+A shard belongs to one node: start-up takes an exclusive flock on LOCK_FILE in its
+directory and refuses, naming the holder's pid, if another kvstore-server has it.
 
 LMDB flags, chosen for a cache whose pages must never be served corrupt:
 - sync=True, metasync=False (MDB_NOMETASYNC): each write transaction flushes its data pages
@@ -25,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -42,6 +45,8 @@ FORMAT_VERSION = 1
 # version, parent key length, reserved, namespace id, page bytes, checksum; then the parent key
 HEADER = struct.Struct("<HHIQQQ")
 PARENT_BYTES_MAX = 64
+# In each shard directory, flocked by the one node that uses it (its pid inside).
+LOCK_FILE = "kvstore.lock"
 
 
 class NvmeError(OSError):
@@ -109,9 +114,16 @@ class _Shard:
         self.path = path
         try:
             os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
+        # Before LMDB: its own lock lets two processes share an environment, and two
+        # nodes writing and evicting each other's pages would corrupt both indexes.
+        self._lock_fd = _lock_shard(path)
+        try:
             self.env = lmdb.open(path, map_size=map_bytes, subdir=True, max_dbs=3, sync=True, metasync=False,
                                  writemap=False, readahead=False, max_readers=256, lock=True)
         except (OSError, lmdb.Error) as exc:
+            os.close(self._lock_fd)
             raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
         self.data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         self.map_address = _map_address(os.path.join(path, "data.mdb"), self.data_fd)
@@ -121,7 +133,37 @@ class _Shard:
         self.lock = threading.Lock()
         self.page_bytes = 0        # bytes of the pages stored here, by this process's count
 
+    def close(self) -> None:
+        os.close(self.data_fd)
+        self.env.close()
+        os.close(self._lock_fd)  # releases the flock, only once LMDB is closed
 
+
+def _lock_shard(path: str) -> int:
+    """Hold an exclusive flock on the shard's lock file for this process's life; returns its fd.
+
+    flock, not fcntl: a record lock would be dropped when any other fd of the file in this
+    process closes. O_CLOEXEC keeps a spawned child from holding the lock after we exit.
+    The holder's pid is written once the lock is held, so a refused node can name it.
+    """
+    lock_path = os.path.join(path, LOCK_FILE)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise OSError(f"NVMe shard directory {path} is in use by another kvstore-server (pid {holder}): "
+                      f"give this node its own nvme.paths") from None
+    except OSError as exc:
+        os.close(fd)
+        raise OSError(f"cannot lock NVMe shard {lock_path}: {exc}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class NvmeTier:
@@ -132,7 +174,14 @@ class NvmeTier:
         # Writes stop short of the map's end: LMDB deletes copy B-tree pages too, so a map
         # filled to its last page could not even evict. Pages are refused beyond this.
         self.page_bytes_max = map_bytes - max(map_bytes // 8, 1 << 20)
-        self.shards = [_Shard(i, path, map_bytes) for i, path in enumerate(paths)]
+        self.shards: list[_Shard] = []
+        try:
+            for i, path in enumerate(paths):
+                self.shards.append(_Shard(i, path, map_bytes))
+        except OSError:
+            for shard in self.shards:  # give back the shards (and their locks) already held
+                shard.close()
+            raise
         self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
 
     @property
@@ -293,5 +342,4 @@ class NvmeTier:
     def close(self) -> None:
         self._io.shutdown()
         for shard in self.shards:
-            os.close(shard.data_fd)
-            shard.env.close()
+            shard.close()

@@ -18,6 +18,11 @@ the gRPC server.
   above write_buffer_high_bytes (queued GET answers are references into the arena, not
   copies), and a connection still holding a grant at its lease's deadline is aborted, so a
   client that stops reading holds nothing past its lease.
+- Connections are bounded: beyond connections_max a new one is closed at once, and one
+  that has sent no frame for idle_timeout_s (and moves no page) is closed, so idle or
+  half-open peers cannot hold every place.
+- A broken invariant (an AssertionError from the resolver, in any callback of the loop)
+  stops the node (kvstore/invariants.py); it is never logged and carried on from.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 
 import uvloop
 
+from kvstore.invariants import stop_node
 from kvstore.transport.slots import Grant, SlotResolver
 from kvstore_client import errors
 from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Op, Request, RequestReader,
@@ -50,6 +56,7 @@ class TcpSettings:
     port: int
     body_bytes_max: int              # the largest page
     connections_max: int
+    idle_timeout_s: float            # close a connection that sent no frame and moves no page for this long
     write_buffer_high_bytes: int     # pause reading a connection above this much queued output
     write_buffer_low_bytes: int
     congestion: str = ""             # TCP_CONGESTION for accepted sockets; "" = system default
@@ -92,6 +99,7 @@ class TcpServer:
 
     def _run(self) -> None:
         loop = uvloop.new_event_loop()
+        loop.set_exception_handler(_stop_on_broken_invariant)
         self._loop = loop
         try:
             self._server = loop.run_until_complete(loop.create_server(
@@ -123,6 +131,18 @@ class TcpServer:
         return _Connection(self)
 
 
+def _stop_on_broken_invariant(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's handler for what its callbacks raise: frame handling, timers, connection_lost.
+
+    uvloop reports an exception from a protocol callback here, then closes that
+    connection; an AssertionError means a slot's state is impossible, so the node stops.
+    """
+    exc = context.get("exception")
+    if isinstance(exc, AssertionError):
+        stop_node("the TCP data plane", exc)
+    loop.default_exception_handler(context)
+
+
 class _Connection(asyncio.BufferedProtocol):
     def __init__(self, server: TcpServer):
         self._server = server
@@ -136,6 +156,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._drain_timer: asyncio.TimerHandle | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline = float("inf")              # when _deadline_timer fires
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._last_frame = 0.0                     # loop.time() of the last frame received
         self._closed = False
 
     # -- asyncio callbacks -------------------------------------------------------------
@@ -156,6 +178,8 @@ class _Connection(asyncio.BufferedProtocol):
         if settings.congestion:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, settings.congestion.encode())
         transport.set_write_buffer_limits(high=settings.write_buffer_high_bytes, low=settings.write_buffer_low_bytes)
+        self._last_frame = self._server._loop.time()
+        self._idle_timer = self._server._loop.call_later(settings.idle_timeout_s, self._idle_check)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._reader.buffer()
@@ -170,6 +194,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         if event is None:
             return
+        self._last_frame = self._server._loop.time()
         if isinstance(event, Request):
             if event.op == Op.PUT:
                 self._start_put(event)
@@ -195,7 +220,7 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._server._connections.discard(self)
-        for timer in (self._drain_timer, self._deadline_timer):
+        for timer in (self._drain_timer, self._deadline_timer, self._idle_timer):
             if timer is not None:
                 timer.cancel()
         if self._body is not None:
@@ -207,6 +232,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._resolver.finish_transfer(self._reads.popleft()[1])
 
     def abort(self) -> None:
+        self._server._connections.discard(self)  # its place is free now, not when connection_lost runs
         if self._transport is not None:
             self._transport.abort()
 
@@ -265,6 +291,20 @@ class _Connection(asyncio.BufferedProtocol):
             self._deadline = deadline
             self._deadline_timer = self._server._loop.call_later(
                 max(0.0, deadline - time.monotonic()), self._deadline_reached)
+
+    def _idle_check(self) -> None:
+        """Close the connection once it has sent no frame for idle_timeout_s; a page in flight is not idle."""
+        loop, timeout_s = self._server._loop, self._server.settings.idle_timeout_s
+        now = loop.time()
+        if self._body is not None or self._reads:
+            self._last_frame = now  # a page moving is activity; its lease deadline bounds how long
+        elif now - self._last_frame >= timeout_s:
+            self._idle_timer = None
+            log.info("tcp peer=%s sent no frame for %.1f s (tcp.idle_timeout_s); closing", self._peer,
+                     now - self._last_frame)
+            self.abort()
+            return
+        self._idle_timer = loop.call_later(self._last_frame + timeout_s - now, self._idle_check)
 
     def _deadline_reached(self) -> None:
         self._deadline_timer, self._deadline = None, float("inf")

@@ -1,0 +1,147 @@
+"""Connections cannot exhaust a node: local connections are capped and checked for identity before any
+frame is read, and idle TCP data-plane connections are closed, so real clients still get in."""
+
+import json
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, Namespace, framing
+from kvstore_client.proto import pb
+
+PAGE = 64 << 10
+NS = Namespace(model="connection-limits", page_bytes=PAGE)
+NOBODY = 65534
+
+
+def pages(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def read_frame(sock):
+    length, code = framing.decode_header(recv_exact(sock, framing.HEADER.size))
+    return code, recv_exact(sock, length).decode()
+
+
+def server_threads(server):
+    return len(os.listdir(f"/proc/{server.process.pid}/task"))
+
+
+def wait_for(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def put_and_get(client, seed):
+    keys = [f"s{seed}-{i}" for i in range(3)]
+    data = pages(3, seed)
+    assert client.put(NS, keys, data) == 3
+    out = np.zeros_like(data)
+    assert client.get(NS, keys, out, verify=True) == 3
+    assert np.array_equal(out, data)
+
+
+def test_local_connections_beyond_the_cap_are_answered_and_get_no_thread(start_server):
+    server = start_server({"shm.connections_max": 8})
+    baseline = server_threads(server)
+    socks = []
+    for _ in range(20):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(10)
+        sock.connect(server.socket_path)
+        socks.append(sock)
+    try:
+        # accepted in order: the first 8 are served, the other 12 refused as they arrive
+        for sock in socks[8:]:
+            code, text = read_frame(sock)
+            assert code == pb.CAPACITY_EXHAUSTED and "shm.connections_max=8" in text, text
+            assert sock.recv(1) == b""
+        for sock in socks[:8]:
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):  # served connections were told nothing
+                sock.recv(1)
+        assert server_threads(server) <= baseline + 8
+        assert server.log().count("shm.connections_max=8 reached") == 12
+    finally:
+        for sock in socks:
+            sock.close()
+    wait_for(lambda: server_threads(server) <= baseline)  # the served ones ended and gave their places back
+    with KVStoreClient(server.address, transport="shm") as client:
+        put_and_get(client, seed=1)
+
+
+def as_nobody_announce(socket_path, payload_bytes):
+    """In a child running as uid NOBODY: connect, send a header announcing `payload_bytes` and never the payload,
+    then read the answer. Returns (error code, text, what followed the answer)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            os.chdir(os.path.dirname(socket_path))  # as root: the test's temp directories are closed to nobody
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            sock = socket.socket(socket.AF_UNIX)
+            sock.settimeout(10)
+            sock.connect(os.path.basename(socket_path))
+            sock.sendall(framing.HEADER.pack(payload_bytes, framing.METHOD_IDS["Hello"]))
+            code, text = read_frame(sock)
+            after = sock.recv(16)
+            os.write(write_fd, json.dumps([code, text, after.hex()]).encode())
+            os._exit(0)
+        except BaseException as exc:  # the parent reports it
+            os.write(write_fd, json.dumps(["failed", repr(exc), ""]).encode())
+            os._exit(1)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        result = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    return result
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="connecting as another uid needs root")
+def test_a_refused_uid_is_answered_before_its_frame_is_read(start_server):
+    server = start_server()  # shm.allowed_uids defaults to the server's own uid (root here)
+    code, text, after = as_nobody_announce(server.socket_path, framing.FRAME_BYTES_MAX)
+    # the 16 MiB payload was never sent, yet the answer came: the server read no frame first
+    assert code == pb.PERMISSION_DENIED, text
+    assert f"uid {NOBODY} may not use this kvstore node; add it to shm.allowed_uids" in text
+    assert after == ""  # then the server closed its side
+    assert f"shm peer refused pid=" in server.log() and f"uid={NOBODY}" in server.log()
+    with KVStoreClient(server.address, transport="shm") as client:
+        put_and_get(client, seed=2)
+
+
+def test_idle_tcp_connections_are_closed_and_a_real_client_gets_in(start_server):
+    server = start_server({"tcp.connections_max": 4, "tcp.idle_timeout_s": 2})
+    host, _, port = json.loads(server.ready_file.read_text())["tcp_endpoint"].rpartition(":")
+    idle = [socket.create_connection((host, int(port)), timeout=20) for _ in range(4)]
+    try:
+        for sock in idle:
+            try:
+                assert sock.recv(1) == b""  # closed by the server, not by us
+            except ConnectionResetError:
+                pass
+    finally:
+        for sock in idle:
+            sock.close()
+    assert server.log().count("(tcp.idle_timeout_s); closing") == 4
+    with KVStoreClient(server.address, transport="tcp", timeout_s=20) as client:
+        assert client.transport == "tcp"
+        put_and_get(client, seed=3)
