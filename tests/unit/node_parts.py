@@ -27,3 +27,20 @@ def make_service(overrides: list[str], clock: ManualClock) -> KVStoreService:
     service = KVStoreService(PageStore(cfg, Arena(cfg.dram.arena_bytes), clock))
     service.grants = SlotGrants(service.store)
     return service
+
+
+def make_node(tmp_path, overrides: list[str], clock: ManualClock | None = None) -> KVStoreService:
+    """A service with an NVMe tier on real LMDB files under tmp_path and its controller (not started:
+    tests drive write-down and promotion themselves, so nothing moves behind their back)."""
+    from kvstore.control.controller import CacheController
+    from kvstore.control.scrubber import Scrubber
+    from kvstore.tiers.nvme import NvmeTier
+
+    cfg = config.load(environ={}, overrides=overrides)
+    store = PageStore(cfg, Arena(cfg.dram.arena_bytes), clock or ManualClock())
+    nvme = NvmeTier((str(tmp_path / "s0"), str(tmp_path / "s1")), cfg.nvme.map_bytes)
+    controller = CacheController(store, nvme, cfg.controller)
+    service = KVStoreService(store, controller, Scrubber(store, nvme, 0))
+    service.grants = SlotGrants(store)
+    service.nvme = nvme
+    return service

@@ -1,0 +1,277 @@
+"""The node core's defects stay fixed: promotion sizes, duplicate prefetch, a get's own chain, no disk
+I/O under the store's lock, durable commits, limits checked before work, bounded resources, scrubbing."""
+
+import hashlib
+import threading
+
+import pytest
+
+from kvstore.control import checks
+from kvstore.control.store import NAMESPACES_MAX
+from kvstore.tiers.nvme import record_key
+from kvstore_client import errors
+from kvstore_client.keys import Namespace
+from kvstore_client.proto import pb
+from node_parts import ManualClock, make_node, make_service
+
+SMALL, BIG = 8 << 10, 64 << 10
+NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "limits.page_bytes_max=64KiB",
+        "nvme.map_bytes=64MiB", "controller.write_policy=write_through"]
+
+
+def content(ns_id: int, key: bytes, page_bytes: int) -> bytes:
+    """Bytes derived from the page's identity, so any page can be checked anywhere."""
+    seed = hashlib.sha256(ns_id.to_bytes(8, "little") + key).digest()
+    return (seed * (page_bytes // len(seed) + 1))[:page_bytes]
+
+
+def open_ns(svc, page_bytes, model="m", tenant=""):
+    spec = Namespace(model=model, page_bytes=page_bytes, tenant=tenant).to_proto()
+    return svc.open_namespace(pb.OpenNamespaceRequest(spec=spec), None).namespace_id
+
+
+def put(svc, ns, keys, page_bytes, parent=b"", durable=False):
+    r = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys, parent_key=parent, page_bytes=page_bytes), None)
+    view = svc.store.arena.view
+    for key, state, offset in zip(keys, r.states, r.offsets):
+        if state == pb.RESERVED:
+            view[offset:offset + page_bytes] = content(ns, key, page_bytes)
+    if r.lease_id:
+        return svc.commit(pb.CommitRequest(lease_id=r.lease_id, durable=durable), None)
+    return None
+
+
+def get(svc, ns, keys, page_bytes, policy=pb.WAIT_COMPLETE):
+    """Acquire, check every page's bytes against its key, release; returns pages served."""
+    a = svc.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys, policy=policy), None)
+    view = svc.store.arena.view
+    for key, offset in zip(keys, a.offsets[:a.hit_pages]):
+        assert bytes(view[offset:offset + page_bytes]) == content(ns, key, page_bytes), f"wrong bytes for {key}"
+    if a.lease_id:
+        svc.release(pb.ReleaseRequest(lease_ids=[a.lease_id]), None)
+    return a.hit_pages
+
+
+def chain(name, n):
+    return [f"{name}-{i}".encode() for i in range(n)]
+
+
+def write_all_down(svc):
+    """Write every DRAM-only page down (the controller's thread is not running in these tests)."""
+    records = list(svc.store.index.records())
+    svc.controller.make_durable(records, deadline=float("inf"))
+
+
+def drop_dram_copies(svc):
+    """Evict every DRAM copy of a page that is on NVMe (as pressure would)."""
+    with svc.store._lock:
+        for size in {r.slot_bytes for r in svc.store.index.records()}:
+            while svc.store.index.evict_dram(size, clean_only=True) is not None:
+                pass
+
+
+@pytest.fixture
+def node(tmp_path):
+    svc = make_node(tmp_path, NODE)
+    yield svc
+    svc.nvme.close()
+    svc.store.arena.close()
+
+
+def test_promotion_gives_each_page_a_slot_of_its_own_size(node):
+    small, big = open_ns(node, SMALL, "small"), open_ns(node, BIG, "big")
+    small_keys, big_keys = chain("s", 8), chain("b", 8)
+    put(node, small, small_keys, SMALL)
+    put(node, big, big_keys, BIG)
+    write_all_down(node)
+    drop_dram_copies(node)
+    index = node.store.index
+    # One promotion of both namespaces' pages, the small ones first (as a shared prefetch queue holds them).
+    records = [index.get((small, k)) for k in small_keys] + [index.get((big, k)) for k in big_keys]
+    assert node.controller.promote(records, deadline=float("inf")) == 16
+    assert node.counters.corrupt_pages == 0
+    assert get(node, small, small_keys, SMALL) == 8 and get(node, big, big_keys, BIG) == 8
+    node.store.check_invariants()
+
+
+def test_a_page_wanted_twice_is_promoted_once_and_nothing_leaks(node):
+    ns = open_ns(node, SMALL)
+    keys = chain("d", 6)
+    put(node, ns, keys, SMALL)
+    write_all_down(node)
+    drop_dram_copies(node)
+    records = [node.store.index.get((ns, k)) for k in keys]
+    node.controller.on_wanted(records)
+    node.controller.on_wanted(records[2:])      # a second get sharing the chain
+    prefetch = list(node.controller._prefetch)
+    assert len(prefetch) == len(keys)
+    assert node.controller.promote(records + records[2:], deadline=float("inf")) == len(keys)
+    assert get(node, ns, keys, SMALL) == len(keys)
+    node.delete(pb.DeleteRequest(namespace_id=ns, all_pages=True), None)
+    assert node.store.allocator.used_bytes == 0, "a slot or pin leaked"
+
+
+def test_a_get_never_evicts_its_own_chain(node):
+    ns = open_ns(node, BIG)
+    keys = chain("c", 24)                       # 1.5 MiB of a 2 MiB arena
+    put(node, ns, keys, BIG)
+    write_all_down(node)
+    drop_dram_copies(node)
+    put(node, ns, chain("head", 4), BIG)        # unrelated pages keep some of DRAM
+    node.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys[:6]), None)   # head in DRAM, leased
+    served = get(node, ns, keys, BIG)
+    lookup = node.lookup(pb.LookupRequest(namespace_id=ns, keys=keys), None).hit_pages
+    assert lookup == len(keys)
+    assert served >= 6, f"the get evicted its own chain's head: served {served}"
+
+
+def test_write_back_makes_room_with_no_disk_io_under_the_lock(tmp_path):
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back"])
+    writes_under_lock = []
+    real_write = svc.nvme.write
+
+    def write(shard, pages):
+        writes_under_lock.append(svc.store._lock.locked())
+        return real_write(shard, pages)
+
+    svc.nvme.write = write
+    ns = open_ns(svc, BIG)
+    for i in range(12):                          # 96 pages of 64 KiB into a 2 MiB arena
+        put(svc, ns, chain(f"w{i}", 8), BIG)
+    assert writes_under_lock and not any(writes_under_lock), "a write-down ran under the store's lock"
+    assert svc.counters.evictions > 0 and svc.counters.demotions > 0
+    lost = [i for i in range(12) if svc.lookup(pb.LookupRequest(namespace_id=ns, keys=chain(f"w{i}", 8)),
+                                               None).hit_pages < 8]
+    assert not lost, f"write_back lost committed chains {lost}"
+    svc.nvme.close()
+    svc.store.arena.close()
+
+
+def test_a_durable_commit_answers_once_its_pages_are_on_disk(node, tmp_path):
+    ns = open_ns(node, SMALL)
+    keys = chain("dur", 5)
+    answer = put(node, ns, keys, SMALL, durable=True)
+    assert answer.durable_pages == 5
+    on_disk = 0
+    for shard in node.nvme.shards:               # what a committed LMDB read transaction sees
+        with shard.env.begin() as txn:
+            on_disk += sum(txn.get(record_key(ns, k), db=shard.data) == content(ns, k, SMALL) for k in keys)
+    assert on_disk == 5
+
+
+def test_a_durable_commit_needs_the_nvme_tier():
+    svc = make_service(["dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB"], ManualClock())
+    ns = open_ns(svc, SMALL)
+    r = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"k"], page_bytes=SMALL), None)
+    with pytest.raises(errors.InvalidArgument, match="NVMe"):
+        svc.commit(pb.CommitRequest(lease_id=r.lease_id, durable=True), None)
+
+
+def test_a_token_lookup_is_sized_before_any_token_is_hashed(node, monkeypatch):
+    spec = Namespace(model="t", page_bytes=SMALL, page_tokens=16).to_proto()
+    ns = node.open_namespace(pb.OpenNamespaceRequest(spec=spec), None).namespace_id
+    hashed = []
+    monkeypatch.setattr(checks, "prefix_hashes", lambda *a: hashed.append(a) or [])
+    tokens = [1] * (16 * (node.limits.batch_pages_max + 1))
+    with pytest.raises(errors.BatchTooLarge, match="split"):
+        node.lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens), None)
+    assert not hashed
+
+
+def test_namespace_names_are_bounded(node):
+    with pytest.raises(errors.InvalidArgument, match="name_bytes_max"):
+        open_ns(node, SMALL, model="m" * 50_000_000)
+
+
+def test_idle_namespaces_are_reclaimed_and_busy_ones_are_not(tmp_path):
+    svc = make_node(tmp_path, NODE + ["limits.namespaces_per_tenant_max=4"])
+    kept = open_ns(svc, SMALL, "kept", tenant="a")
+    put(svc, kept, [b"k"], SMALL)
+    for i in range(50):                          # junk: opened, never used
+        open_ns(svc, SMALL, f"junk{i}", tenant="a")
+    assert open_ns(svc, SMALL, "new-model", tenant="a")
+    assert svc.lookup(pb.LookupRequest(namespace_id=kept, keys=[b"k"]), None).hit_pages == 1
+    for i in range(3):
+        put(svc, open_ns(svc, SMALL, f"busy{i}", tenant="a"), [b"k"], SMALL)
+    with pytest.raises(errors.CapacityExhausted, match="namespaces_per_tenant_max"):
+        open_ns(svc, SMALL, "one-too-many", tenant="a")
+    assert open_ns(svc, SMALL, "other-tenant", tenant="b")
+    assert len(svc.store.namespaces) <= NAMESPACES_MAX
+    svc.nvme.close()
+    svc.store.arena.close()
+
+
+def test_waits_are_capped_by_promote_wait_ms_max(node):
+    request = pb.AcquireRequest(policy=pb.TIMEOUT, timeout_ms=10**9)
+    assert checks.promote_wait_s(request, node.config) == node.config.controller.promote_wait_ms_max / 1000
+
+
+def test_stats_answers_namespaces_in_pages(tmp_path):
+    svc = make_node(tmp_path, NODE + ["limits.stats_namespaces_max=20"])
+    ids = sorted(open_ns(svc, SMALL, f"m{i}") for i in range(50))
+    first = svc.stats(pb.StatsRequest(), None)
+    assert first.namespaces_total == 50 and len(first.namespaces) == 20
+    seen = []
+    for offset in range(0, 50, 20):
+        seen += [n.namespace_id for n in svc.stats(pb.StatsRequest(namespaces_offset=offset), None).namespaces]
+    assert seen == ids
+    with pytest.raises(errors.InvalidArgument, match="stats_namespaces_max"):
+        svc.stats(pb.StatsRequest(namespaces_max=21), None)
+    svc.nvme.close()
+    svc.store.arena.close()
+
+
+def test_the_scrubber_drops_pages_whose_bytes_rotted(node, tmp_path):
+    ns = open_ns(node, SMALL)
+    keys = chain("rot", 6)
+    put(node, ns, keys, SMALL)
+    write_all_down(node)
+    rotten_in_dram = node.store.index.get((ns, keys[4]))
+    node.store.arena.view[rotten_in_dram.offset] ^= 0xFF
+    # And one page's NVMe copy: its DRAM copy is dropped, and the disk bytes overwritten.
+    drop_dram_copies(node)
+    rotten_on_disk = keys[2]
+    shard = node.nvme.shards[node.nvme.shard_of(ns, rotten_on_disk)]
+    with shard.env.begin(write=True) as txn:
+        txn.put(record_key(ns, rotten_on_disk), b"\0" * SMALL, db=shard.data)
+    checked, bad = node.scrubber.run_pass()
+    assert checked == 6 and bad >= 1
+    stats = node.stats(pb.StatsRequest(), None)
+    assert stats.scrub_pages_checked == 6 and stats.scrub_pages_bad == bad and stats.scrub_passes == 1
+    assert get(node, ns, keys, SMALL) == 2, "the chain ends before the page that rotted on disk"
+
+
+def test_concurrent_gets_of_shared_chains_never_serve_wrong_bytes(node):
+    """Many gets racing promotions of chains that share their head, over two page sizes."""
+    small, big = open_ns(node, SMALL, "small"), open_ns(node, BIG, "big")
+    shared = chain("shared", 4)
+    for i in range(6):
+        put(node, small, shared + chain(f"s{i}", 4), SMALL)
+        put(node, big, shared + chain(f"b{i}", 2), BIG)
+    write_all_down(node)
+    drop_dram_copies(node)
+    failures = []
+
+    def reader(i):
+        try:
+            for round_ in range(10):
+                policy = pb.BEST_EFFORT if round_ % 2 else pb.WAIT_COMPLETE
+                get(node, small, shared + chain(f"s{(i + round_) % 6}", 4), SMALL, policy)
+                get(node, big, shared + chain(f"b{(i + round_) % 6}", 2), BIG, policy)
+                for records in (list(node.controller._prefetch),):
+                    node.controller._prefetch.clear()
+                    node.controller.promote(records, deadline=float("inf"))
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert node.counters.corrupt_pages == 0
+    node.delete(pb.DeleteRequest(namespace_id=small, all_pages=True), None)
+    node.delete(pb.DeleteRequest(namespace_id=big, all_pages=True), None)
+    assert node.store.allocator.used_bytes == 0 and node.store.open_leases() == 0
+    node.store.check_invariants()
