@@ -68,7 +68,7 @@ class RemoteNode:
 
     def namespace(self, wanted: str) -> pb.NamespaceStats:
         """A namespace by id (hex, as `namespaces` prints it) or by model name, if one matches."""
-        held = self.call("Stats", pb.StatsRequest()).namespaces
+        held = self.namespaces()
         text = wanted.lower().removeprefix("0x")
         by_id = [ns for ns in held if f"{ns.namespace_id:016x}" == text.rjust(16, "0")]
         matches = by_id or [ns for ns in held if ns.model == wanted]
@@ -77,6 +77,15 @@ class RemoteNode:
             why = "matches several namespaces" if matches else "is not open on this node"
             raise UsageError(f"namespace {wanted!r} {why}; open here: {known}")
         return matches[0]
+
+    def namespaces(self) -> list[pb.NamespaceStats]:
+        """Every namespace held, paging through Stats (one answer holds a bounded number)."""
+        held: list[pb.NamespaceStats] = []
+        while True:
+            stats = self.call("Stats", pb.StatsRequest(namespaces_offset=len(held)))
+            held += stats.namespaces
+            if not stats.namespaces or len(held) >= stats.namespaces_total:
+                return held
 
     def close(self) -> None:
         self.control.close()
@@ -92,10 +101,10 @@ def cmd_status(node: RemoteNode, args: argparse.Namespace) -> None:
         render.emit_json({
             "target": node.target, "server_version": hello.server_version, "health": health,
             "shm_socket": hello.shm_socket, "arena_bytes": hello.arena_bytes, "tiers": tiers,
-            "namespaces": len(stats.namespaces), **_scalars(stats)})
+            "namespaces": stats.namespaces_total, **_scalars(stats)})
         return
     render.emit(f"kvstore {hello.server_version} at {node.target}  health {health}  "
-                f"namespaces {len(stats.namespaces)}  leases open {stats.leases_open}  "
+                f"namespaces {stats.namespaces_total}  leases open {stats.leases_open}  "
                 f"expired {stats.leases_expired}  pages committed {stats.pages_committed}  "
                 f"checksum failures {stats.checksum_failures}")
     render.emit(render.table(
@@ -118,7 +127,7 @@ def cmd_health(node: RemoteNode, args: argparse.Namespace) -> None:
 
 
 def cmd_namespaces(node: RemoteNode, args: argparse.Namespace) -> None:
-    held = node.call("Stats", pb.StatsRequest()).namespaces
+    held = node.namespaces()
     rows = [{"namespace_id": f"{ns.namespace_id:016x}", "model": ns.model, "tenant": ns.tenant,
              "page_bytes": ns.page_bytes, "pages": ns.pages, "bytes": ns.pages * ns.page_bytes} for ns in held]
     if args.json:
@@ -128,6 +137,16 @@ def cmd_namespaces(node: RemoteNode, args: argparse.Namespace) -> None:
         ["ID", "MODEL", "TENANT", "PAGE", "PAGES", "BYTES"],
         [[r["namespace_id"], r["model"], r["tenant"] or "-", render.human_bytes(r["page_bytes"]), r["pages"],
           render.human_bytes(r["bytes"])] for r in rows]))
+
+
+def cmd_scrub(node: RemoteNode, args: argparse.Namespace) -> None:
+    """One scrub pass now: every DRAM and NVMe page re-read and checked against its checksum."""
+    answer = node.control.call("Scrub", pb.ScrubRequest(), timeout_s=max(node.timeout_s, 3600.0))
+    if args.json:
+        render.emit_json({"pages_checked": answer.pages_checked, "pages_bad": answer.pages_bad})
+    else:
+        render.emit(f"scrub pass complete: pages checked {answer.pages_checked}, pages bad (dropped) "
+                    f"{answer.pages_bad}")
 
 
 def cmd_lookup(node: RemoteNode, args: argparse.Namespace) -> None:
@@ -280,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "lookup":
             sub.add_argument("--tokens", help="token ids (comma or space separated), hashed by the node")
         sub.set_defaults(run=run)
+    commands.add_parser("scrub", help="re-read every page now and drop those whose bytes no longer match").set_defaults(
+        run=cmd_scrub)
     drain = commands.add_parser("drain", help="stop taking leases, let open ones finish, then exit (SIGTERM)")
     drain.add_argument("--pid", type=int, help="server pid (default: learned from its shm socket)")
     drain.add_argument("--wait", action="store_true", help="wait until the server has exited")

@@ -58,6 +58,22 @@ def test_namespaces(server, stored):
     assert rows[0]["namespace_id"] in kvstore(server, "namespaces").stdout
 
 
+def test_namespaces_pages_through_a_node_holding_more_than_one_stats_answer(start_server):
+    server = start_server({"limits.stats_namespaces_max": 3})
+    with KVStoreClient(server.address) as client:
+        for i in range(7):
+            client.lookup(Namespace(model=f"m{i}", page_bytes=PAGE), keys=[b"k"])
+    rows = json.loads(kvstore(server, "--json", "namespaces").stdout)
+    assert sorted(r["model"] for r in rows) == [f"m{i}" for i in range(7)]
+    assert "namespaces 7" in kvstore(server, "status").stdout
+
+
+def test_scrub_checks_every_page(server, stored):
+    answer = json.loads(kvstore(server, "--json", "scrub").stdout)
+    assert answer == {"pages_checked": 10, "pages_bad": 0}
+    assert json.loads(kvstore(server, "--json", "status").stdout)["scrub_passes"] == 1
+
+
 def test_lookup_by_tokens_and_by_keys(server, stored):
     longer = ",".join(map(str, TOKENS + [7, 8, 9, 10]))
     answer = json.loads(kvstore(server, "--json", "lookup", "-n", "cli-model", "--tokens", longer).stdout)
