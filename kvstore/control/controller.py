@@ -153,9 +153,8 @@ class CacheController:
     def _run(self) -> None:
         while True:
             with self._queue:
-                while not (self._stopping or self._writes or self._prefetch or self._dram_short):
-                    if self._queue.wait(0.1) is False and self._write_back_due():
-                        break
+                if not (self._stopping or self._writes or self._prefetch or self._dram_short):
+                    self._queue.wait(0.1)   # also the pace of write_back's watermark check
                 if self._stopping:
                     return
                 writes = list(self._writes)[:self.config.write_batch_pages]
@@ -164,6 +163,8 @@ class CacheController:
                 prefetch = list(self._prefetch)
                 self._prefetch.clear()
                 short, self._dram_short = self._dram_short, False
+            if not (writes or prefetch or short or self._write_back_due()):  # store lock: never under ours
+                continue
             try:
                 self._pass(writes, prefetch, short)
             except AssertionError as exc:
