@@ -70,7 +70,8 @@ class Node:
             if self.nvme:
                 recovered = recovery.rebuild(self.nvme)
                 self.store.adopt_recovered(recovered.namespaces, recovered.records)
-            self.controller = CacheController(self.store, self.nvme, config.controller) if self.nvme else None
+            waiters_max = max(1, config.server.grpc_workers // 2)   # the other half always answers
+            self.controller = CacheController(self.store, self.nvme, config.controller, waiters_max) if self.nvme else None
             self.scrubber = Scrubber(self.store, self.nvme, config.scrub.bytes_per_s)
             self.service = KVStoreService(self.store, self.controller, self.scrubber, shm_socket=socket_path)
             grpc_service = local_service = self.service

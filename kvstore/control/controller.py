@@ -45,8 +45,11 @@ PROMOTE_GROUP_PAGES = 128
 
 
 class CacheController:
-    def __init__(self, store: PageStore, nvme: NvmeTier, config: ControllerConfig):
+    def __init__(self, store: PageStore, nvme: NvmeTier, config: ControllerConfig, waiters_max: int = 4):
         self._store = store
+        # Gets that may wait for promotions at once: the rest are answered best-effort, so
+        # waiting gets never take every RPC worker (health checks and other calls go on).
+        self._waiters = threading.BoundedSemaphore(waiters_max)
         self._nvme = nvme
         self.config = config
         self._queue = threading.Condition()
@@ -118,6 +121,13 @@ class CacheController:
             more = self._store.claim_for_promotion(records, Evict.CLEAN if cleaned else Evict.ANY)
             claim = Claim(claim.records + more.records, claim.slots + more.slots, more.short)
         return self._promote(claim, deadline)
+
+    def take_waiter(self) -> bool:
+        """A place among the gets waiting for promotions, or False when they are all taken."""
+        return self._waiters.acquire(blocking=False)
+
+    def leave_waiter(self) -> None:
+        self._waiters.release()
 
     def clean(self, pages: int) -> int:
         """Write down up to `pages` (at least a batch) least recently used DRAM-only pages, so that

@@ -135,12 +135,16 @@ class KVStoreService:
         try:
             missing = store.missing(lease)
             from_dram = lease.pinned.index(missing[0]) if missing else len(lease.pinned)
-            if missing and self.controller:
-                if request.policy == pb.BEST_EFFORT:
+            controller = self.controller
+            if missing and controller:
+                if request.policy == pb.BEST_EFFORT or not controller.take_waiter():
                     store.want(lease)
                 else:
-                    promoted = self.controller.promote(missing, deadline)
-                    store.wait_settled(missing, deadline)   # pages another get is promoting
+                    try:
+                        promoted = controller.promote(missing, deadline)
+                        store.wait_settled(missing, deadline)   # pages another get is promoting
+                    finally:
+                        controller.leave_waiter()
         finally:
             held = store.trim_read_lease(lease, len(keys), from_dram)
         if held is None:

@@ -275,3 +275,20 @@ def test_concurrent_gets_of_shared_chains_never_serve_wrong_bytes(node):
     node.delete(pb.DeleteRequest(namespace_id=big, all_pages=True), None)
     assert node.store.allocator.used_bytes == 0 and node.store.open_leases() == 0
     node.store.check_invariants()
+
+
+def test_gets_beyond_the_waiter_cap_are_answered_best_effort(tmp_path):
+    svc = make_node(tmp_path, NODE)
+    ns = open_ns(svc, SMALL)
+    keys = chain("wait", 4)
+    put(svc, ns, keys, SMALL)
+    write_all_down(svc)
+    drop_dram_copies(svc)
+    while svc.controller.take_waiter():          # every waiting place taken (by slow gets, say)
+        pass
+    assert get(svc, ns, keys, SMALL) == 0        # answered at once with what DRAM holds
+    assert len(svc.controller._prefetch) == 4    # and the rest is promoted in the background
+    svc.controller.leave_waiter()
+    assert get(svc, ns, keys, SMALL) == 4
+    svc.nvme.close()
+    svc.store.arena.close()
