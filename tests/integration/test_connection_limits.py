@@ -123,7 +123,7 @@ def test_a_refused_uid_is_answered_before_its_frame_is_read(start_server):
     assert code == pb.PERMISSION_DENIED, text
     assert f"uid {NOBODY} may not use this kvstore node; add it to shm.allowed_uids" in text
     assert after == ""  # then the server closed its side
-    assert f"shm peer refused pid=" in server.log() and f"uid={NOBODY}" in server.log()
+    assert "shm peer refused pid=" in server.log() and f"uid={NOBODY}" in server.log()
     with KVStoreClient(server.address, transport="shm") as client:
         put_and_get(client, seed=2)
 
