@@ -452,20 +452,21 @@ class PageStore:
             if lease.kind != kind:
                 verb = "written" if kind == WRITE else "read"
                 raise errors.SlotNotInLease(f"lease {lease_id:#x} is a {lease.kind} lease: its slots cannot be {verb}")
-            page_bytes = self.namespaces[lease.namespace_id].page_bytes
-            if nbytes != page_bytes:
-                raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
             if kind == WRITE:
                 offset = lease.slots.get(slot)
                 if offset is None:
                     raise errors.SlotNotInLease(f"slot {slot} is not a reserved, uncommitted slot of lease {lease_id:#x}")
                 if slot in lease.writing:
                     raise errors.SlotBusy(f"slot {slot} of lease {lease_id:#x} is already being written")
-                lease.writing.add(slot)
+            elif not 0 <= slot < len(lease.pinned):
+                raise errors.SlotNotInLease(f"lease {lease_id:#x} pins {len(lease.pinned)} pages; no page {slot}")
             else:
-                if not 0 <= slot < len(lease.pinned):
-                    raise errors.SlotNotInLease(f"lease {lease_id:#x} pins {len(lease.pinned)} pages; no page {slot}")
                 offset = lease.pinned[slot].offset
+            page_bytes = self.namespaces[lease.namespace_id].page_bytes
+            if nbytes != page_bytes:
+                raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
+            if kind == WRITE:
+                lease.writing.add(slot)
             lease.transfers += 1
             return lease, offset
 
