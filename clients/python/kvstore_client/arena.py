@@ -10,15 +10,6 @@ import numpy as np
 
 from kvstore_client.buffers import Segment
 
-try:  # optional: end-to-end checks of what this process wrote or read (xxh3-64, as the server)
-    from xxhash import xxh3_64_intdigest as _xxh3_64
-except ImportError:  # pragma: no cover - exercised where xxhash is absent
-    _xxh3_64 = None
-
-
-def checksums_available() -> bool:
-    return _xxh3_64 is not None
-
 _memmove = ctypes.memmove
 
 # glibc copies large blocks with non-temporal stores, which bypass the cache. A put's page
@@ -55,9 +46,6 @@ class ArenaMapping:
         for dst, nbytes in segments:
             _memmove(dst, src, nbytes)
             src += nbytes
-
-    def checksum(self, offset: int, nbytes: int) -> int:
-        return _xxh3_64(self.view[offset:offset + nbytes])
 
     def close(self) -> None:
         self.view.release()

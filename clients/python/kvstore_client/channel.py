@@ -1,14 +1,14 @@
 """Control channels: gRPC for any host, the local Unix-socket channel on the same host.
 
 Both carry the messages of kvstore.v1.KVStore, raise the exceptions of errors.py, and
-give every call a deadline. `submit` sends a request and returns a Pending whose
-`result()` waits for the answer; `post` is a submit whose answer nobody waits for (its
-error, if any, is logged), used for releases so a get never waits for one.
+give every call a deadline. `submit` sends a request and returns an answer-to-be whose
+`result()` waits for it; `post` is a submit whose answer nobody waits for (its error, if
+any, is logged), used for releases and aborts so a call never waits for one.
 
-On the local channel the server answers a connection's requests in order, so submitted
-requests pipeline: the client copies pages while the server reserves the next group and
-checks the previous one. gRPC gives no order between concurrent calls, so there
-`submit` completes the call before returning.
+On the local channel the server answers a connection's requests in order
+(`answers_in_order`), so submitted requests pipeline: the client copies pages while the
+server reserves the next group and checks the previous one. gRPC gives no order between
+calls in flight, so the pipeline (pipeline.py) waits where order matters.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import collections
 import logging
+import select
 import socket
 import threading
 from typing import Any
@@ -71,9 +72,15 @@ class GrpcCall:
 class GrpcChannel:
     """kvstore.v1.KVStore over gRPC; method stubs are derived from the proto descriptor."""
 
+    answers_in_order = False
+
     def __init__(self, target: str, timeout_s: float):
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        # Its own subchannel pool: by default gRPC shares connections among channels to one target,
+        # so a new channel (connection.py opens one per reconnect) would inherit the old one's
+        # reconnect backoff, and fail at once for up to a second after the node is back.
+        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                               ("grpc.use_local_subchannel_pool", 1)])
         self._posted: set[Any] = set()
         self._stubs = {
             name: self._channel.unary_unary(
@@ -90,16 +97,8 @@ class GrpcChannel:
         except grpc.RpcError as exc:
             raise errors.error_from_rpc(exc) from None
 
-    def submit(self, name: str, request: Any) -> Pending:
-        pending = Pending(name)
-        try:
-            pending._settle(self.call(name, request), None)
-        except errors.KVStoreError as exc:
-            pending._settle(None, exc)
-        return pending
-
-    def start(self, name: str, request: Any) -> "GrpcCall":
-        """Send the call now and return at once; result() waits. No order between started calls."""
+    def submit(self, name: str, request: Any) -> GrpcCall:
+        """Send the call now and return at once; result() waits. No order between submitted calls."""
         return GrpcCall(self._stubs[name].future(request, timeout=self.timeout_s))
 
     def post(self, name: str, request: Any) -> None:
@@ -111,6 +110,10 @@ class GrpcChannel:
             if f.exception():
                 log.warning("%s failed after it was posted: %s", name, errors.error_from_rpc(f.exception()))
         future.add_done_callback(done)
+
+    def alive(self) -> bool:
+        """Always true: gRPC reconnects by itself, and a node it cannot reach fails the call (Unavailable)."""
+        return True
 
     def close(self) -> None:
         # Posted calls (releases, aborts) finish first, or their leases would wait for their TTL.
@@ -125,7 +128,10 @@ class GrpcChannel:
 class LocalChannel:
     """The same messages as frames on the server's Unix socket (see framing.py). Thread-safe."""
 
+    answers_in_order = True
+
     def __init__(self, path: str, timeout_s: float):
+        self.path = path
         self.timeout_s = timeout_s
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
@@ -181,7 +187,27 @@ class LocalChannel:
         return pending
 
     def post(self, name: str, request: Any) -> None:
-        self.submit(name, request).posted = True
+        try:
+            self.submit(name, request).posted = True
+        except errors.KVStoreError as exc:
+            # The channel is broken: the node ends a connection's leases when it closes, so
+            # there is nothing left to release or abort.
+            log.debug("%s not sent, the shm channel is broken: %s", name, exc)
+
+    def alive(self) -> bool:
+        """False once the channel broke or the node closed its end (a stopped node's socket reads as hung up).
+
+        One poll(2) with no wait, for POLLRDHUP (POLLHUP and POLLERR come unasked): answers
+        waiting to be read do not count, only the node's end having closed.
+        """
+        if self._broken is not None:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(self._sock, select.POLLRDHUP)
+        except (OSError, ValueError):  # closed here
+            return False
+        return not poller.poll(0)
 
     def flush(self) -> None:
         """Read the answers of everything sent so far (posted releases included)."""

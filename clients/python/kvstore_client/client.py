@@ -10,40 +10,45 @@ A miss is a result (a count below len(keys)), never an exception. Page bytes mov
 one data plane (`transport`, see transport_choice.py): the shared-memory arena on the
 node's host, else RDMA, else TCP. With shared memory, control messages go over the
 server's Unix socket when `control="local"` (the default; see framing.py for why) or over
-gRPC; with TCP or RDMA (another host) they go over gRPC.
+gRPC; with TCP or RDMA (another host) they go over gRPC. Every data plane runs the same
+put/get pipeline (pipeline.py) over its own DataPath (data_path.py).
+
+The client outlives its node's restarts. Before each call it checks, without a round trip,
+that its connection (connection.py) still stands: the node closes the local channel, the
+socket the arena came over and the TCP data connection when it stops. A lost connection is
+replaced by a new one (Hello over a new gRPC channel, the data path opened again, namespaces
+reopened as they are used), each step bounded by `timeout_s`, one attempt per call: while
+the node is down a call fails at once with errors.Unavailable. A call that finds the node
+gone while it runs fails with errors.Unavailable, and is made once more on a new connection
+when that is safe: get, lookup, route, stats, and a put none of whose pages was reserved yet.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, Callable, Iterator, Sequence
+import threading
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from kvstore_client import errors
-from kvstore_client.arena import ArenaMapping, checksums_available
-from kvstore_client.buffers import Segment, page_segments
-from kvstore_client.channel import GrpcChannel, LocalChannel, Pending
+from kvstore_client import checksums, errors
+from kvstore_client.buffers import page_segments
+from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
+from kvstore_client.pipeline import PutBatch, get_batch
 from kvstore_client.proto import pb
-from kvstore_client.remote_pages import RemotePages
-from kvstore_client.tcp_transport import TcpDataPath
-from kvstore_client.transport_choice import candidates
 
 log = logging.getLogger(__name__)
 
-# A copy into or out of a leased slot must end this long before the lease can expire.
-LEASE_MARGIN_S = 0.5
-# A put is a pipeline: the server reserves the next group of pages while this one is
-# copied, and checksums each committed run of pages while the next run is copied. Runs are
-# short so the server reads them back while they are still in the shared L3 cache (a
-# second stream from DRAM slows the copy itself by a third), and the last run's checksum,
-# which nothing overlaps, is brief. Each message costs tens of microseconds, which is
-# why small pages go in larger groups.
-RESERVE_GROUP_PAGES = 32
-COMMIT_RUN_BYTES = 2 << 20
+T = TypeVar("T")
 
-_STORED_STATES = (pb.RESERVED, pb.PRESENT, pb.IN_FLIGHT)
 _PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_EFFORT, "timeout": pb.TIMEOUT}
+
+
+def _always() -> bool:
+    return True
+
+
+def _never() -> bool:
+    return False
 
 
 class KVStoreClient:
@@ -51,32 +56,43 @@ class KVStoreClient:
                  transport: str = "auto", tcp_congestion: str = ""):
         if control not in ("local", "grpc"):
             raise ValueError(f"control must be 'local' or 'grpc', got {control!r}")
-        self._grpc = GrpcChannel(target, timeout_s)
-        self._local: LocalChannel | None = None
-        self._arena: ArenaMapping | None = None
-        self._remote: RemotePages | None = None
-        try:
-            hello = self._grpc.call("Hello", pb.HelloRequest(client_name=client_name))
-            self.transport = self._open_data_path(hello, transport, timeout_s, tcp_congestion)
-        except BaseException:
-            self.close()
-            raise
-        self.limits = hello.limits
-        self.server_version = hello.server_version
-        self._control = self._local if self._local is not None and control == "local" else self._grpc
-        self._namespace_ids: dict[Namespace, int] = {}
+        self._options = ConnectOptions(target=target, timeout_s=timeout_s, control=control, transport=transport,
+                                       client_name=client_name, tcp_congestion=tcp_congestion)
+        self._lock = threading.Lock()            # guards _conn and _closed; a call enters _conn under it
+        self._replace_lock = threading.Lock()    # one reconnect at a time; the other callers then use it
+        self._closed = False
+        self._conn = NodeConnection(self._options)
+
+    @property
+    def transport(self) -> str:
+        """The data plane pages move over: "shm", "rdma" or "tcp"."""
+        return self._conn.data.name
+
+    @property
+    def limits(self) -> pb.Limits:
+        return self._conn.hello.limits
+
+    @property
+    def server_version(self) -> str:
+        return self._conn.hello.server_version
 
     # -- public API -------------------------------------------------------------------
 
     def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any, parent: Key | None = None,
-            verify: bool = False) -> int:
-        """Store pages under their keys; returns how many leading keys are now cached.
+            verify: bool = False, durable: bool = False) -> int:
+        """Store pages under their keys; returns how many leading keys are now stored.
 
         `parent` is the key of the page before keys[0] (None at the start of a sequence).
-        A key already cached (or being written by another client) is not copied again.
-        The server always checksums a page at commit; `verify=True` also hashes each page
-        here as it is copied, so the server refuses a slot that does not hold what this
-        process wrote (needs xxhash).
+        A key already stored (or being written by another client) is not copied again and
+        counts as stored. The server always checksums a page at commit; `verify=True` also
+        hashes each page here, so the server refuses a slot that does not hold what this
+        process handed over (needs xxhash).
+
+        `durable=True` asks the node to answer each commit only once its pages are on NVMe
+        (needs the node's NVMe tier). The count then means: leading keys whose page this
+        call wrote and the node reported on NVMe, or that were already stored or being
+        written by another client (those count as stored, whether or not they are on NVMe
+        yet). A page this call wrote that is committed but not on NVMe ends the count.
         """
         _check_verify(verify)
         raw_keys = encode_keys(keys)
@@ -84,8 +100,11 @@ class KVStoreClient:
         parent_key = encode_key(parent) if parent is not None else b""
         stored = 0
         for start, stop in self._batches(len(raw_keys)):
-            batch_stored = self._reopening(namespace, lambda: self._put_batch(
-                namespace, parent_key, raw_keys[start:stop], segments[start:stop], verify))
+            batch = PutBatch(namespace.page_bytes, parent_key, raw_keys[start:stop], segments[start:stop],
+                             verify, durable)
+            batch_stored = self._on_node(
+                lambda conn: conn.reopening(namespace, lambda ns_id: batch.run(conn.control, conn.data, ns_id)),
+                retry_if=lambda: not batch.slots_reserved)
             stored += batch_stored
             if batch_stored < stop - start:
                 break
@@ -95,11 +114,12 @@ class KVStoreClient:
 
     def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, verify: bool = False,
             policy: str = "wait_complete", timeout_ms: int = 0) -> int:
-        """Copy the leading cached pages into `out`; returns how many were loaded.
+        """Copy the leading stored pages into `out`; returns how many were loaded.
 
         Pages only on the node's NVMe tier come up into DRAM first; `policy` says how long
         to wait for them: "wait_complete" (all), "best_effort" (only what is in DRAM now;
-        the rest is prefetched for next time) or "timeout" (up to `timeout_ms`).
+        the rest is prefetched for next time) or "timeout" (up to `timeout_ms`). When the
+        call fails, `out` may hold anything.
         """
         if policy not in _PREFETCH_POLICIES:
             raise errors.InvalidArgument(f"policy must be one of {sorted(_PREFETCH_POLICIES)}, got {policy!r}")
@@ -108,9 +128,13 @@ class KVStoreClient:
         segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
         loaded = 0
         for start, stop in self._batches(len(raw_keys)):
-            request = pb.AcquireRequest(keys=raw_keys[start:stop], policy=_PREFETCH_POLICIES[policy],
-                                        timeout_ms=timeout_ms)
-            batch_loaded = self._get_batch(namespace, request, segments[start:stop], verify)
+            def in_namespace(conn: NodeConnection, ns_id: int) -> int:
+                request = pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys[start:stop],
+                                            policy=_PREFETCH_POLICIES[policy], timeout_ms=timeout_ms)
+                return get_batch(conn.control, conn.data, request, segments[start:stop], verify)
+
+            batch_loaded = self._on_node(
+                lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)), retry_if=_always)
             loaded += batch_loaded
             if batch_loaded < stop - start:
                 break
@@ -118,11 +142,11 @@ class KVStoreClient:
         return loaded
 
     def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Sequence[int] | None = None) -> int:
-        """How many leading pages are cached, by keys or by token ids. Extends no lease."""
+        """How many leading pages are stored, by keys or by token ids. Extends no lease."""
         if (keys is None) == (tokens is None):
             raise ValueError("pass exactly one of keys or tokens")
         request = pb.LookupRequest(keys=encode_keys(keys or ()), tokens=list(tokens or ()))
-        return self._call_in(namespace, "Lookup", request).hit_pages
+        return self._on_node(lambda conn: conn.call_in(namespace, "Lookup", request), _always).hit_pages
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Sequence[int] | None = None) -> pb.RouteResponse:
@@ -130,29 +154,28 @@ class KVStoreClient:
         if (keys is None) == (tokens is None):
             raise ValueError("pass exactly one of keys or tokens")
         request = pb.RouteRequest(keys=encode_keys(keys or ()), tokens=list(tokens or ()), engine_ids=list(engine_ids))
-        return self._call_in(namespace, "Route", request)
+        return self._on_node(lambda conn: conn.call_in(namespace, "Route", request), _always)
 
     def delete(self, namespace: Namespace, keys: Sequence[Key]) -> int:
         """Remove pages and every page that extends them; returns pages removed."""
-        return self._call_in(namespace, "Delete", pb.DeleteRequest(keys=encode_keys(keys))).deleted_pages
+        request = pb.DeleteRequest(keys=encode_keys(keys))
+        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never).deleted_pages
 
     def clear(self, namespace: Namespace) -> int:
         """Remove every page of the namespace; returns pages removed."""
-        return self._call_in(namespace, "Delete", pb.DeleteRequest(all_pages=True)).deleted_pages
+        request = pb.DeleteRequest(all_pages=True)
+        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never).deleted_pages
 
     def stats(self) -> pb.StatsResponse:
-        return self._control.call("Stats", pb.StatsRequest())
+        return self._on_node(lambda conn: conn.control.call("Stats", pb.StatsRequest()), _always)
 
     def close(self) -> None:
-        if self._remote is not None:
-            self._remote.close()
-            self._remote = None
-        if self._local is not None:
-            self._local.close()
-        if getattr(self, "_arena", None) is not None:
-            self._arena.close()
-            self._arena = None
-        self._grpc.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conn = self._conn
+        conn.retire()
 
     def __enter__(self) -> "KVStoreClient":
         return self
@@ -160,185 +183,103 @@ class KVStoreClient:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- data path --------------------------------------------------------------------
+    # -- the connection ---------------------------------------------------------------
 
-    def _open_data_path(self, hello: pb.HelloResponse, requested: str, timeout_s: float, tcp_congestion: str) -> str:
-        from kvstore_client import rdma_transport  # imports pyverbs only when a device is looked for
-
-        order = candidates(requested, bool(hello.shm_socket), hello.rdma_enabled, bool(hello.tcp_endpoint),
-                           hello.rdma_enabled and rdma_transport.device_present())
-        failures = []
-        for name in order:
-            try:
-                if name == "shm":
-                    self._open_shm(hello, timeout_s)
-                elif name == "rdma":
-                    self._remote = RemotePages(self._grpc, rdma_transport.RdmaDataPath(self._grpc))
-                else:
-                    self._remote = RemotePages(self._grpc, TcpDataPath(hello.tcp_endpoint, timeout_s, tcp_congestion))
-                return name
-            except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable) as exc:
-                if requested != "auto":
-                    raise
-                log.info("data plane %s cannot be used, trying the next: %s", name, exc)
-                failures.append(f"{name}: {exc}")
-        raise errors.TransportUnavailable("no data plane of the node works from here: " + "; ".join(failures))
-
-    def _open_shm(self, hello: pb.HelloResponse, timeout_s: float) -> None:
-        local = LocalChannel(hello.shm_socket, timeout_s)
+    def _on_node(self, action: Callable[[NodeConnection], T], retry_if: Callable[[], bool]) -> T:
+        """Run `action` on a standing connection; if the node was lost under it and retry_if(), once more on a new one."""
+        conn = self._enter_connection()
         try:
-            arena = ArenaMapping(local.map_arena_fd())
-            if local.call("Hello", pb.HelloRequest()).instance_id != hello.instance_id:
-                arena.close()
-                raise errors.Unavailable(f"{hello.shm_socket} on this host belongs to another kvstore node")
-        except BaseException:
-            local.close()
-            raise
-        self._local, self._arena = local, arena
-
-    # -- batches ----------------------------------------------------------------------
-
-    def _put_batch(self, namespace: Namespace, parent: bytes, keys: list[bytes], segments: list[list[Segment]],
-                   verify: bool) -> int:
-        """Reserve, copy and commit one batch as a pipeline of groups (see channel.py).
-
-        While the pages of group g are copied, the server already reserves group g+1
-        (extending the same write lease) and checksums the runs of pages committed so far.
-        """
-        ns_id = self._namespace_id(namespace)
-        if self._remote is not None:
-            return self._remote.put_batch(ns_id, namespace.page_bytes, parent, keys, segments, verify)
-        control = self._control
-        group = RESERVE_GROUP_PAGES
-        run = max(1, COMMIT_RUN_BYTES // namespace.page_bytes)
-
-        def reserve(start: int, lease_id: int, parent_key: bytes) -> tuple[float, Pending]:
-            request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent_key, keys=keys[start:start + group],
-                                        page_bytes=namespace.page_bytes, lease_id=lease_id)
-            return time.monotonic(), control.submit("Reserve", request)
-
-        states: list[int] = []
-        commits = []
-        leases: set[int] = set()
-        sent_at, next_reserve = reserve(0, 0, parent)
-        copy_until = 0.0
-        try:
-            for start in range(0, len(keys), group):
-                reserved = next_reserve.result()
-                group_states = list(reserved.states)
-                states += group_states
-                reserved_indices = [i for i, state in enumerate(group_states) if state == pb.RESERVED]
-                if reserved.lease_id not in leases and reserved.lease_id:
-                    leases.add(reserved.lease_id)
-                    copy_until = sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S
-                chain_goes_on = all(state in _STORED_STATES for state in group_states)
-                if start + group < len(keys) and chain_goes_on:
-                    # Extend the lease only while it certainly holds uncommitted slots (this group's).
-                    live = reserved.lease_id if reserved_indices else 0
-                    _, next_reserve = reserve(start + group, live, keys[start + len(group_states) - 1])
-                for first in range(0, len(reserved_indices), run):
-                    commits.append(self._copy_and_commit(reserved, reserved_indices[first:first + run], segments,
-                                                         start, namespace.page_bytes, copy_until, verify))
-                if not chain_goes_on:
-                    break
-            answers = [commit.result() for commit in commits]
-        except BaseException:
-            for lease_id in leases:
-                control.post("Abort", pb.AbortRequest(lease_id=lease_id))
-            raise
-        committed = iter(state for answer in answers for state in answer.states)
-        stored = 0
-        for state in states:
-            if state == pb.RESERVED and next(committed) != pb.COMMITTED:
-                break
-            if state not in _STORED_STATES:
-                break
-            stored += 1
-        return stored
-
-    def _copy_and_commit(self, reserved: pb.ReserveResponse, indices: list[int], segments: list[list[Segment]],
-                         start: int, page_bytes: int, copy_until: float, verify: bool) -> Pending:
-        """Copy a run of pages (keys[start + i] for i in indices) into their slots, then submit its commit."""
-        arena = self._arena
-        checksums = []
-        for i in indices:
-            if time.monotonic() > copy_until:
-                raise errors.LeaseNotFound("the write lease would expire before the copy finished; "
-                                           "raise leases.write_ttl_ms or put fewer pages per call")
-            offset = reserved.offsets[i]
-            arena.write(offset, segments[start + i])
-            if verify:
-                checksums.append(arena.checksum(offset, page_bytes))
-        first = reserved.first_index
-        request = pb.CommitRequest(lease_id=reserved.lease_id, indices=[first + i for i in indices],
-                                   checksums=checksums)
-        return self._control.submit("Commit", request)
-
-    def _get_batch(self, namespace: Namespace, request: pb.AcquireRequest, segments: list[list[Segment]],
-                   verify: bool) -> int:
-        if self._remote is not None:
-            remote = self._remote
-
-            def call() -> int:
-                request.namespace_id = self._namespace_id(namespace)
-                return remote.get_batch(request, segments, verify)
-            return self._reopening(namespace, call)
-        sent_at = time.monotonic()
-        acquired = self._call_in(namespace, "Acquire", request)
-        hits = acquired.hit_pages
-        if not hits:
-            return 0
-        arena = self._arena
-        try:
-            for index in range(hits):
-                arena.read(acquired.offsets[index], segments[index])
-            if verify:
-                self._verify(acquired)
+            return _attempt(action, conn)
+        except errors.Unavailable:
+            if not retry_if():
+                raise
+            log.info("the connection to %s was lost during a call; calling again on a new one", self._options.target)
         finally:
-            self._control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
-        # The server's lease started after sent_at, so finishing before sent_at + ttl means
-        # no page could have been evicted (and its slot reused) under the copy.
-        if time.monotonic() > sent_at + acquired.lease_ttl_ms / 1000:
-            raise errors.LeaseNotFound("the read lease expired during the copy; the pages may be torn")
-        return hits
+            conn.leave()
+        conn = self._enter_connection(lost=conn)
+        try:
+            return _attempt(action, conn)
+        finally:
+            conn.leave()
 
-    def _verify(self, acquired: pb.AcquireResponse) -> None:
-        for index in range(acquired.hit_pages):
-            got = self._arena.checksum(acquired.offsets[index], acquired.page_bytes)
-            if got != acquired.checksums[index]:
-                raise errors.ChecksumMismatch(f"page {index} does not match its checksum")
+    def _enter_connection(self, lost: NodeConnection | None = None) -> NodeConnection:
+        """The current connection, entered; replaced first if it is `lost` or found lost (one attempt)."""
+        with self._lock:
+            self._check_open()
+            conn = self._conn
+            if conn is not lost and conn.alive():
+                conn.enter()
+                return conn
+        self._replace(conn)
+        with self._lock:
+            self._check_open()
+            self._conn.enter()
+            return self._conn
 
-    # -- helpers ----------------------------------------------------------------------
+    def _replace(self, stale: NodeConnection) -> None:
+        """Open a new connection in place of `stale` (unless another call just did); raises Unavailable while the node is down."""
+        with self._replace_lock:
+            if self._conn is not stale:
+                return
+            fresh = NodeConnection(self._options)
+            with self._lock:
+                self._conn = fresh
+        stale.retire()
+        if fresh.instance_id != stale.instance_id:
+            log.warning("kvstore node at %s restarted: connected to the new instance over %s",
+                        self._options.target, fresh.data.name)
+        else:
+            log.info("connection to the kvstore node at %s opened again over %s", self._options.target, fresh.data.name)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this KVStoreClient is closed")
 
     def _batches(self, count: int) -> Iterator[tuple[int, int]]:
         step = self.limits.batch_pages_max
         for start in range(0, count, step):
             yield start, min(start + step, count)
 
-    def _call_in(self, namespace: Namespace, method: str, request: Any) -> Any:
-        """Call a namespace-scoped method (the namespace is filled in and reopened if need be)."""
-        def call() -> Any:
-            request.namespace_id = self._namespace_id(namespace)
-            return self._control.call(method, request)
-        return self._reopening(namespace, call)
+    # -- for tests and tools that speak the protocol directly -------------------------
 
-    def _reopening(self, namespace: Namespace, action: Callable[[], Any]) -> Any:
-        """Run `action`; if the server lost the namespace (it restarted), open it again and retry once."""
-        try:
-            return action()
-        except errors.NamespaceNotFound:
-            self._namespace_ids.pop(namespace, None)
-            return action()
+    @property
+    def _grpc(self) -> Any:
+        return self._conn.grpc
+
+    @property
+    def _local(self) -> Any:
+        return self._conn.local
+
+    @property
+    def _control(self) -> Any:
+        return self._conn.control
+
+    @property
+    def _arena(self) -> Any:
+        return getattr(self._conn.data, "arena", None)
 
     def _namespace_id(self, namespace: Namespace) -> int:
-        namespace_id = self._namespace_ids.get(namespace)
-        if namespace_id is None:
-            request = pb.OpenNamespaceRequest(spec=namespace.to_proto())
-            namespace_id = self._control.call("OpenNamespace", request).namespace_id
-            self._namespace_ids[namespace] = namespace_id
-        return namespace_id
+        return self._conn.namespace_id(namespace)
+
+
+def _attempt(action: Callable[[NodeConnection], T], conn: NodeConnection) -> T:
+    """Run `action`; an error raised because the connection was lost under it becomes Unavailable.
+
+    A restarted node may answer a call with what only makes sense there (a lease it never
+    gave: LeaseNotFound); the connection then reads as lost, and the call as Unavailable. A
+    deadline is not a lost node: DeadlineExceeded stays as it is.
+    """
+    try:
+        return action(conn)
+    except (errors.Unavailable, errors.DeadlineExceeded):
+        raise
+    except errors.KVStoreError as exc:
+        if conn.alive():
+            raise
+        raise errors.Unavailable(f"the connection to the node was lost during the call "
+                                 f"({type(exc).__name__}: {exc})") from exc
 
 
 def _check_verify(verify: bool) -> None:
-    if verify and not checksums_available():
+    if verify and not checksums.available():
         raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")

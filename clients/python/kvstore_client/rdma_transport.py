@@ -29,6 +29,7 @@ from typing import Any
 
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
+from kvstore_client.data_path import NETWORK_SHAPE, Page
 from kvstore_client.proto import pb
 
 SYSTEM_PACKAGE_DIRS = ("/usr/lib/python3/dist-packages",)
@@ -36,7 +37,6 @@ INSTALL_HINT = "RDMA needs pyverbs from rdma-core: apt install python3-pyverbs (
 QUEUE_DEPTH = 256          # work requests in flight on the send queue
 MAX_SGE = 16               # scatter-gather entries per work request
 MR_CACHE_ENTRIES = 1024    # registered caller buffers kept
-Page = tuple[int, int, list[Segment]]   # (slot, arena offset, segments of the caller's buffer)
 
 
 def load_pyverbs() -> Any:
@@ -152,6 +152,7 @@ class RdmaDataPath:
     """Put/get through one-sided RDMA operations on the node's arena."""
 
     name = "rdma"
+    shape = NETWORK_SHAPE
 
     def __init__(self, control: Any, device: str = "", port: int = 1, gid_index: int = 0):
         self._context, self._pd = open_device(device)
@@ -175,6 +176,11 @@ class RdmaDataPath:
 
     def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         self._post(self.end.e.IBV_WR_RDMA_READ, pages)
+
+    def alive(self) -> bool:
+        """Always true: a queue pair has no cheap liveness check; a lost node fails the next work
+        request (Unavailable), and the client reconnects then."""
+        return True
 
     def close(self) -> None:
         for mr in self._mrs.values():

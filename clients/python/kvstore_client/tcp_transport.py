@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import select
 import socket
 import struct
 import threading
 
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
+from kvstore_client.data_path import NETWORK_SHAPE, Page
 from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_request
 
 IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
-Page = tuple[int, int, list[Segment]]   # (slot, arena offset, segments of the caller's buffer)
 
 
 def _view(segment: Segment) -> memoryview:
@@ -46,6 +47,7 @@ def sendmsg_all(sock: socket.socket, iov: list) -> None:
 
 class TcpDataPath:
     name = "tcp"
+    shape = NETWORK_SHAPE
 
     def __init__(self, endpoint: str, timeout_s: float, congestion: str = ""):
         host, _, port = endpoint.rpartition(":")
@@ -76,6 +78,19 @@ class TcpDataPath:
         """Read each page of a read lease into the caller's segments."""
         with self._lock:
             self._get(lease_id, token, pages, page_bytes)
+
+    def alive(self) -> bool:
+        """False once the path broke or the node closed the connection (it stopped, or the
+        connection sat idle past tcp.idle_timeout_s). One poll(2) with no wait, for POLLRDHUP
+        (POLLHUP and POLLERR come unasked), so answers on their way do not count."""
+        if self._broken is not None:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(self._sock, select.POLLRDHUP)
+        except (OSError, ValueError):  # closed here
+            return False
+        return not poller.poll(0)
 
     def close(self) -> None:
         self._sock.close()

@@ -1,0 +1,157 @@
+"""One connection to a node: what one Hello set up, replaced as a whole when the node is lost.
+
+It holds a gRPC channel, the node's Hello (instance id, limits, offered data planes), the
+control channel calls go over (the local channel, or gRPC), the data path pages move over,
+and the ids of the namespaces opened on it. The client (client.py) opens a new connection
+when this one is found lost and retires this one: calls still running on it finish or fail
+on it, and it is closed when the last of them leaves, so an arena is never unmapped under a
+copy. A new gRPC channel each time means no reconnect backoff left over from the outage
+delays the first call to a node that is back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable, TypeVar
+
+from kvstore_client import errors
+from kvstore_client.channel import GrpcChannel, LocalChannel
+from kvstore_client.data_path import DataPath
+from kvstore_client.keys import Namespace
+from kvstore_client.proto import pb
+from kvstore_client.shm_transport import ShmDataPath
+from kvstore_client.tcp_transport import TcpDataPath
+from kvstore_client.transport_choice import candidates
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectOptions:
+    """What a client asked for; every connection it opens is opened with these."""
+
+    target: str                 # the node's gRPC address
+    timeout_s: float            # deadline of every call, and of each step of opening a connection
+    control: str                # "local" (the node's Unix socket, when shm is used) or "grpc"
+    transport: str              # "auto", "shm", "rdma" or "tcp" (transport_choice.py)
+    client_name: str = ""
+    tcp_congestion: str = ""
+
+
+class NodeConnection:
+    def __init__(self, options: ConnectOptions):
+        """Hello over gRPC, then the first data path that works; raises what stopped it (Unavailable, ...)."""
+        self.grpc = GrpcChannel(options.target, options.timeout_s)
+        self.local: LocalChannel | None = None
+        self.data: DataPath | None = None
+        try:
+            self.hello = self.grpc.call("Hello", pb.HelloRequest(client_name=options.client_name))
+            self.data = self._open_data_path(options)
+        except BaseException:
+            self._close()
+            raise
+        self.control: Any = self.local if self.local is not None and options.control == "local" else self.grpc
+        self._namespace_ids: dict[Namespace, int] = {}
+        self._lock = threading.Lock()
+        self._users = 0
+        self._retired = False
+
+    @property
+    def instance_id(self) -> bytes:
+        return self.hello.instance_id
+
+    def alive(self) -> bool:
+        """False once the control channel or data path is known lost (cheap, no round trip)."""
+        return self.data.alive() and self.control.alive()
+
+    # -- namespaces -------------------------------------------------------------------
+
+    def namespace_id(self, namespace: Namespace) -> int:
+        namespace_id = self._namespace_ids.get(namespace)
+        if namespace_id is None:
+            request = pb.OpenNamespaceRequest(spec=namespace.to_proto())
+            namespace_id = self.control.call("OpenNamespace", request).namespace_id
+            self._namespace_ids[namespace] = namespace_id
+        return namespace_id
+
+    def reopening(self, namespace: Namespace, action: Callable[[int], T]) -> T:
+        """Run action(namespace id); if the node does not know the namespace (it restarted), open it again, retry once."""
+        try:
+            return action(self.namespace_id(namespace))
+        except errors.NamespaceNotFound:
+            self._namespace_ids.pop(namespace, None)
+            return action(self.namespace_id(namespace))
+
+    def call_in(self, namespace: Namespace, method: str, request: Any) -> Any:
+        """Call a namespace-scoped method, its namespace_id filled in."""
+        def call(namespace_id: int) -> Any:
+            request.namespace_id = namespace_id
+            return self.control.call(method, request)
+        return self.reopening(namespace, call)
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def enter(self) -> None:
+        """A call starts using this connection; it is not closed before the matching leave()."""
+        with self._lock:
+            assert not self._retired or self._users, "a retired connection was entered after it closed"
+            self._users += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            close = self._retired and not self._users
+        if close:
+            self._close()
+
+    def retire(self) -> None:
+        """No new calls will use this connection: close it now, or when its last call leaves."""
+        with self._lock:
+            self._retired = True
+            close = not self._users
+        if close:
+            self._close()
+
+    def _close(self) -> None:
+        if self.data is not None:
+            self.data.close()
+        if self.local is not None:
+            self.local.close()
+        self.grpc.close()
+
+    # -- data path --------------------------------------------------------------------
+
+    def _open_data_path(self, options: ConnectOptions) -> DataPath:
+        from kvstore_client import rdma_transport  # imports pyverbs only when a device is looked for
+
+        hello = self.hello
+        order = candidates(options.transport, bool(hello.shm_socket), hello.rdma_enabled, bool(hello.tcp_endpoint),
+                           hello.rdma_enabled and rdma_transport.device_present())
+        failures = []
+        for name in order:
+            try:
+                if name == "shm":
+                    return self._open_shm(options.timeout_s)
+                if name == "rdma":
+                    return rdma_transport.RdmaDataPath(self.grpc)
+                return TcpDataPath(hello.tcp_endpoint, options.timeout_s, options.tcp_congestion)
+            except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable) as exc:
+                if options.transport != "auto":
+                    raise
+                log.info("data plane %s cannot be used, trying the next: %s", name, exc)
+                failures.append(f"{name}: {exc}")
+        raise errors.TransportUnavailable("no data plane of the node works from here: " + "; ".join(failures))
+
+    def _open_shm(self, timeout_s: float) -> ShmDataPath:
+        local = LocalChannel(self.hello.shm_socket, timeout_s)
+        try:
+            path = ShmDataPath(local, self.hello.instance_id)
+        except BaseException:
+            local.close()
+            raise
+        self.local = local
+        return path

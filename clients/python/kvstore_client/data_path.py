@@ -1,0 +1,62 @@
+"""What the put/get pipeline (pipeline.py) needs from a data plane, and how each one cuts a put up.
+
+A data path moves whole pages between the caller's buffers and the node's arena, named as
+(index, arena offset, segments): `index` is the page's slot in its lease (Commit names pages by
+it), the offset says where the slot is, the segments where the caller's bytes are. Reserve,
+Commit, Acquire and Release go over the control channel; only "move these bytes" differs:
+shared memory copies (shm_transport.py), TCP sends frames (tcp_transport.py), RDMA posts
+one-sided reads and writes (rdma_transport.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from kvstore_client.buffers import Segment
+
+Page = tuple[int, int, list[Segment]]   # (index in the lease, arena offset, segments of the caller's buffer)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineShape:
+    """How a put is cut up on one data path: the pages of one Reserve, and of one Commit.
+
+    While one group's pages move, the next group's Reserve is in flight; while one run moves, the
+    server checksums the run committed before it. Tuned per data path (see each one's SHAPE).
+    """
+
+    reserve_group_pages_min: int    # a Reserve asks for at least this many pages ...
+    reserve_group_bytes: int        # ... or as many as fit in this many bytes, if more
+    commit_run_bytes: int           # a Commit covers as many pages as fit in this (at least one)
+
+    def __post_init__(self) -> None:
+        assert self.reserve_group_pages_min >= 1 and self.reserve_group_bytes >= 0 and self.commit_run_bytes > 0
+
+    def group_pages(self, page_bytes: int) -> int:
+        return max(self.reserve_group_pages_min, self.reserve_group_bytes // page_bytes)
+
+    def run_pages(self, page_bytes: int) -> int:
+        return max(1, self.commit_run_bytes // page_bytes)
+
+
+# Over a network a message costs a round trip and a page costs its bytes on the wire: groups are
+# large so the next Reserve hides behind the transfer, runs large enough that a Commit's round
+# trip is small next to moving its run, and small enough that checksumming overlaps the wire.
+NETWORK_SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 << 20, commit_run_bytes=16 << 20)
+
+
+class DataPath(Protocol):
+    name: str
+    shape: PipelineShape
+
+    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        """Write each page into its reserved slot; raises Unavailable if the node is lost."""
+
+    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        """Read each pinned page into the caller's segments; raises Unavailable if the node is lost."""
+
+    def alive(self) -> bool:
+        """False once the path is known broken or its node gone (a cheap check, no round trip)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,145 @@
+"""Put and get over any data path: the one place leases, groups, runs and counts are handled.
+
+A put reserves its chain in groups and moves and commits each group in runs (the sizes are the
+data path's PipelineShape). The next group's Reserve is in flight while this group moves, and the
+server checksums one run while the next one moves. Pages become visible in chain order, because a
+page whose parent is not yet visible is dropped at commit:
+
+- on a control channel that answers in order (the local channel), everything is submitted
+  without waiting: the next group extends this group's write lease (its Reserve is answered
+  before any of this group's Commits, so the lease still holds uncommitted slots), and Commits
+  are answered in the order they were sent;
+- without order (gRPC), each group opens its own lease (a Commit could end a lease before an
+  extending Reserve arrives), and each Commit is sent once the one before it has answered.
+
+A failure aborts every lease the put opened. A get acquires the leading pages under a read
+lease, moves them, and releases the lease without waiting for the answer. Either way, a page
+moved after its lease could have expired fails the call (LeaseNotFound), never returns torn.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from kvstore_client import checksums, errors
+from kvstore_client.buffers import Segment
+from kvstore_client.data_path import DataPath
+from kvstore_client.proto import pb
+
+# A transfer into or out of a leased slot must end this long before the lease can expire.
+LEASE_MARGIN_S = 0.5
+# Reserve states after which a page is (or will be, by another writer) stored: the chain goes on.
+STORED_STATES = (pb.RESERVED, pb.PRESENT, pb.IN_FLIGHT)
+
+
+class PutBatch:
+    """One batch of a put: keys continuing the chain after `parent`, with their pages' segments."""
+
+    def __init__(self, page_bytes: int, parent: bytes, keys: list[bytes], segments: list[list[Segment]],
+                 verify: bool, durable: bool):
+        self.page_bytes, self.parent, self.keys, self.segments = page_bytes, parent, keys, segments
+        self.verify, self.durable = verify, durable
+        # Set once a Reserve gave this batch a slot: from then on a failed attempt is not repeated
+        # elsewhere (its pages may have been copied into a node that is gone).
+        self.slots_reserved = False
+
+    def run(self, control: Any, data: DataPath, ns_id: int) -> int:
+        """Store the batch; returns how many leading keys are now stored (see stored_pages)."""
+        keys, in_order = self.keys, control.answers_in_order
+        group = data.shape.group_pages(self.page_bytes)
+        run = data.shape.run_pages(self.page_bytes)
+        states: list[int] = []
+        commits: list[Any] = []
+        move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
+        sent_at, next_reserve = time.monotonic(), self._reserve(control, ns_id, keys[:group], 0, self.parent)
+        try:
+            for start in range(0, len(keys), group):
+                reserved = next_reserve.result()
+                group_states = list(reserved.states)
+                states += group_states
+                indices = [i for i, state in enumerate(group_states) if state == pb.RESERVED]
+                self.slots_reserved |= bool(indices)
+                if reserved.lease_id and reserved.lease_id not in move_until:
+                    move_until[reserved.lease_id] = sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S
+                chain_goes_on = all(state in STORED_STATES for state in group_states)
+                if start + group < len(keys) and chain_goes_on:
+                    extend = reserved.lease_id if in_order and indices else 0
+                    sent_at, next_reserve = time.monotonic(), self._reserve(
+                        control, ns_id, keys[start + group:start + 2 * group], extend, keys[start + group - 1])
+                for first in range(0, len(indices), run):
+                    after = commits[-1] if commits and not in_order else None
+                    commits.append(self._move_and_commit(control, data, reserved, start, indices[first:first + run],
+                                                         move_until[reserved.lease_id], after))
+                if not chain_goes_on:
+                    break
+            answers = [commit.result() for commit in commits]
+        except BaseException:
+            for lease_id in move_until:
+                control.post("Abort", pb.AbortRequest(lease_id=lease_id))
+            raise
+        return stored_pages(states, answers, self.durable)
+
+    def _reserve(self, control: Any, ns_id: int, keys: list[bytes], lease_id: int, parent: bytes) -> Any:
+        """Submit the Reserve of one group (lease_id 0 opens a lease, else extends it)."""
+        request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=keys, page_bytes=self.page_bytes,
+                                    lease_id=lease_id)
+        return control.submit("Reserve", request)
+
+    def _move_and_commit(self, control: Any, data: DataPath, reserved: pb.ReserveResponse, start: int,
+                         indices: list[int], move_until: float, after: Any) -> Any:
+        """Move a run of reserved pages (keys[start + i] for i in indices) into their slots, then submit its
+        Commit, once `after` (the Commit before it, on a channel without order) has answered."""
+        if time.monotonic() > move_until:
+            raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
+                                       "raise leases.write_ttl_ms or put fewer pages per call")
+        first = reserved.first_index
+        pages = [(first + i, reserved.offsets[i], self.segments[start + i]) for i in indices]
+        data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
+        sums = [checksums.of_page(self.segments[start + i]) for i in indices] if self.verify else []
+        if after is not None:
+            after.result()
+        return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=[p[0] for p in pages],
+                                                         checksums=sums, durable=self.durable))
+
+
+def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], durable: bool) -> int:
+    """Leading keys stored, from each key's Reserve state and the Commit answers, in the order sent.
+
+    A key counts when its page was already present or being written by another client (its
+    state says so), or when this put reserved it and its Commit answered COMMITTED; with
+    `durable`, a page this put wrote counts only if it is among the leading `durable_pages` of
+    its Commit's answer (on NVMe). Counting stops at the first key that does not count.
+    """
+    written = iter([state == pb.COMMITTED and (not durable or j < answer.durable_pages)
+                    for answer in answers for j, state in enumerate(answer.states)])
+    stored = 0
+    for state in states:
+        if state not in STORED_STATES or (state == pb.RESERVED and not next(written, False)):
+            break
+        stored += 1
+    return stored
+
+
+def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments: list[list[Segment]],
+              verify: bool) -> int:
+    """Acquire (the request names namespace, keys and prefetch policy), move the hits, release; returns hits."""
+    sent_at = time.monotonic()
+    acquired = control.call("Acquire", request)
+    hits = acquired.hit_pages
+    if not hits:
+        return 0
+    try:
+        pages = [(i, acquired.offsets[i], segments[i]) for i in range(hits)]
+        data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
+    finally:
+        control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+    # The lease started after sent_at, so ending before sent_at + ttl means no page could
+    # have been evicted (and its slot reused) under the transfer.
+    if time.monotonic() > sent_at + acquired.lease_ttl_ms / 1000:
+        raise errors.LeaseNotFound("the read lease expired during the transfer; the pages may be torn")
+    if verify:
+        for i in range(hits):
+            if checksums.of_page(segments[i]) != acquired.checksums[i]:
+                raise errors.ChecksumMismatch(f"page {i} does not match its checksum")
+    return hits

@@ -1,0 +1,63 @@
+"""The shared-memory data plane: pages are copied straight into and out of the node's arena.
+
+The arena's memfd comes over the node's Unix socket (LocalChannel.map_arena_fd) and is mapped
+once per connection (arena.py). The socket it came over stays open as long as the mapping is
+used: the node closes it when it stops, and that is how a mapping is known to be stale.
+"""
+
+from __future__ import annotations
+
+from kvstore_client import errors
+from kvstore_client.arena import ArenaMapping
+from kvstore_client.channel import LocalChannel
+from kvstore_client.data_path import Page, PipelineShape
+from kvstore_client.proto import pb
+
+# The server checksums each committed run while the next one is copied. Runs are short so it
+# reads them back while they are still in the shared L3 cache (a second stream from DRAM slows
+# the copy itself by a third), and the last run's checksum, which nothing overlaps, is brief.
+# A message costs tens of microseconds, which is why small pages go in groups of at least 32.
+SHAPE = PipelineShape(reserve_group_pages_min=32, reserve_group_bytes=0, commit_run_bytes=2 << 20)
+
+
+class ShmDataPath:
+    name = "shm"
+    shape = SHAPE
+
+    def __init__(self, channel: LocalChannel, instance_id: bytes):
+        """Map the arena of the node whose Hello said `instance_id`, over `channel` (borrowed, not closed here)."""
+        arena = ArenaMapping(channel.map_arena_fd())
+        try:
+            if channel.call("Hello", pb.HelloRequest()).instance_id != instance_id:
+                raise errors.Unavailable(f"{channel.path} on this host belongs to another kvstore node")
+        except BaseException:
+            arena.close()
+            raise
+        self.arena = arena
+        self._channel = channel
+
+    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        write = self.arena.write
+        for _, offset, segments in pages:
+            write(offset, segments)
+        self._check_same_node()
+
+    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        read = self.arena.read
+        for _, offset, segments in pages:
+            read(offset, segments)
+        self._check_same_node()
+
+    def alive(self) -> bool:
+        return self._channel.alive()
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def _check_same_node(self) -> None:
+        """The offsets just used were answered before this check; if the node that mapped this arena
+        had stopped by then (its socket is closed), they may be a restarted node's, and the bytes
+        copied belong to neither: the call fails before anything is committed or returned."""
+        if not self._channel.alive():
+            raise errors.Unavailable("the node's shm socket closed during the copy (the node stopped or the "
+                                     "channel failed): the arena mapping is stale and nothing copied counts")

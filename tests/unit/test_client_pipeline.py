@@ -1,0 +1,45 @@
+"""The put pipeline's pure parts: how a put's answers are counted (durable or not), and how each data
+path cuts a put into Reserve groups and Commit runs."""
+
+from kvstore_client.data_path import NETWORK_SHAPE, PipelineShape
+from kvstore_client.pipeline import stored_pages
+from kvstore_client.proto import pb
+from kvstore_client.shm_transport import SHAPE as SHM_SHAPE
+
+R, P, F, M, N = pb.RESERVED, pb.PRESENT, pb.IN_FLIGHT, pb.PARENT_MISSING, pb.NO_SPACE
+C, X = pb.COMMITTED, pb.COMMIT_PARENT_MISSING
+
+
+def commit(*states, durable_pages=0):
+    return pb.CommitResponse(states=list(states), durable_pages=durable_pages)
+
+
+def test_present_and_in_flight_pages_count_and_reserved_ones_count_once_committed():
+    answers = [commit(C, C), commit(C)]
+    assert stored_pages([P, R, R, F, R], answers, durable=False) == 5
+    assert stored_pages([P, R, R, F, R], [commit(C, X), commit(C)], durable=False) == 2
+    assert stored_pages([R, R, N, R], [commit(C, C, C)], durable=False) == 2
+    assert stored_pages([M, M], [], durable=False) == 0
+
+
+def test_a_commit_answer_missing_for_a_reserved_page_ends_the_count():
+    assert stored_pages([R, R, R], [commit(C, C)], durable=False) == 2
+
+
+def test_durable_counts_written_pages_only_up_to_each_commits_durable_pages():
+    states = [P, R, R, F, R]
+    assert stored_pages(states, [commit(C, C, durable_pages=2), commit(C, durable_pages=1)], durable=True) == 5
+    assert stored_pages(states, [commit(C, C, durable_pages=1), commit(C, durable_pages=1)], durable=True) == 2
+    assert stored_pages(states, [commit(C, C), commit(C)], durable=True) == 1   # nothing on NVMe: only the present page
+    assert stored_pages([P, F], [], durable=True) == 2                         # nothing written, nothing to wait for
+
+
+def test_shared_memory_groups_small_pages_and_commits_short_runs():
+    assert (SHM_SHAPE.group_pages(64 << 10), SHM_SHAPE.run_pages(64 << 10)) == (32, 32)
+    assert (SHM_SHAPE.group_pages(4 << 20), SHM_SHAPE.run_pages(4 << 20)) == (32, 1)
+
+
+def test_network_paths_group_by_bytes_and_commit_larger_runs():
+    assert (NETWORK_SHAPE.group_pages(64 << 10), NETWORK_SHAPE.run_pages(64 << 10)) == (1024, 256)
+    assert (NETWORK_SHAPE.group_pages(128 << 20), NETWORK_SHAPE.run_pages(128 << 20)) == (1, 1)
+    assert PipelineShape(4, 1 << 20, 1).group_pages(1 << 20) == 4
