@@ -12,8 +12,10 @@ directory and refuses, naming the holder's pid, if another kvstore-server has it
 
 LMDB flags, chosen for a cache whose pages must never be served corrupt:
 - sync=True, metasync=False (MDB_NOMETASYNC): each write transaction flushes its data pages
-  but not the meta page. A process crash (SIGKILL) loses nothing committed; an OS crash or
-  power loss may undo the last committed transaction, never more, and never corrupts.
+  but not the meta page. A process crash (SIGKILL) loses nothing committed to LMDB; an OS
+  crash or power loss may undo the last committed transaction, never more, and never
+  corrupts. Pages committed to the node but not yet written down live only in DRAM and go
+  with the process: a client that needs a page to survive a kill commits it with `durable`.
 - writemap=False: a stray write through a mapping cannot reach the file, and the file grows
   only as pages are written (map_bytes is an upper bound, not an allocation).
 - readahead=False: pages are not read through the mapping at all (see read_into), and
