@@ -1,4 +1,4 @@
-"""Structure rules: generated code matches the .proto, imports point down, no print, env read in one place."""
+"""Structure: generated code current, imports point down and acyclic, no print, env read in config, no lock in the servicer."""
 
 import ast
 import pathlib

@@ -1,0 +1,228 @@
+"""Latency of a one-page get from DRAM on an idle node, and while write-back saturates LMDB.
+
+    python bench/writedown_latency.py [--json out.json] [--idle-s 8] [--loaded-s 15]
+
+A real kvstore-server runs with one NVMe shard in a temp dir, a small DRAM arena and
+controller.write_policy=write_back with high_watermark=0.5. One 64 KiB page is put and
+then got back (KVStoreClient.get of one key, the page in DRAM) every `--interval-us`,
+timed around the call:
+  idle    nothing else runs;
+  loaded  a second process puts distinct pages as fast as it can, so DRAM stays above the
+          high watermark and the controller writes pages down to LMDB without pause (and
+          eviction writes some down itself when the loader outruns it). The window opens
+          once pages are being written down, and the pages written down in it are counted
+          from the server's stats (NVMe tier bytes_in).
+The table gives p50/p99/p999/max of each, and loaded/idle ratios; the goal is a p99 ratio
+of 2 or less. The JSON adds a power-of-two histogram of each phase. A get served from NVMe
+instead of DRAM would measure promotion, so the hot page is got all along (it stays the
+most recently used page) and the window's DRAM and NVMe hits are printed. `--no-nvme` is
+the control: the same loader, pages evicted instead of written down.
+
+Placement (taskset): server on CPU 1, measured client on CPU 0, loader on `--loader-cpu`
+(default 0, with the measured client, so the server keeps its own core). Other work on
+the machine inflates both phases and shrinks the ratio: the header shows how busy each
+CPU was in the second before the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from _server import ServerProcess
+from kvstore_client import KVStoreClient, Namespace
+from kvstore_client.proto import pb
+
+PAGE_BYTES = 64 << 10
+HOT = Namespace(model="bench-hot", page_bytes=PAGE_BYTES)
+LOAD = Namespace(model="bench-load", page_bytes=PAGE_BYTES)
+
+
+def cpus_busy(seconds: float) -> dict[str, float]:
+    """Fraction of each CPU busy over `seconds` (/proc/stat), to show other work on the machine."""
+    def ticks() -> dict[str, tuple[int, int]]:
+        with open("/proc/stat") as f:
+            rows = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+        return {row[0]: (sum(map(int, row[1:9])), int(row[4]) + int(row[5])) for row in rows}
+    first = ticks()
+    time.sleep(seconds)
+    busy = {}
+    for cpu, (total, idle) in ticks().items():
+        elapsed = total - first[cpu][0]
+        busy[cpu] = 1 - (idle - first[cpu][1]) / elapsed if elapsed else 0.0
+    return busy
+
+
+def sample_gets(client: KVStoreClient, seconds: float, interval_s: float) -> tuple[np.ndarray, int]:
+    """Get the hot page every interval for `seconds`; (latencies in µs, misses)."""
+    out = np.empty(PAGE_BYTES, dtype=np.uint8)
+    latencies, misses = [], 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.perf_counter_ns()
+        loaded = client.get(HOT, [b"hot"], out)
+        latencies.append(time.perf_counter_ns() - started)
+        misses += loaded != 1
+        time.sleep(interval_s)
+    return np.array(latencies, dtype=np.float64) / 1e3, misses
+
+
+def percentiles(latencies_us: np.ndarray) -> dict:
+    p50, p99, p999 = np.percentile(latencies_us, [50, 99, 99.9])
+    # counts per power-of-two bucket: {"<=256": n, ...} shows whether the tail is one mode or many
+    buckets = np.bincount(np.ceil(np.log2(np.maximum(latencies_us, 1))).astype(int))
+    histogram = {f"<={1 << b}": int(n) for b, n in enumerate(buckets) if n}
+    return {"samples": int(latencies_us.size), "p50_us": p50, "p99_us": p99, "p999_us": p999,
+            "max_us": float(latencies_us.max()), "histogram_us": histogram}
+
+
+def tier(stats: pb.StatsResponse, which: int) -> pb.TierStats:
+    return next(t for t in stats.tiers if t.tier == which)
+
+
+def counters(client: KVStoreClient) -> dict:
+    stats = client.stats()
+    dram = tier(stats, pb.DRAM)
+    nvme = next((t for t in stats.tiers if t.tier == pb.NVME), pb.TierStats())  # absent with --no-nvme
+    return {"dram_used_bytes": dram.used_bytes, "dram_capacity_bytes": dram.capacity_bytes,
+            "dram_hits": dram.hits, "nvme_hits": nvme.hits, "dram_evictions": dram.evictions,
+            "demotions": dram.demotions, "nvme_bytes_in": nvme.bytes_in,
+            "nvme_evictions": nvme.evictions, "write_queue_drops": stats.write_queue_drops,
+            "nvme_write_errors": stats.nvme_write_errors}
+
+
+def run_loader(address: str, batch: int) -> None:
+    """The loader process: put distinct pages in chains of `batch` until SIGTERM; print what it put."""
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    pages = np.random.default_rng(2).integers(0, 256, (batch, PAGE_BYTES), dtype=np.uint8)
+    put, short, started = 0, 0, time.monotonic()
+    with KVStoreClient(address, timeout_s=60) as client:
+        while not stopping:
+            keys = [f"L{put + i}".encode() for i in range(batch)]
+            stored = client.put(LOAD, keys, pages)
+            short += stored < batch
+            put += batch
+    json.dump({"pages": put, "short_puts": short, "seconds": time.monotonic() - started}, sys.stdout)
+
+
+def wait_writing_down(client: KVStoreClient, watermark: float, timeout_s: float, nvme: bool,
+                      interval_s: float) -> dict:
+    """Poll until DRAM is over the watermark and pages are being written down (without NVMe:
+    evicted); the counters then. The hot page is got meanwhile, so it stays the most recently
+    used page and in DRAM."""
+    deadline = time.monotonic() + timeout_s
+    first = counters(client)
+    while time.monotonic() < deadline:
+        sample_gets(client, 0.2, interval_s)
+        now = counters(client)
+        if (now["dram_used_bytes"] > watermark * now["dram_capacity_bytes"]
+                and (now["nvme_bytes_in"] > first["nvme_bytes_in"] if nvme
+                     else now["dram_evictions"] > first["dram_evictions"])):
+            return now
+    raise RuntimeError(f"no write-down within {timeout_s}s: {counters(client)}")
+
+
+def measure(args: argparse.Namespace, address: str) -> dict:
+    interval_s = args.interval_us / 1e6
+    with KVStoreClient(address, timeout_s=60) as client:
+        assert client.put(HOT, [b"hot"], np.full(PAGE_BYTES, 7, dtype=np.uint8)) == 1
+        sample_gets(client, 1.0, interval_s)  # warm-up: connections, arena mapping, caches
+        idle, idle_misses = sample_gets(client, args.idle_s, interval_s)
+        loader = subprocess.Popen(
+            ["taskset", "-c", str(args.loader_cpu), sys.executable, __file__, "--loader", address,
+             "--loader-batch", str(args.loader_batch)], stdout=subprocess.PIPE)
+        try:
+            before = wait_writing_down(client, args.high_watermark, 30, not args.no_nvme, interval_s)
+            loaded, loaded_misses = sample_gets(client, args.loaded_s, interval_s)
+            after = counters(client)
+        finally:
+            loader.send_signal(signal.SIGTERM)
+            loader_out, _ = loader.communicate(timeout=60)
+    assert loader.returncode == 0, f"loader exited with {loader.returncode}"
+    window = {key: after[key] - before[key] for key in after if key not in ("dram_used_bytes", "dram_capacity_bytes")}
+    result = {"idle": {**percentiles(idle), "misses": idle_misses},
+              "loaded": {**percentiles(loaded), "misses": loaded_misses},
+              "window": {**window, "pages_written_down": window["nvme_bytes_in"] // PAGE_BYTES,
+                         "dram_used_bytes_end": after["dram_used_bytes"],
+                         "dram_capacity_bytes": after["dram_capacity_bytes"]},
+              "loader": json.loads(loader_out)}
+    result["p50_ratio"] = result["loaded"]["p50_us"] / result["idle"]["p50_us"]
+    result["p99_ratio"] = result["loaded"]["p99_us"] / result["idle"]["p99_us"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-s", type=float, default=8.0)
+    parser.add_argument("--loaded-s", type=float, default=15.0)
+    parser.add_argument("--interval-us", type=int, default=500, help="pause between measured gets")
+    parser.add_argument("--arena-mib", type=int, default=256)
+    parser.add_argument("--high-watermark", type=float, default=0.5)
+    parser.add_argument("--map-gib", type=int, default=16, help="nvme.map_bytes of the one shard")
+    parser.add_argument("--nvme-dir", help="where the shard goes (default: a temp dir)")
+    parser.add_argument("--no-nvme", action="store_true",
+                        help="control run: the same loader, but DRAM only (pages evicted, nothing written down), "
+                             "to tell the cost of the loader's puts from that of write-down")
+    parser.add_argument("--loader-batch", type=int, default=64, help="pages per loader put (one chain)")
+    parser.add_argument("--client-cpu", type=int, default=0)
+    parser.add_argument("--server-cpu", type=int, default=1)
+    parser.add_argument("--loader-cpu", type=int, default=0)
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--loader", metavar="ADDRESS", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.loader:
+        run_loader(args.loader, args.loader_batch)
+        return
+    os.sched_setaffinity(0, {args.client_cpu})
+    busy_before = cpus_busy(1.0)  # other work on these two cores inflates both phases: rerun when quiet
+    with tempfile.TemporaryDirectory(prefix="kvstore-writedown-", dir=args.nvme_dir) as shard:
+        settings = [f"dram.arena_bytes={args.arena_mib}MiB", "dram.slab_bytes=16MiB",
+                    f"nvme.enabled={str(not args.no_nvme).lower()}",
+                    f"nvme.paths={shard}", f"nvme.map_bytes={args.map_gib}GiB",
+                    "controller.write_policy=write_back", f"controller.high_watermark={args.high_watermark}"]
+        server = ServerProcess(*settings, cpus=str(args.server_cpu))
+        try:
+            result = measure(args, server.address)
+        finally:
+            server.stop()
+    placement = {"server_cpu": args.server_cpu, "client_cpu": args.client_cpu, "loader_cpu": args.loader_cpu,
+                 "cpus_online": os.cpu_count(), "cpus_busy_before": busy_before}
+    config = {"page_bytes": PAGE_BYTES, "arena_mib": args.arena_mib, "high_watermark": args.high_watermark,
+              "map_gib": args.map_gib, "nvme": not args.no_nvme, "loader_batch_pages": args.loader_batch,
+              "interval_us": args.interval_us,
+              "idle_s": args.idle_s, "loaded_s": args.loaded_s}
+    window, loader = result["window"], result["loader"]
+    print(f"one-page get (64 KiB, in DRAM), write_back with high_watermark {args.high_watermark}, "
+          f"DRAM {args.arena_mib} MiB, {'no NVMe (control run)' if args.no_nvme else 'one LMDB shard'}; "
+          f"server on CPU {args.server_cpu}, "
+          f"measured client on CPU {args.client_cpu}, loader on CPU {args.loader_cpu}; "
+          "CPUs busy in the second before: " + ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in busy_before.items()))
+    print(f"{'':>8} {'samples':>8} {'p50 µs':>9} {'p99 µs':>9} {'p999 µs':>9} {'max µs':>9} {'misses':>7}")
+    for name in ("idle", "loaded"):
+        r = result[name]
+        print(f"{name:>8} {r['samples']:>8} {r['p50_us']:>9.0f} {r['p99_us']:>9.0f} {r['p999_us']:>9.0f} "
+              f"{r['max_us']:>9.0f} {r['misses']:>7}")
+    print(f"loaded/idle: p50 {result['p50_ratio']:.2f}x, p99 {result['p99_ratio']:.2f}x (goal: p99 <= 2x)")
+    print(f"loaded window: {window['pages_written_down']} pages written down "
+          f"({window['pages_written_down'] / args.loaded_s:.0f}/s), {window['dram_evictions']} DRAM evictions, "
+          f"{window['nvme_evictions']} NVMe evictions, {window['write_queue_drops']} write-queue drops; "
+          f"loader put {loader['pages']} pages in {loader['seconds']:.1f} s")
+    print(f"measured gets in the window served from DRAM: {window['dram_hits']} "
+          f"(from NVMe: {window['nvme_hits']}, misses: {result['loaded']['misses']}, "
+          f"samples: {result['loaded']['samples']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "writedown_latency", "placement": placement, "config": config, **result}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
