@@ -163,9 +163,12 @@ class KVStoreService:
         if request.all_pages and request.keys:
             raise errors.InvalidArgument("all_pages=true deletes the whole namespace: send no keys with it")
         keys = None if request.all_pages else checks.keys(request.keys, self.limits)
-        removed = self.store.delete(request.namespace_id, keys)
-        if self.controller:  # before answering: a deleted page never comes back at restart
-            self.controller.forget([r.page_id for r in removed if r.on_nvme])
+        removed, on_disk = self.store.delete(request.namespace_id, keys)
+        if self.controller and on_disk:
+            # Before answering, so a deleted page never comes back at restart; a write-down in
+            # flight may still put one on disk, so it is waited for and its pages deleted too.
+            self.store.wait_settled(on_disk, time.monotonic() + self.config.controller.promote_wait_ms_max / 1000)
+            self.controller.forget([r.page_id for r in on_disk])
         if removed:
             log.info("pages deleted namespace=%016x pages=%d", request.namespace_id, len(removed))
         return pb.DeleteResponse(deleted_pages=len(removed))

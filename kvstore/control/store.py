@@ -403,15 +403,18 @@ class PageStore:
 
     # -- delete -------------------------------------------------------------------------
 
-    def delete(self, ns_id: int, keys: list[bytes] | None) -> list[PageRecord]:
-        """Remove pages (None: every page of the namespace) with everything that extends them."""
+    def delete(self, ns_id: int, keys: list[bytes] | None) -> tuple[list[PageRecord], list[PageRecord]]:
+        """Remove pages (None: every page of the namespace) with everything that extends them.
+
+        Returns (pages removed, those that are or may soon be on disk: on NVMe, or moving now,
+        as a write-down in flight may still put them there; wait_settled before deleting them)."""
         removed: list[PageRecord] = []
         with self._lock:
             records = self.index.roots(ns_id) if keys is None else [self.index.get((ns_id, k)) for k in keys]
             for record in records:
                 if record is not None and record.alive:
                     removed += self.index.remove_subtree(record)
-        return removed
+            return removed, [r for r in removed if r.on_nvme or r.busy]
 
     # -- leases: expiry, connections, draining -----------------------------------------
 
@@ -626,10 +629,10 @@ class PageStore:
         return promoted, garbage
 
     def wait_settled(self, records: list[PageRecord], deadline: float) -> None:
-        """Wait while one of these pages is still moving (up to the deadline)."""
+        """Wait while one of these pages is still moving (up to `deadline`, in time.monotonic())."""
         with self._settled:
-            while any(r.alive and r.busy for r in records):
-                remaining = deadline - self.clock()
+            while any(r.busy for r in records):
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
                 self._settled.wait(remaining)

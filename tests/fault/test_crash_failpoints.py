@@ -297,6 +297,7 @@ def test_kill_at_every_failpoint_then_restart(start_server, tmp_path):
     assert not report.wrong_bytes, f"wrong bytes served:\n{table}"
     assert not report.prefix_violations, f"a chain served that is not a prefix:\n{table}"
     assert not report.lost_pages, f"pages on NVMe before a kill lost after the restart:\n{table}"
+    assert not report.resurrected_pages, f"pages whose Delete answered came back after the restart:\n{table}"
     assert not report.unexpected_exits, f"the node exited other than by a kill:\n{table}"
     unreached = [name for name in NAMES if not report.points.get(name, {}).get("reached")]
     assert not unreached, f"failpoints never reached: {unreached}\n{table}"

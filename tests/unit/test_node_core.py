@@ -292,3 +292,39 @@ def test_gets_beyond_the_waiter_cap_are_answered_best_effort(tmp_path):
     assert get(svc, ns, keys, SMALL) == 4
     svc.nvme.close()
     svc.store.arena.close()
+
+
+def test_a_delete_answers_only_once_a_write_down_in_flight_cannot_bring_its_pages_back(node):
+    ns = open_ns(node, SMALL)
+    keys = chain("del", 3)
+    put(node, ns, keys, SMALL)
+    written, release = threading.Event(), threading.Event()
+    real_write = node.nvme.write
+
+    def write_then_stall(shard, pages):          # a write-down whose LMDB commit is done, not yet told
+        real_write(shard, pages)
+        written.set()
+        release.wait(10)
+
+    node.nvme.write = write_then_stall
+    batch = node.store.claim_unsaved([node.store.index.get((ns, k)) for k in keys], 10)
+    writer = threading.Thread(target=node.controller._write_down, args=(batch,))
+    writer.start()
+    assert written.wait(10)
+    deleter = threading.Thread(target=node.delete, args=(pb.DeleteRequest(namespace_id=ns, all_pages=True), None))
+    deleter.start()
+    deleter.join(1.0)
+
+    def on_disk():
+        found = 0
+        for shard in node.nvme.shards:
+            with shard.env.begin() as txn:
+                found += sum(txn.get(record_key(ns, k), db=shard.data) is not None for k in keys)
+        return found
+
+    answered_early = not deleter.is_alive()
+    assert not (answered_early and on_disk()), "Delete answered while its pages were on disk"
+    release.set()
+    writer.join(10)
+    deleter.join(10)
+    assert on_disk() == 0
