@@ -232,10 +232,23 @@ class PageIndex:
 
     def dram_only_lru(self, count: int) -> list[PageRecord]:
         """Up to `count` unpinned pages held only in DRAM, least recently used first (write-back)."""
-        found = [entry for (_, clean), heap in self._dram.items() if not clean for entry in heap
-                 if entry[2].alive and entry[2].tick == entry[0] and entry[2].in_dram
-                 and not entry[2].on_nvme and not entry[2].busy and entry[2].pins == 0]
-        return [entry[2] for entry in heapq.nsmallest(count, found)]
+        # Popped in order from the DRAM-only heaps (O(count log n), not a scan: this runs
+        # under the store's lock on every write-back pass), then pushed back, still offered.
+        heaps = [heap for (_, clean), heap in self._dram.items() if not clean]
+        taken: list[tuple[_Entry, list[_Entry]]] = []
+        while len(taken) < count:
+            best: list[_Entry] | None = None
+            for heap in heaps:
+                while heap and not self._dram_evictable(heap[0], False):
+                    heapq.heappop(heap)
+                if heap and (best is None or heap[0][:2] < best[0][:2]):
+                    best = heap
+            if best is None:
+                break
+            taken.append((heapq.heappop(best), best))
+        for entry, heap in taken:
+            heapq.heappush(heap, entry)
+        return [entry[2] for entry, _ in taken]
 
     def remove_subtree(self, record: PageRecord) -> list[PageRecord]:
         """Remove a page and every page that extends it; returns them."""

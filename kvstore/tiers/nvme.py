@@ -43,6 +43,10 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
+# py-lmdb holds the GIL through every LMDB call unless told otherwise, so a write-down's
+# commit (its writes and fsync) would stall every other thread of the node, gets included.
+lmdb.enable_drop_gil()
+
 FORMAT_VERSION = 1
 # version, parent key length, reserved, namespace id, page bytes, checksum; then the parent key
 HEADER = struct.Struct("<HHIQQQ")
