@@ -29,17 +29,17 @@ log = logging.getLogger(__name__)
 
 
 class Pending:
-    """The answer to a submitted request, once it arrives."""
+    """The answer to a request submitted on the local channel, once it arrives."""
 
     __slots__ = ("name", "posted", "_channel", "_response", "_error", "_done")
 
-    def __init__(self, name: str, channel: "LocalChannel | None" = None):
+    def __init__(self, name: str, channel: "LocalChannel"):
         self.name = name
         self.posted = False                  # nobody waits: an error is logged instead
         self._channel = channel
         self._response: Any = None
         self._error: errors.KVStoreError | None = None
-        self._done = channel is None
+        self._done = False
 
     def result(self) -> Any:
         if not self._done:

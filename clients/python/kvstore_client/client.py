@@ -89,7 +89,7 @@ class KVStoreClient:
         process handed over (needs xxhash).
 
         `durable=True` asks the node to answer each commit only once its pages are on NVMe
-        (needs the node's NVMe tier). The count then means: leading keys whose page this
+        (a node without an NVMe tier refuses it: InvalidArgument). The count then means: leading keys whose page this
         call wrote and the node reported on NVMe, or that were already stored or being
         written by another client (those count as stored, whether or not they are on NVMe
         yet). A page this call wrote that is committed but not on NVMe ends the count.

@@ -78,7 +78,8 @@ TransportUnavailable = _error(
     "The asked-for data plane (shm, tcp, rdma) is not offered by the node or cannot run on this host.")
 Unavailable = _error(
     "Unavailable", pb.ERROR_CODE_UNSPECIFIED, grpc.StatusCode.UNAVAILABLE,
-    "The server could not be reached or closed the connection. Retry or fall back to recompute.")
+    "The node could not be reached, or stopped during the call. Treat it as a miss or retry: the client "
+    "reconnects by itself on its next call (once the node is back).")
 DeadlineExceeded = _error(
     "DeadlineExceeded", pb.ERROR_CODE_UNSPECIFIED, grpc.StatusCode.DEADLINE_EXCEEDED,
     "The call did not finish within its deadline. Treat as a miss or retry.")
