@@ -100,13 +100,23 @@ class TcpConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RdmaConfig:
-    """The RDMA data plane (pyverbs); see kvstore/transport/rdma.py. Off unless asked for."""
+    """The RDMA data plane (pyverbs); see kvstore/transport/rdma.py. Off unless asked for.
+
+    EXPERIMENTAL: never run on an RDMA NIC. Its logic is tested only against a model of the
+    verbs contract (kvstore_client/verbs_model.py); the pyverbs calls under it have never
+    executed. Needs RLIMIT_MEMLOCK of at least dram.arena_bytes (the arena is pinned).
+    """
 
     enabled: bool = False
-    device: str = ""                        # "" = the first RDMA device
+    device: str = ""                        # "" = the first device with an ACTIVE port and a RoCE v2 GID
     port: int = 1
-    gid_index: int = 0
-    queue_pairs_max: int = 256
+    gid_index: int = -1                     # -1 = pick a RoCE v2 GID (IPv4-mapped first)
+    queue_pairs_max: int = 256              # one per client; full = evict one idle past idle_evict_s, else refuse
+    allowed_peers: tuple[str, ...] = ()     # IP addresses/networks of clients' RoCE GIDs; () = refuse every peer
+    idle_evict_s: float = 300.0             # a queue pair unused this long may be evicted for a new client
+    hop_limit: int = 64                     # RoCE v2 TTL
+    traffic_class: int = 0                  # RoCE v2 DSCP/ECN byte
+    service_level: int = 0                  # 802.1p priority / PFC class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +353,11 @@ def _validate(config: Config) -> None:
         ("tcp.write_buffer_low_bytes", 0 <= config.tcp.write_buffer_low_bytes <= config.tcp.write_buffer_high_bytes,
          "must be between 0 and tcp.write_buffer_high_bytes"),
         ("rdma.queue_pairs_max", config.rdma.queue_pairs_max > 0, "must be positive"),
+        ("rdma.gid_index", config.rdma.gid_index >= -1, "must be -1 (pick) or a GID table index"),
+        ("rdma.idle_evict_s", config.rdma.idle_evict_s > 0, "must be positive"),
+        ("rdma.hop_limit", 1 <= config.rdma.hop_limit <= 255, "must be in 1..255"),
+        ("rdma.traffic_class", 0 <= config.rdma.traffic_class <= 255, "must be in 0..255"),
+        ("rdma.service_level", 0 <= config.rdma.service_level <= 15, "must be in 0..15"),
         ("ops.metrics_address", not config.ops.metrics_address or ":" in config.ops.metrics_address,
          'must look like host:port, or "" to serve no metrics'),
         ("ops.log_format", config.ops.log_format in ("text", "json", "logfmt"), "must be text, json or logfmt"),
