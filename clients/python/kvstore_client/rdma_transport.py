@@ -191,10 +191,10 @@ def load_pyverbs() -> Any:
 
 
 def device_names() -> list[str]:
-    verbs = default_verbs()
-    if isinstance(verbs, v.PyverbsVerbs):
-        load_pyverbs()
     try:
+        verbs = default_verbs()
+        if isinstance(verbs, v.PyverbsVerbs):
+            load_pyverbs()
         return verbs.device_names()
     except ImportError as exc:
         raise errors.TransportUnavailable(str(exc)) from None

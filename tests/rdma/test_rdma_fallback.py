@@ -1,0 +1,111 @@
+"""transport="auto" falls back to TCP on every RDMA failure the verbs model produces, at connect and mid-session.
+
+Runs anywhere: an in-process node on loopback (gRPC and TCP real, shared memory off) whose
+RDMA server and the client's RDMA path share one verbs model (kvstore_client/verbs_model.py).
+"""
+
+import numpy as np
+import pytest
+
+from kvstore import config
+from kvstore.server import Node
+from kvstore.transport.rdma import RdmaServer
+from kvstore_client import KVStoreClient, Namespace, errors, rdma_transport
+from kvstore_client.verbs_model import VerbsModel
+
+PAGE = 4096
+
+
+@pytest.fixture
+def node():
+    cfg = config.load(environ={}, overrides=[
+        "server.grpc_address=127.0.0.1:0", "shm.enabled=false", "nvme.enabled=false", "ops.metrics_address=",
+        "dram.arena_bytes=16MiB", "dram.slab_bytes=1MiB", "server.drain_timeout_s=1"])
+    node = Node(cfg)
+    node.start()
+    yield node
+    node.drain_and_stop()
+    if node.service.rdma is not None:
+        node.service.rdma.close()
+
+
+@pytest.fixture
+def model(node, monkeypatch):
+    model = VerbsModel()
+    node.service.rdma = RdmaServer("", 1, -1, 8, node.arena.view, allowed_peers=("10.0.0.0/8",), verbs=model)
+    monkeypatch.setattr(rdma_transport, "default_verbs", lambda: model)
+    return model
+
+
+def roundtrip(client, name, count=8):
+    ns = Namespace(model="fallback", page_bytes=PAGE)
+    data = np.random.default_rng(len(name)).integers(0, 256, (count, PAGE), dtype=np.uint8)
+    ks = [f"{name}{i}" for i in range(count)]
+    assert client.put(ns, ks, data, verify=True) == count
+    out = np.zeros_like(data)
+    assert client.get(ns, ks, out, verify=True) == count
+    assert np.array_equal(out, data)
+
+
+def test_rdma_is_used_when_it_works(node, model):
+    with KVStoreClient(node.grpc_address, control="grpc") as client:
+        assert client.transport == "rdma"
+        roundtrip(client, "ok")
+    assert node.service.rdma.queue_pairs() == 1   # no Disconnect RPC yet: the node keeps it until evicted
+
+
+def _no_pyverbs():
+    raise ImportError("RDMA needs pyverbs from rdma-core: apt install python3-pyverbs (not on PyPI)")
+
+
+FAILURES = {
+    "pyverbs missing": lambda node, model, mp: mp.setattr(rdma_transport, "default_verbs", _no_pyverbs),
+    "device open fails": lambda node, model, mp: model.fail_call("open"),
+    "port down": lambda node, model, mp: setattr(model, "ports_active", False),
+    "queue pair creation fails": lambda node, model, mp: model.fail_call("create_queue_pair"),
+    "registration fails": lambda node, model, mp: model.fail_call("register"),
+    "the node's connect fails": lambda node, model, mp: model.fail_call("connect"),
+    "the probe READ fails": lambda node, model, mp: model.fail_after(1),
+    "the NIC never completes": lambda node, model, mp: setattr(model, "wrs_per_poll", 0),
+    "peer not allowed": lambda node, model, mp: setattr(node.service.rdma, "allowed_peers", ("192.168.0.0/16",)),
+    "node Internal": lambda node, model, mp: mp.setattr(node.service.rdma, "accept", _internal),
+    "a RoCE v1 GID across a router": lambda node, model, mp: (
+        setattr(model, "routers", 1), mp.setattr(rdma_transport, "choose_gid", lambda port, index: port.gids[0])),
+}
+
+
+def _internal(remote, owner=None):
+    raise RuntimeError("a bug in the node")
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_auto_falls_back_to_tcp_when_rdma_cannot_start(node, model, monkeypatch, failure):
+    FAILURES[failure](node, model, monkeypatch)
+    with KVStoreClient(node.grpc_address, control="grpc", timeout_s=1.0) as client:
+        assert client.transport == "tcp"
+        roundtrip(client, "fb")
+    model.wrs_per_poll, model.ports_active, model.routers = 4, True, 0
+
+
+def test_asking_for_rdma_names_the_failure(node, model):
+    model.fail_after(1)
+    with pytest.raises(errors.TransportUnavailable, match="probe"):
+        KVStoreClient(node.grpc_address, control="grpc", transport="rdma")
+
+
+@pytest.mark.parametrize("failure", ["qp error", "port down"])
+def test_a_failure_mid_session_moves_the_client_to_tcp(node, model, failure):
+    with KVStoreClient(node.grpc_address, control="grpc", timeout_s=1.0) as client:
+        roundtrip(client, "before")
+        assert client.transport == "rdma"
+        ns = Namespace(model="fallback", page_bytes=PAGE)
+        out = np.zeros((8, PAGE), np.uint8)
+        model.ports_active = False          # the fabric goes (a single failed WR and a dead link alike)
+        if failure == "qp error":
+            model.ports_active = True
+            model.fail_after(1)
+            model.fail_call("open")          # ... and RDMA cannot be opened again
+        # get is retried once on a new connection: RDMA fails its probe there, TCP serves it
+        assert client.get(ns, [f"before{i}" for i in range(8)], out, verify=True) == 8
+        assert client.transport == "tcp"
+        roundtrip(client, "after")
