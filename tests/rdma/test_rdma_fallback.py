@@ -109,3 +109,13 @@ def test_a_failure_mid_session_moves_the_client_to_tcp(node, model, failure):
         assert client.get(ns, [f"before{i}" for i in range(8)], out, verify=True) == 8
         assert client.transport == "tcp"
         roundtrip(client, "after")
+
+
+def test_device_port_gid_and_traffic_class_are_the_clients_to_choose(node, model):
+    options = rdma_transport.RdmaOptions(device="mlx5_0", port=1, gid_index=1, traffic_class=106, service_level=3)
+    node.service.rdma.allowed_peers = ("10.0.0.0/8", "fe80::/10")
+    with KVStoreClient(node.grpc_address, control="grpc", rdma=options) as client:
+        assert client.transport == "rdma"
+        roundtrip(client, "opts")
+        route = client._conn.data._qp.route
+        assert (route.gid_index, route.traffic_class, route.service_level, route.hop_limit) == (1, 106, 3, 64)

@@ -35,6 +35,7 @@ from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.pipeline import PutBatch, get_batch
 from kvstore_client.proto import pb
+from kvstore_client.rdma_transport import RdmaOptions
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,14 @@ def _never() -> bool:
 
 class KVStoreClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = "",
-                 transport: str = "auto", tcp_congestion: str = ""):
+                 transport: str = "auto", tcp_congestion: str = "", rdma: RdmaOptions | None = None):
+        """`rdma`: device, port, GID index, traffic class, service level and queue sizes of the RDMA data plane
+        (experimental: see rdma_transport.py); None = defaults (first ACTIVE port, a RoCE v2 GID)."""
         if control not in ("local", "grpc"):
             raise ValueError(f"control must be 'local' or 'grpc', got {control!r}")
         self._options = ConnectOptions(target=target, timeout_s=timeout_s, control=control, transport=transport,
-                                       client_name=client_name, tcp_congestion=tcp_congestion)
+                                       client_name=client_name, tcp_congestion=tcp_congestion,
+                                       rdma=rdma or RdmaOptions())
         self._lock = threading.Lock()            # guards _conn and _closed; a call enters _conn under it
         self._replace_lock = threading.Lock()    # one reconnect at a time; the other callers then use it
         self._closed = False

@@ -21,6 +21,7 @@ from kvstore_client.channel import GrpcChannel, LocalChannel
 from kvstore_client.data_path import DataPath
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
+from kvstore_client.rdma_transport import RdmaOptions
 from kvstore_client.shm_transport import ShmDataPath
 from kvstore_client.tcp_transport import TcpDataPath
 from kvstore_client.transport_choice import candidates
@@ -40,6 +41,7 @@ class ConnectOptions:
     transport: str              # "auto", "shm", "rdma" or "tcp" (transport_choice.py)
     client_name: str = ""
     tcp_congestion: str = ""
+    rdma: RdmaOptions = RdmaOptions()
 
 
 class NodeConnection:
@@ -137,7 +139,7 @@ class NodeConnection:
                 if name == "shm":
                     return self._open_shm(options.timeout_s)
                 if name == "rdma":
-                    return rdma_transport.RdmaDataPath(self.grpc)
+                    return rdma_transport.RdmaDataPath(self.grpc, options.timeout_s, options.rdma)
                 return TcpDataPath(hello.tcp_endpoint, options.timeout_s, options.tcp_congestion)
             except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable) as exc:
                 if options.transport != "auto":
