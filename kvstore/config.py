@@ -9,6 +9,7 @@ server reads os.environ.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tempfile
@@ -110,13 +111,21 @@ class RdmaConfig:
     enabled: bool = False
     device: str = ""                        # "" = the first device with an ACTIVE port and a RoCE v2 GID
     port: int = 1
-    gid_index: int = -1                     # -1 = pick a RoCE v2 GID (IPv4-mapped first)
+    gid_index: int = -1                     # -1 (the default) = pick a RoCE v2 GID, IPv4-mapped first
     queue_pairs_max: int = 256              # one per client; full = evict one idle past idle_evict_s, else refuse
     allowed_peers: tuple[str, ...] = ()     # IP addresses/networks of clients' RoCE GIDs; () = refuse every peer
     idle_evict_s: float = 300.0             # a queue pair unused this long may be evicted for a new client
     hop_limit: int = 64                     # RoCE v2 TTL
     traffic_class: int = 0                  # RoCE v2 DSCP/ECN byte
     service_level: int = 0                  # 802.1p priority / PFC class
+
+
+def _ip_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +363,8 @@ def _validate(config: Config) -> None:
          "must be between 0 and tcp.write_buffer_high_bytes"),
         ("rdma.queue_pairs_max", config.rdma.queue_pairs_max > 0, "must be positive"),
         ("rdma.gid_index", config.rdma.gid_index >= -1, "must be -1 (pick) or a GID table index"),
+        ("rdma.allowed_peers", all(_ip_network(p) for p in config.rdma.allowed_peers),
+         "must be IP addresses or networks (10.1.0.0/16, fd00::/8)"),
         ("rdma.idle_evict_s", config.rdma.idle_evict_s > 0, "must be positive"),
         ("rdma.hop_limit", 1 <= config.rdma.hop_limit <= 255, "must be in 1..255"),
         ("rdma.traffic_class", 0 <= config.rdma.traffic_class <= 255, "must be in 0..255"),

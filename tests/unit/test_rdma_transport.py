@@ -406,3 +406,13 @@ def test_disconnect_closes_the_responder_queue_pair(fabric):
     assert fabric.server.queue_pairs() == 0
     with pytest.raises(errors.Unavailable):
         fabric.put(path, keys("gone", 1), whole_pages(pages(1, 1)))
+
+
+def test_rdma_settings_are_checked_by_name():
+    from kvstore import config
+
+    for override, name in [("rdma.allowed_peers=10.0.0.0/8,not-an-address", "rdma.allowed_peers"),
+                           ("rdma.hop_limit=0", "rdma.hop_limit"), ("rdma.service_level=16", "rdma.service_level")]:
+        with pytest.raises(config.ConfigError, match=name):
+            config.load(environ={}, overrides=[override])
+    assert config.load(environ={}, overrides=[]).rdma.allowed_peers == ()     # no peer until named
