@@ -147,8 +147,18 @@ class RdmaServer:
 
     def fence_owner(self, owner: object) -> None:
         """Fence every QP of a session (a write lease of it expired or was aborted)."""
-        for qp_num in [n for n, p in self._peers.items() if p.owner is owner]:
+        with self._lock:
+            qp_nums = [n for n, p in self._peers.items() if p.owner is owner]
+        for qp_num in qp_nums:
             self.fence(qp_num)
+
+    def touch_owner(self, owner: object) -> None:
+        """Every QP of a session is in use (it reserved or acquired pages)."""
+        with self._lock:
+            now = self._clock()
+            for peer in self._peers.values():
+                if peer.owner is owner:
+                    peer.last_used = now
 
     def disconnect(self, qp_num: int) -> None:
         with self._lock:

@@ -416,3 +416,22 @@ def test_rdma_settings_are_checked_by_name():
         with pytest.raises(config.ConfigError, match=name):
             config.load(environ={}, overrides=[override])
     assert config.load(environ={}, overrides=[]).rdma.allowed_peers == ()     # no peer until named
+
+
+def test_a_session_is_fenced_touched_and_disconnected_as_a_whole(fabric):
+    # (the service does not pass the session to accept() yet: the test hands it over)
+    owner, accept = object(), fabric.server.accept
+    fabric.server.accept = lambda remote, _=None: accept(remote, owner)
+    a, b = fabric.client(), fabric.client()
+    fabric.server.accept = accept
+    other = fabric.client()
+    fabric.clock.advance(30)
+    fabric.server.touch_owner(owner)
+    assert {p.last_used for p in fabric.server._peers.values() if p.owner is owner} == {fabric.clock.now}
+    fabric.server.fence_owner(owner)
+    for path in (a, b):
+        with pytest.raises(errors.Unavailable):
+            fabric.put(path, keys(f"f{id(path)}", 1), whole_pages(pages(1, 1)))
+    roundtrip(fabric, other, "unfenced", 2)
+    fabric.server.disconnect_owner(owner)
+    assert fabric.server.queue_pairs() == 1

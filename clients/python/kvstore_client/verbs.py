@@ -15,9 +15,9 @@ What the seam keeps from verbs, and nothing more:
   - RC queue pairs with their own send CQ (ibv_create_qp with sq_sig_all=0, ibv_create_cq),
     connected INIT -> RTR -> RTS (ibv_modify_qp) to a peer's address, moved to ERROR
     (fencing, teardown);
-  - post_send of a chain of RDMA WRITE / READ work requests (ibv_post_send: it fails as a
-    whole with errno ENOMEM when the send queue is full, and then none after the bad WR
-    was posted), and poll of the CQ (ibv_poll_cq).
+  - post_send of a chain of RDMA WRITE / READ work requests (ibv_post_send: with ENOMEM
+    when the send queue is full; the WRs before the bad one stay posted), and poll of the
+    CQ (ibv_poll_cq).
 
 Errors: a verbs call that fails raises VerbsError (errno and what failed), never pyverbs'
 own exception types; the transports map it to the SDK's typed errors.
@@ -308,24 +308,30 @@ class _PyverbsQueuePair:
         _verbs_call("modify_qp(RTS)", self.qp.to_rts, attr)
 
     def post_send(self, requests: Sequence[WorkRequest]) -> None:
-        # One ibv_post_send per WR: chaining through pyverbs' SendWR is not used, because
-        # its next-pointer API could not be checked against v44 here. The WR objects of
-        # pyverbs 44 leak unless closed (their destructor is misspelled upstream): close each.
+        # One ibv_post_send for the chain (SendWR's next_wr, rdma-core pyverbs/wr.pyx). pyverbs 44's
+        # SGE and SendWR free their memory only in close() (their __dealloc is misspelled
+        # upstream): SendWR copies the SGEs, so each is closed once, after the post returns
+        # (the provider has copied the WRs into the send queue by then: ibv_post_send(3)).
         from pyverbs import wr
 
         e = self.e
-        for request in requests:
-            sges = [wr.SGE(address, nbytes, lkey) for address, nbytes, lkey in request.sges]
-            opcode = e.IBV_WR_RDMA_WRITE if request.opcode == OP_WRITE else e.IBV_WR_RDMA_READ
-            send = wr.SendWR(wr_id=request.wr_id, opcode=opcode, num_sge=len(sges), sg=sges,
-                             send_flags=e.IBV_SEND_SIGNALED if request.signaled else 0)
-            send.set_wr_rdma(request.rkey, request.remote_addr)
-            try:
-                _verbs_call("ibv_post_send", self.qp.post_send, send)
-            finally:
-                for sge in sges:
-                    sge.close()
-                send.close()
+        made: list[Any] = []
+        head = None
+        try:
+            for request in reversed(requests):
+                sges = [wr.SGE(address, nbytes, lkey) for address, nbytes, lkey in request.sges]
+                made += sges
+                opcode = e.IBV_WR_RDMA_WRITE if request.opcode == OP_WRITE else e.IBV_WR_RDMA_READ
+                send = wr.SendWR(wr_id=request.wr_id, opcode=opcode, num_sge=len(sges), sg=sges,
+                                 send_flags=e.IBV_SEND_SIGNALED if request.signaled else 0, next_wr=head)
+                made.append(send)
+                send.set_wr_rdma(request.rkey, request.remote_addr)
+                head = send
+            if head is not None:
+                _verbs_call("ibv_post_send", self.qp.post_send, head)
+        finally:
+            for obj in made:
+                obj.close()
 
     def poll(self, entries_max: int) -> list[Completion]:
         count, completions = _verbs_call("ibv_poll_cq", self.cq.poll, entries_max)
