@@ -119,3 +119,18 @@ def test_device_port_gid_and_traffic_class_are_the_clients_to_choose(node, model
         roundtrip(client, "opts")
         route = client._conn.data._qp.route
         assert (route.gid_index, route.traffic_class, route.service_level, route.hop_limit) == (1, 106, 3, 64)
+
+
+def test_a_registered_buffer_is_used_across_reconnects(node, model):
+    pool = np.random.default_rng(7).integers(0, 256, (16, PAGE), dtype=np.uint8)
+    ns = Namespace(model="fallback", page_bytes=PAGE)
+    with KVStoreClient(node.grpc_address, control="grpc", timeout_s=1.0) as client:
+        client.register_buffer(pool.ctypes.data, pool.nbytes, pool)
+        before = model.calls["register"]
+        assert client.put(ns, [f"pool{i}" for i in range(16)], pool, verify=True) == 16
+        assert model.calls["register"] == before          # inside the registered pool: nothing per call
+        client._conn.data._broken = "test: lost"           # the path breaks; the next call reconnects
+        out = np.zeros_like(pool)
+        assert client.get(ns, [f"pool{i}" for i in range(16)], out, verify=True) == 16
+        assert client.transport == "rdma" and np.array_equal(out, pool)
+        assert client._conn.data._registered.find(pool.ctypes.data, pool.nbytes) is not None

@@ -65,6 +65,7 @@ class KVStoreClient:
         self._lock = threading.Lock()            # guards _conn and _closed; a call enters _conn under it
         self._replace_lock = threading.Lock()    # one reconnect at a time; the other callers then use it
         self._closed = False
+        self._registered: list[tuple[int, int, Any]] = []   # register_buffer's, applied to every new connection
         self._conn = NodeConnection(self._options)
 
     @property
@@ -173,6 +174,21 @@ class KVStoreClient:
     def stats(self) -> pb.StatsResponse:
         return self._on_node(lambda conn: conn.control.call("Stats", pb.StatsRequest()), _always)
 
+    def register_buffer(self, address: int, nbytes: int, owner: Any = None) -> None:
+        """Register [address, address + nbytes) (an engine's host KV pool) with the data plane once.
+
+        Only RDMA uses it: pages inside the buffer are then moved without registering them per
+        call. `owner` (the array or tensor) is held until the client closes; the buffer must
+        stay allocated as long. Other data planes ignore it. It holds across reconnects.
+        """
+        if address <= 0 or nbytes <= 0:
+            raise errors.InvalidArgument(f"bad buffer to register: address {address:#x}, {nbytes} bytes")
+        with self._lock:
+            self._check_open()
+            self._registered.append((address, nbytes, owner))
+            conn = self._conn
+        _register_on(conn, [(address, nbytes, owner)])
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -226,6 +242,10 @@ class KVStoreClient:
             if self._conn is not stale:
                 return
             fresh = NodeConnection(self._options)
+            try:
+                _register_on(fresh, self._registered)
+            except errors.KVStoreError as exc:   # calls still register their pages one by one
+                log.warning("buffers could not be registered on the new connection: %s", exc)
             with self._lock:
                 self._conn = fresh
         stale.retire()
@@ -282,6 +302,13 @@ def _attempt(action: Callable[[NodeConnection], T], conn: NodeConnection) -> T:
             raise
         raise errors.Unavailable(f"the connection to the node was lost during the call "
                                  f"({type(exc).__name__}: {exc})") from exc
+
+
+def _register_on(conn: NodeConnection, buffers: Sequence[tuple[int, int, Any]]) -> None:
+    register = getattr(conn.data, "register", None)
+    if register is not None:
+        for address, nbytes, owner in buffers:
+            register(owner, address, nbytes)
 
 
 def _check_verify(verify: bool) -> None:
