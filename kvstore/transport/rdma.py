@@ -86,6 +86,10 @@ class RdmaServer:
             self.arena_addr = ctypes.addressof(ctypes.c_char.from_buffer(arena))
             self.arena_bytes = len(arena)
             self._mr = self._device.register(self.arena_addr, len(arena), remote=True)
+        except v.VerbsError as exc:
+            self._device.close()
+            raise errors.TransportUnavailable(f"the arena ({len(arena)} bytes) could not be registered: {exc} "
+                                              "(RLIMIT_MEMLOCK must be at least dram.arena_bytes)") from None
         except BaseException:
             self._device.close()
             raise

@@ -435,3 +435,10 @@ def test_a_session_is_fenced_touched_and_disconnected_as_a_whole(fabric):
     roundtrip(fabric, other, "unfenced", 2)
     fabric.server.disconnect_owner(owner)
     assert fabric.server.queue_pairs() == 1
+
+
+def test_a_node_that_cannot_register_its_arena_says_why():
+    model = VerbsModel()
+    model.fail_call("register", 12)
+    with pytest.raises(errors.TransportUnavailable, match="RLIMIT_MEMLOCK"):
+        Fabric(model)
