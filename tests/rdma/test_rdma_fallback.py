@@ -134,3 +134,16 @@ def test_a_registered_buffer_is_used_across_reconnects(node, model):
         assert client.get(ns, [f"pool{i}" for i in range(16)], out, verify=True) == 16
         assert client.transport == "rdma" and np.array_equal(out, pool)
         assert client._conn.data._registered.find(pool.ctypes.data, pool.nbytes) is not None
+
+
+def test_the_nodes_rdma_restarting_mid_session_costs_one_reconnect(node, model):
+    with KVStoreClient(node.grpc_address, control="grpc", timeout_s=1.0) as client:
+        roundtrip(client, "r1")
+        old = node.service.rdma                  # the node's RDMA side goes and comes back (new QPs, new rkey)
+        node.service.rdma = RdmaServer("", 1, -1, 8, node.arena.view, allowed_peers=("10.0.0.0/8",), verbs=model)
+        old.close()
+        ns = Namespace(model="fallback", page_bytes=PAGE)
+        out = np.zeros((8, PAGE), np.uint8)
+        assert client.get(ns, [f"r1{i}" for i in range(8)], out, verify=True) == 8   # retried on a new connection
+        assert client.transport == "rdma"
+        roundtrip(client, "r2")
