@@ -108,7 +108,7 @@ class RdmaConfig:
     executed. Needs RLIMIT_MEMLOCK of at least dram.arena_bytes (the arena is pinned).
     """
 
-    enabled: bool = False
+    enabled: bool = False                   # EXPERIMENTAL, never run on a NIC (see the docstring above)
     device: str = ""                        # "" = the first device with an ACTIVE port and a RoCE v2 GID
     port: int = 1
     gid_index: int = -1                     # -1 (the default) = pick a RoCE v2 GID, IPv4-mapped first
