@@ -316,11 +316,12 @@ class _PyverbsQueuePair:
 
         e = self.e
         made: list[Any] = []
-        head = None
-        try:
+
+        def post() -> None:
+            head = None
             for request in reversed(requests):
                 sges = [wr.SGE(address, nbytes, lkey) for address, nbytes, lkey in request.sges]
-                made += sges
+                made.extend(sges)
                 opcode = e.IBV_WR_RDMA_WRITE if request.opcode == OP_WRITE else e.IBV_WR_RDMA_READ
                 send = wr.SendWR(wr_id=request.wr_id, opcode=opcode, num_sge=len(sges), sg=sges,
                                  send_flags=e.IBV_SEND_SIGNALED if request.signaled else 0, next_wr=head)
@@ -328,7 +329,9 @@ class _PyverbsQueuePair:
                 send.set_wr_rdma(request.rkey, request.remote_addr)
                 head = send
             if head is not None:
-                _verbs_call("ibv_post_send", self.qp.post_send, head)
+                self.qp.post_send(head)
+        try:
+            _verbs_call("ibv_post_send", post)
         finally:
             for obj in made:
                 obj.close()
