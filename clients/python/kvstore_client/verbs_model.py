@@ -9,12 +9,13 @@ rdma-core's sources; each rule names its source:
   - ibv_create_qp(3), ibv_create_cq(3): a QP asks for max_send_wr / max_send_sge, a CQ for
     cqe entries; above ibv_query_device(3)'s max_qp_wr / max_sge / max_cqe the call fails
     (EINVAL). The seam always creates QPs with sq_sig_all=0.
-  - ibv_post_send(3): "If the QP is not in RTS (or in ERROR), fails"; a send queue slot of a
-    WR is free again only once a completion of it, or of a later signalled WR, was polled
-    (the IB spec's "unsignaled WR ... completes when a subsequent signaled WR completes";
-    rdma-core providers/mlx5/qp.c mlx5_wq_overflow counts head - tail): posting past
-    max_send_wr fails with ENOMEM, WRs before the bad one stay posted. num_sge above the QP's
-    max_send_sge fails with EINVAL.
+  - ibv_post_send(3) and the IB spec's QP state table: sends are posted in RTS (in ERROR
+    they are accepted and complete flushed; before RTS the call fails). A send queue slot is
+    free again only once the completion of its WR, or of a later signalled WR of the same
+    queue, was polled (unsignalled WRs complete with the next signalled one; rdma-core's
+    providers/mlx5/qp.c checks overflow as head - tail against the queue's size, the tail
+    moving only when the CQ is polled): posting past max_send_wr fails with ENOMEM, the WRs
+    before the bad one stay posted. num_sge above the QP's max_send_sge fails with EINVAL.
   - ibv_poll_cq(3): completions of one send queue come in posting order; a successful WR
     without IBV_SEND_SIGNALED produces none; an error always produces one. More completions
     than the CQ holds is a CQ overrun: the QP goes to ERROR (IBV_EVENT_CQ_ERR).
