@@ -90,8 +90,11 @@ class Node:
             if config.rdma.enabled:
                 from kvstore.transport.rdma import RdmaServer  # pyverbs is optional: imported only when asked for
                 try:
-                    self.rdma = RdmaServer(config.rdma.device, config.rdma.port, config.rdma.gid_index,
-                                           config.rdma.queue_pairs_max, self.arena.view)
+                    rdma = config.rdma
+                    self.rdma = RdmaServer(rdma.device, rdma.port, rdma.gid_index, rdma.queue_pairs_max, self.arena.view,
+                                           allowed_peers=rdma.allowed_peers, idle_evict_s=rdma.idle_evict_s,
+                                           hop_limit=rdma.hop_limit, traffic_class=rdma.traffic_class,
+                                           service_level=rdma.service_level)
                 except TransportUnavailable as exc:
                     raise OSError(f"rdma.enabled is set but {exc}") from None
                 self.service.rdma = self.rdma

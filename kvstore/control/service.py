@@ -47,6 +47,7 @@ class KVStoreService:
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
             "Acquire": self.acquire, "Release": self.release, "Delete": self.delete, "Stats": self.stats,
             "RdmaConnect": self.rdma_connect, "Route": self.route, "Scrub": self.scrub,
+            "RdmaDisconnect": self.rdma_disconnect,
         }
 
     @property
@@ -94,6 +95,9 @@ class KVStoreService:
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.write_ttl_ms, self.config)
         store = self.store
         reservation = store.reserve(request.namespace_id, keys, request.parent_key, request.lease_id, ttl_ms, owner)
+        if reservation.lease is not None and request.rdma_qp_num:
+            reservation.lease.rdma_qp_num = request.rdma_qp_num
+            self._touch_rdma(request.rdma_qp_num)
         try:
             short = store.fill(reservation, self._evict())
             if short and self.controller and store.protect_unsaved:
@@ -121,7 +125,10 @@ class KVStoreService:
         return pb.CommitResponse(states=states, checksums=sums, durable_pages=durable)
 
     def abort(self, request: pb.AbortRequest, owner: object | None) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted_pages=self.store.abort(request.lease_id))
+        aborted, lease = self.store.abort(request.lease_id)
+        if aborted:
+            self._fence_rdma(lease.rdma_qp_num)
+        return pb.AbortResponse(aborted_pages=aborted)
 
     def acquire(self, request: pb.AcquireRequest, owner: object | None) -> pb.AcquireResponse:
         namespace = self.store.namespace(request.namespace_id)
@@ -129,6 +136,7 @@ class KVStoreService:
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.read_ttl_ms, self.config)
         deadline = time.monotonic() + checks.promote_wait_s(request, self.config)
         store = self.store
+        self._touch_rdma(request.rdma_qp_num)
         # Every leading page is pinned first, so promoting the tail never evicts the head.
         lease = store.hold_chain(request.namespace_id, keys, ttl_ms, owner)
         promoted = from_dram = 0
@@ -212,6 +220,23 @@ class KVStoreService:
                                         mtu=local.mtu),
             arena_addr=arena_addr, rkey=rkey, arena_bytes=self.store.arena.nbytes)
 
+    def rdma_disconnect(self, request: pb.RdmaDisconnectRequest, owner: object | None) -> pb.RdmaDisconnectResponse:
+        if self.rdma is None:
+            raise errors.TransportUnavailable("this node offers no RDMA data plane (rdma.enabled is off or no device)")
+        self.rdma.disconnect(request.qp_num)
+        return pb.RdmaDisconnectResponse()
+
+    def _touch_rdma(self, qp_num: int) -> None:
+        if qp_num and self.rdma is not None:
+            self.rdma.touch(qp_num)
+
+    def _fence_rdma(self, qp_num: int) -> None:
+        """A write lease ended uncommitted: its queue pair may still have writes in flight to slots
+        that will be reused, so it is moved to error (the client reconnects)."""
+        if qp_num and self.rdma is not None:
+            log.info("rdma queue pair fenced qp_num=%d (its write lease ended uncommitted)", qp_num)
+            self.rdma.fence(qp_num)
+
     def route(self, request: pb.RouteRequest, owner: object | None) -> pb.RouteResponse:
         namespace = self.store.namespace(request.namespace_id)
         keys = checks.lookup_keys(namespace, request, self.limits)
@@ -237,6 +262,8 @@ class KVStoreService:
         for lease, uncommitted, pinned in expired:
             log.info("lease expired kind=%s lease=%016x uncommitted_pages=%d pinned_pages=%d",
                      lease.kind, lease.lease_id, uncommitted, pinned)
+            if uncommitted:
+                self._fence_rdma(lease.rdma_qp_num)
         return len(expired)
 
     def start_draining(self) -> None:

@@ -338,12 +338,13 @@ class PageStore:
         self.listener.on_commit(published)
         return states, published
 
-    def abort(self, lease_id: int) -> int:
+    def abort(self, lease_id: int) -> tuple[int, Lease]:
+        """End a write lease; (its uncommitted pages, the lease)."""
         with self._lock:
             lease = self._lease(lease_id, WRITE)
             aborted = len(lease.slots)
             self._end_lease(lease)
-        return aborted
+        return aborted, lease
 
     # -- reads: acquire, release ---------------------------------------------------------
 

@@ -45,3 +45,13 @@ class RdmaAcceptor(Protocol):
     def accept(self, remote: QueuePairAddress) -> tuple[QueuePairAddress, int, int]:
         """Connect a local queue pair to `remote`; returns (its address, arena_addr, rkey)."""
         ...
+
+    def touch(self, qp_num: int) -> None:
+        """The queue pair is in use (it reserved or acquired pages): not idle."""
+        ...
+
+    def fence(self, qp_num: int) -> None:
+        """Move the queue pair to error: nothing it still has in flight reaches the arena."""
+        ...
+
+    def disconnect(self, qp_num: int) -> None: ...

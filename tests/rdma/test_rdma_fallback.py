@@ -51,7 +51,27 @@ def test_rdma_is_used_when_it_works(node, model):
     with KVStoreClient(node.grpc_address, control="grpc") as client:
         assert client.transport == "rdma"
         roundtrip(client, "ok")
-    assert node.service.rdma.queue_pairs() == 1   # no Disconnect RPC yet: the node keeps it until evicted
+        assert node.service.rdma.queue_pairs() == 1
+    assert node.service.rdma.queue_pairs() == 0   # RdmaDisconnect gave the node's queue pair back
+
+
+def test_a_write_lease_ended_uncommitted_fences_its_queue_pair(node, model):
+    """A late RDMA write of an aborted (or expired) lease must not land in a slot handed out again."""
+    from kvstore_client.proto import pb
+
+    with KVStoreClient(node.grpc_address, control="grpc") as client:
+        ns = Namespace(model="fence", page_bytes=PAGE)
+        client.lookup(ns, keys=[b"k"])                     # opens the namespace
+        [qp_num] = node.service.rdma._peers              # the node's queue pair of this client
+        ns_id = next(iter(node.store.namespaces))
+        reserved = node.service.reserve(pb.ReserveRequest(namespace_id=ns_id, keys=[b"late"], page_bytes=PAGE,
+                                                          rdma_qp_num=qp_num), None)
+        assert node.store.leases.get(reserved.lease_id).rdma_qp_num == qp_num
+        node.service.abort(pb.AbortRequest(lease_id=reserved.lease_id), None)
+        assert model.queue_pairs[qp_num].state == "ERR", "the aborted lease's queue pair can still write"
+        with pytest.raises(errors.Unavailable):           # the call that meets the fence fails, typed
+            roundtrip(client, "at-fence")
+        roundtrip(client, "after-fence")                  # and the next one reconnects
 
 
 def _no_pyverbs():

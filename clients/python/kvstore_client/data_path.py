@@ -48,6 +48,7 @@ NETWORK_SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 
 
 class DataPath(Protocol):
     name: str
+    rdma_qp_num: int   # RDMA: the node's queue pair, named in Reserve and Acquire; 0 otherwise
     shape: PipelineShape
 
     def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:

@@ -52,7 +52,7 @@ class PutBatch:
         states: list[int] = []
         commits: list[Any] = []
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
-        sent_at, next_reserve = time.monotonic(), self._reserve(control, ns_id, keys[:group], 0, self.parent)
+        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, keys[:group], 0, self.parent)
         try:
             for start in range(0, len(keys), group):
                 reserved = next_reserve.result()
@@ -66,7 +66,7 @@ class PutBatch:
                 if start + group < len(keys) and chain_goes_on:
                     extend = reserved.lease_id if in_order and indices else 0
                     sent_at, next_reserve = time.monotonic(), self._reserve(
-                        control, ns_id, keys[start + group:start + 2 * group], extend, keys[start + group - 1])
+                        control, data, ns_id, keys[start + group:start + 2 * group], extend, keys[start + group - 1])
                 for first in range(0, len(indices), run):
                     after = commits[-1] if commits and not in_order else None
                     commits.append(self._move_and_commit(control, data, reserved, start, indices[first:first + run],
@@ -80,10 +80,11 @@ class PutBatch:
             raise
         return stored_pages(states, answers, self.durable)
 
-    def _reserve(self, control: Any, ns_id: int, keys: list[bytes], lease_id: int, parent: bytes) -> Any:
+    def _reserve(self, control: Any, data: DataPath, ns_id: int, keys: list[bytes], lease_id: int,
+                 parent: bytes) -> Any:
         """Submit the Reserve of one group (lease_id 0 opens a lease, else extends it)."""
         request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=keys, page_bytes=self.page_bytes,
-                                    lease_id=lease_id)
+                                    lease_id=lease_id, rdma_qp_num=data.rdma_qp_num)
         return control.submit("Reserve", request)
 
     def _move_and_commit(self, control: Any, data: DataPath, reserved: pb.ReserveResponse, start: int,
@@ -125,6 +126,7 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments
               verify: bool) -> int:
     """Acquire (the request names namespace, keys and prefetch policy), move the hits, release; returns hits."""
     sent_at = time.monotonic()
+    request.rdma_qp_num = data.rdma_qp_num
     acquired = control.call("Acquire", request)
     hits = acquired.hit_pages
     if not hits:

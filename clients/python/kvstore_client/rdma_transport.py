@@ -245,6 +245,8 @@ class RdmaDataPath:
         """Connect and probe; every failure (verbs, pyverbs missing, the node's answer) is TransportUnavailable."""
         self.options = options or RdmaOptions()
         self.timeout_s = timeout_s
+        self.rdma_qp_num = 0       # the node's queue pair, named in Reserve/Acquire (kept alive, fenced)
+        self._control = control
         self._lock = threading.Lock()
         self._broken = ""
         self._next_wr_id = 1
@@ -282,7 +284,7 @@ class RdmaDataPath:
                                        min(remote.mtu, port.mtu) or port.mtu),
                          route, psn, limits.rd_atomic, access_remote=False)
         self.arena_addr, self.rkey, self.arena_bytes = answer.arena_addr, answer.rkey, answer.arena_bytes
-        self.peer_qp_num = remote.qp_num
+        self.peer_qp_num = self.rdma_qp_num = remote.qp_num
         self._probe_buffer = ctypes.create_string_buffer(PROBE_BYTES)
         address = ctypes.addressof(self._probe_buffer)
         self._probe_region = device.register(address, PROBE_BYTES, remote=False)
@@ -310,6 +312,9 @@ class RdmaDataPath:
         with self._lock:
             self._broken = self._broken or "closed"
             self._teardown()
+        if self.rdma_qp_num:  # the node's queue pair goes now, not at idle eviction
+            self._control.post("RdmaDisconnect", pb.RdmaDisconnectRequest(qp_num=self.rdma_qp_num))
+            self.rdma_qp_num = 0
 
     # -- registration ---------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ SHAPE = PipelineShape(reserve_group_pages_min=32, reserve_group_bytes=0, commit_
 
 class ShmDataPath:
     name = "shm"
+    rdma_qp_num = 0
     shape = SHAPE
 
     def __init__(self, channel: LocalChannel, instance_id: bytes):

@@ -47,6 +47,7 @@ def sendmsg_all(sock: socket.socket, iov: list) -> None:
 
 class TcpDataPath:
     name = "tcp"
+    rdma_qp_num = 0
     shape = NETWORK_SHAPE
 
     def __init__(self, endpoint: str, timeout_s: float, congestion: str = ""):

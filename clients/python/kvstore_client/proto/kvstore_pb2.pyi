@@ -189,20 +189,22 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id")
+    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    RDMA_QP_NUM_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     parent_key: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     page_bytes: int
     lease_ttl_ms: int
     lease_id: int
-    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    rdma_qp_num: int
+    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token")
@@ -255,18 +257,20 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted_pages: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "lease_ttl_ms", "policy", "timeout_ms")
+    __slots__ = ("namespace_id", "keys", "lease_ttl_ms", "policy", "timeout_ms", "rdma_qp_num")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    RDMA_QP_NUM_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_ms: int
     policy: PrefetchPolicy
     timeout_ms: int
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    rdma_qp_num: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token")
@@ -477,3 +481,13 @@ class RouteResponse(_message.Message):
     scores: _containers.RepeatedCompositeFieldContainer[EngineScore]
     best_engine_id: str
     def __init__(self, scores: _Optional[_Iterable[_Union[EngineScore, _Mapping]]] = ..., best_engine_id: _Optional[str] = ...) -> None: ...
+
+class RdmaDisconnectRequest(_message.Message):
+    __slots__ = ("qp_num",)
+    QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    qp_num: int
+    def __init__(self, qp_num: _Optional[int] = ...) -> None: ...
+
+class RdmaDisconnectResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
