@@ -214,10 +214,11 @@ class KVStoreService:
         qp = request.queue_pair
         if len(qp.gid) not in (0, 16) or not qp.qp_num:
             raise errors.InvalidArgument("queue_pair needs a qp_num and a 16-byte gid (or none)")
-        local, arena_addr, rkey = self.rdma.accept(QueuePairAddress(qp.lid, bytes(qp.gid), qp.qp_num, qp.psn, qp.mtu))
+        local, arena_addr, rkey = self.rdma.accept(
+            QueuePairAddress(qp.lid, bytes(qp.gid), qp.qp_num, qp.psn, qp.mtu, qp.gid_type))
         return pb.RdmaConnectResponse(
             queue_pair=pb.RdmaQueuePair(lid=local.lid, gid=local.gid, qp_num=local.qp_num, psn=local.psn,
-                                        mtu=local.mtu),
+                                        mtu=local.mtu, gid_type=local.gid_type),
             arena_addr=arena_addr, rkey=rkey, arena_bytes=self.store.arena.nbytes)
 
     def rdma_disconnect(self, request: pb.RdmaDisconnectRequest, owner: object | None) -> pb.RdmaDisconnectResponse:

@@ -107,6 +107,11 @@ class RdmaServer:
         if not peer_allowed(remote.gid, self.allowed_peers):
             raise errors.PermissionDenied(f"RDMA peer {peer_address(remote.gid) if len(remote.gid) == 16 else '?'} "
                                           "is not in rdma.allowed_peers")
+        if remote.gid_type and self.gid.type and remote.gid_type != self.gid.type:
+            # RoCE v1 and v2 frames never meet: the connect would "work" and every WR time out.
+            raise errors.TransportUnavailable(
+                f"the client sends from a {remote.gid_type} GID and this node from a {self.gid.type} one: "
+                "choose GIDs of one type (the client's gid_index, rdma.gid_index)")
         with self._lock:
             self._make_room()
             try:
@@ -121,7 +126,8 @@ class RdmaServer:
                 qp.close()      # a failed connect leaks nothing
                 raise errors.TransportUnavailable(f"cannot connect to the client's queue pair: {exc}") from None
             self._peers[qp.qp_num] = _Peer(qp, str(peer_address(remote.gid)), owner, self._clock())
-        return QueuePairAddress(self.lid, self.gid.raw, qp.qp_num, psn, self.mtu), self.arena_addr, self.rkey
+        address = QueuePairAddress(self.lid, self.gid.raw, qp.qp_num, psn, self.mtu, self.gid.type)
+        return address, self.arena_addr, self.rkey
 
     def _make_room(self) -> None:
         if len(self._peers) < self.queue_pairs_max:

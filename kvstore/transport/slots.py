@@ -39,6 +39,7 @@ class QueuePairAddress:
     qp_num: int
     psn: int
     mtu: int
+    gid_type: str = ""      # "RoCE v2", "RoCE v1", or "" (InfiniBand, or unknown)
 
 
 class RdmaAcceptor(Protocol):

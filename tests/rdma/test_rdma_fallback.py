@@ -167,3 +167,15 @@ def test_the_nodes_rdma_restarting_mid_session_costs_one_reconnect(node, model):
         assert client.get(ns, [f"r1{i}" for i in range(8)], out, verify=True) == 8   # retried on a new connection
         assert client.transport == "rdma"
         roundtrip(client, "r2")
+
+
+def test_gid_types_are_exchanged_and_a_mismatch_is_refused_by_name(node, model):
+    """A RoCE v1 client and a RoCE v2 node would connect and then time out on every WR."""
+    v1_gid = 2                                    # the model lists mlx5's order: index 2 is RoCE v1, IPv4-mapped
+    with pytest.raises(errors.TransportUnavailable, match="GIDs of one type"):
+        KVStoreClient(node.grpc_address, control="grpc", transport="rdma",
+                      rdma=rdma_transport.RdmaOptions(gid_index=v1_gid))
+    assert node.service.rdma.queue_pairs() == 0
+    with KVStoreClient(node.grpc_address, control="grpc", rdma=rdma_transport.RdmaOptions(gid_index=v1_gid)) as client:
+        assert client.transport == "tcp"          # auto falls back
+        roundtrip(client, "v1")

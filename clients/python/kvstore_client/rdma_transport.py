@@ -277,8 +277,11 @@ class RdmaDataPath:
         self._qp = device.create_queue_pair(limits.queue_depth, limits.sge_max, limits.cq_entries)
         psn = secrets.randbits(24)
         answer = control.call("RdmaConnect", pb.RdmaConnectRequest(queue_pair=pb.RdmaQueuePair(
-            lid=port.lid, gid=gid.raw, qp_num=self._qp.qp_num, psn=psn, mtu=port.mtu)))
+            lid=port.lid, gid=gid.raw, qp_num=self._qp.qp_num, psn=psn, mtu=port.mtu, gid_type=gid.type)))
         remote = answer.queue_pair
+        if remote.gid_type and gid.type and remote.gid_type != gid.type:
+            raise errors.TransportUnavailable(f"this client sends from a {gid.type} GID and the node from a "
+                                              f"{remote.gid_type} one: choose GIDs of one type (gid_index)")
         route = v.Route(options.port, gid.index, options.hop_limit, options.traffic_class, options.service_level)
         self._qp.connect(v.PeerAddress(remote.lid, bytes(remote.gid), remote.qp_num, remote.psn,
                                        min(remote.mtu, port.mtu) or port.mtu),

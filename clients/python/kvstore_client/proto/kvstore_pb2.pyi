@@ -413,18 +413,20 @@ class ScrubResponse(_message.Message):
     def __init__(self, pages_checked: _Optional[int] = ..., pages_bad: _Optional[int] = ...) -> None: ...
 
 class RdmaQueuePair(_message.Message):
-    __slots__ = ("lid", "gid", "qp_num", "psn", "mtu")
+    __slots__ = ("lid", "gid", "qp_num", "psn", "mtu", "gid_type")
     LID_FIELD_NUMBER: _ClassVar[int]
     GID_FIELD_NUMBER: _ClassVar[int]
     QP_NUM_FIELD_NUMBER: _ClassVar[int]
     PSN_FIELD_NUMBER: _ClassVar[int]
     MTU_FIELD_NUMBER: _ClassVar[int]
+    GID_TYPE_FIELD_NUMBER: _ClassVar[int]
     lid: int
     gid: bytes
     qp_num: int
     psn: int
     mtu: int
-    def __init__(self, lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., mtu: _Optional[int] = ...) -> None: ...
+    gid_type: str
+    def __init__(self, lid: _Optional[int] = ..., gid: _Optional[bytes] = ..., qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., mtu: _Optional[int] = ..., gid_type: _Optional[str] = ...) -> None: ...
 
 class RdmaConnectRequest(_message.Message):
     __slots__ = ("queue_pair",)
