@@ -199,3 +199,20 @@ def test_unreachable_server_fails_at_start_up(tmp_path):
                       "class_name": "KVStoreHiCacheStorage", "kvstore_target": f"unix:{tmp_path}/no-server.sock", "kvstore_timeout_s": 1})
     with pytest.raises(KVStoreError):
         StorageBackendFactory.create_backend("dynamic", config, pool)
+
+
+def test_the_host_pool_is_registered_once_with_every_client(server):
+    """RDMA moves pages inside SGLang's host pool without per-call registrations (Mooncake does the same)."""
+    import threading
+
+    pool = SGLangHostPool("page_first", pages=4, page_size=PAGE)
+    backend = create(server, pool)
+    buffer = pool.kv_buffer
+    whole = (buffer.data_ptr(), buffer.numel() * buffer.element_size())
+    later = []
+    thread = threading.Thread(target=lambda: later.append(backend._clients.get()))   # an I/O thread's own client
+    thread.start()
+    thread.join()
+    for client in [backend._clients.get(), later[0]]:
+        assert [(a, n) for a, n, _ in client._registered] == [whole]
+    backend.close()

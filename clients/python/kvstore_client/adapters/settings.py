@@ -54,6 +54,7 @@ class ClientPerThread:
         self._client_name = client_name
         self._local = threading.local()
         self._clients: list[KVStoreClient] = []
+        self._buffers: list[tuple[int, int, Any]] = []   # the engine's host pools, registered on every client
         self._lock = threading.Lock()
         self.get()  # connect now, so a wrong target fails at start-up, not on the first request
 
@@ -65,7 +66,19 @@ class ClientPerThread:
             self._local.client = client
             with self._lock:
                 self._clients.append(client)
+                buffers = list(self._buffers)
+            for address, nbytes, owner in buffers:
+                client.register_buffer(address, nbytes, owner)
         return client
+
+    def register_buffer(self, address: int, nbytes: int, owner: Any) -> None:
+        """Register an engine's host KV pool with every client, present and future (RDMA moves pages
+        inside it without registering them per call; other data planes ignore it)."""
+        with self._lock:
+            self._buffers.append((address, nbytes, owner))
+            clients = list(self._clients)
+        for client in clients:
+            client.register_buffer(address, nbytes, owner)
 
     def close(self) -> None:
         with self._lock:

@@ -69,6 +69,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Fix the namespace from the host pool SGLang copies pages to and from."""
         super().register_mem_pool_host(mem_pool_host)
+        for buffer in _pool_buffers(mem_pool_host):   # registered once, as Mooncake does, not per page
+            self._clients.register_buffer(buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer)
         self._address_order = _segments_in_one_buffer(mem_pool_host)
         self.namespace, self.flat_namespace = namespaces_for(
             self.storage_config, mem_pool_host, self.settings.tenant, self._address_order)
@@ -226,6 +228,17 @@ def _namespace(config: HiCacheStorageConfig, host_pool: Any, tenant: str, page_b
         tp_size=1 if replicated else config.tp_size,
         layout=layout,
     )
+
+
+def _pool_buffers(host_pool: Any) -> list[torch.Tensor]:
+    """The host pool's KV tensors: one kv_buffer (MHA, MLA) or k/v buffers kept apart."""
+    found = []
+    for name in ("kv_buffer", "k_buffer", "v_buffer"):
+        value = getattr(host_pool, name, None)
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                found.append(tensor)
+    return found
 
 
 def _segments_in_one_buffer(host_pool: Any) -> bool:
