@@ -13,6 +13,14 @@ COPY kvstore /src/kvstore
 RUN pip install --no-cache-dir ./clients/python ./ && rm -rf /src
 WORKDIR /
 
+# The RDMA data plane (experimental, deploy/RDMA.md) needs pyverbs and a verbs provider from
+# the distribution: `docker compose build --build-arg WITH_RDMA=1`.
+ARG WITH_RDMA=0
+RUN if [ "$WITH_RDMA" = 1 ]; then \
+      apt-get update && apt-get install -y --no-install-recommends python3-pyverbs rdma-core ibverbs-providers \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 COPY deploy/docker/kvstore.toml /etc/kvstore/kvstore.toml
 RUN mkdir -p /run/kvstore /var/lib/kvstore/nvme \
  && chown kvstore:kvstore /run/kvstore /var/lib/kvstore/nvme
