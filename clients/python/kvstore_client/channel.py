@@ -125,6 +125,17 @@ class GrpcChannel:
         self._channel.close()
 
 
+def peer_open(sock: socket.socket) -> bool:
+    """Whether the other end of a stream socket is still open: one poll(2) with no wait, for
+    POLLRDHUP (POLLHUP and POLLERR come unasked), so data waiting to be read does not count."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLRDHUP)
+    except (OSError, ValueError):  # closed here
+        return False
+    return not poller.poll(0)
+
+
 class LocalChannel:
     """The same messages as frames on the server's Unix socket (see framing.py). Thread-safe."""
 
@@ -200,14 +211,7 @@ class LocalChannel:
         One poll(2) with no wait, for POLLRDHUP (POLLHUP and POLLERR come unasked): answers
         waiting to be read do not count, only the node's end having closed.
         """
-        if self._broken is not None:
-            return False
-        poller = select.poll()
-        try:
-            poller.register(self._sock, select.POLLRDHUP)
-        except (OSError, ValueError):  # closed here
-            return False
-        return not poller.poll(0)
+        return self._broken is None and peer_open(self._sock)
 
     def flush(self) -> None:
         """Read the answers of everything sent so far (posted releases included)."""

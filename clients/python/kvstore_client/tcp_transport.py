@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import select
 import socket
 import struct
 import threading
 
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
+from kvstore_client.channel import peer_open
 from kvstore_client.data_path import NETWORK_SHAPE, Page
 from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_request
 
@@ -84,14 +84,7 @@ class TcpDataPath:
         """False once the path broke or the node closed the connection (it stopped, or the
         connection sat idle past tcp.idle_timeout_s). One poll(2) with no wait, for POLLRDHUP
         (POLLHUP and POLLERR come unasked), so answers on their way do not count."""
-        if self._broken is not None:
-            return False
-        poller = select.poll()
-        try:
-            poller.register(self._sock, select.POLLRDHUP)
-        except (OSError, ValueError):  # closed here
-            return False
-        return not poller.poll(0)
+        return self._broken is None and peer_open(self._sock)
 
     def close(self) -> None:
         self._sock.close()
