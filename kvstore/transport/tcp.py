@@ -45,6 +45,10 @@ from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Op,
 
 log = logging.getLogger(__name__)
 
+# At connections_max, a new connection takes the place of the one idle longest, if it has
+# been idle this long: idle sockets (an attacker's, or a crashed client's) never lock real
+# clients out until tcp.idle_timeout_s.
+RECLAIM_IDLE_S = 1.0
 # While GET answers are queued, the write queue is checked this often to hand back grants
 # whose bytes the kernel has taken (uvloop has no per-write completion callback).
 DRAIN_POLL_S = 0.002
@@ -130,6 +134,20 @@ class TcpServer:
     def _accept(self) -> "_Connection":
         return _Connection(self)
 
+    def reclaim_idlest(self) -> bool:
+        """At the connection limit (loop thread): close the connection idle longest, if any has
+        been idle RECLAIM_IDLE_S; True when a place was freed."""
+        now = self._loop.time()
+        idle = [(since, c) for c in self._connections if (since := c.idle_since()) is not None
+                and now - since >= RECLAIM_IDLE_S]
+        if not idle:
+            return False
+        since, victim = min(idle, key=lambda pair: pair[0])
+        log.info("tcp connections_max reached: closing peer=%s idle for %.1f s to admit a new one",
+                 victim.peer, now - since)
+        victim.abort()
+        return True
+
 
 def _stop_on_broken_invariant(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     """The loop's handler for what its callbacks raise: frame handling, timers, connection_lost.
@@ -167,8 +185,8 @@ class _Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         self._peer = str(transport.get_extra_info("peername"))
         settings = self._server.settings
-        if len(self._server._connections) >= settings.connections_max:
-            log.warning("tcp connection refused peer=%s: tcp.connections_max=%d reached",
+        if len(self._server._connections) >= settings.connections_max and not self._server.reclaim_idlest():
+            log.warning("tcp connection refused peer=%s: tcp.connections_max=%d reached, none idle",
                         self._peer, settings.connections_max)
             transport.abort()
             self._closed = True
@@ -291,6 +309,16 @@ class _Connection(asyncio.BufferedProtocol):
             self._deadline = deadline
             self._deadline_timer = self._server._loop.call_later(
                 max(0.0, deadline - time.monotonic()), self._deadline_reached)
+
+    @property
+    def peer(self) -> str:
+        return self._peer
+
+    def idle_since(self) -> float | None:
+        """loop.time() of its last frame when it moves no page now, else None (it is busy)."""
+        if self._closed or self._body is not None or self._reads:
+            return None
+        return self._last_frame
 
     def _idle_check(self) -> None:
         """Close the connection once it has sent no frame for idle_timeout_s; a page in flight is not idle."""

@@ -145,3 +145,19 @@ def test_idle_tcp_connections_are_closed_and_a_real_client_gets_in(start_server)
     with KVStoreClient(server.address, transport="tcp", timeout_s=20) as client:
         assert client.transport == "tcp"
         put_and_get(client, seed=3)
+
+
+def test_at_the_tcp_limit_the_connection_idle_longest_makes_room(start_server):
+    """Idle sockets cannot lock real clients out until tcp.idle_timeout_s (300 s by default)."""
+    server = start_server({"tcp.connections_max": 4})
+    host, _, port = json.loads(server.ready_file.read_text())["tcp_endpoint"].rpartition(":")
+    idle = [socket.create_connection((host, int(port)), timeout=20) for _ in range(4)]
+    try:
+        time.sleep(1.2)   # past RECLAIM_IDLE_S
+        with KVStoreClient(server.address, transport="tcp", timeout_s=20) as client:
+            assert client.transport == "tcp"
+            put_and_get(client, seed=4)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert "to admit a new one" in server.log()
