@@ -228,9 +228,10 @@ class PageStore:
                     self._pin(lease, record)
                 elif (ns_id, key) in self._pending:
                     states[i] = pb.IN_FLIGHT
-                else:
+                else:  # claimed now, in this lock section, so no other lease reserves it meanwhile
                     wanted.append(i)
                     states[i] = pb.NO_SPACE
+                    self._pending[(ns_id, key)] = lease.lease_id
             lease.busy += 1   # not reaped between the two steps
             self._namespace_used[ns_id] = self.clock()
         return Reservation(lease, first_index, states, [0] * len(keys), wanted, slot_bytes, bool(lease_id))
@@ -246,7 +247,6 @@ class PageStore:
             granted = self._allocate(reservation.slot_bytes, len(reservation.wanted), evict)
             page_bytes = self.namespaces[lease.namespace_id].page_bytes
             for i, offset in zip(reservation.wanted, granted):
-                self._pending[(lease.namespace_id, lease.keys[reservation.first_index + i])] = lease.lease_id
                 lease.slots[reservation.first_index + i] = offset
                 reservation.states[i], reservation.offsets[i] = pb.RESERVED, offset
             self.counters.bytes_reserved += len(granted) * page_bytes
@@ -264,6 +264,10 @@ class PageStore:
             return
         with self._lock:
             lease.busy -= 1
+            for i in reservation.wanted:   # claimed in step one, given no slot: free for others again
+                page_id = (lease.namespace_id, lease.keys[reservation.first_index + i])
+                if self._pending.get(page_id) == lease.lease_id:
+                    del self._pending[page_id]
             if lease.slots or reservation.extending or lease.ended:
                 return
             self._end_lease(lease)

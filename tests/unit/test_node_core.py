@@ -328,3 +328,23 @@ def test_a_delete_answers_only_once_a_write_down_in_flight_cannot_bring_its_page
     writer.join(10)
     deleter.join(10)
     assert on_disk() == 0
+
+
+def test_a_key_claimed_by_a_reservation_in_progress_is_in_flight_for_everyone_else(node):
+    """Reserve finds slots in a second lock section; the keys it wants are claimed in the first."""
+    from kvstore.control.store import Evict
+
+    ns = open_ns(node, SMALL)
+    first = node.store.reserve(ns, [b"k"], b"", 0, 1000, None)        # step one only, as a slow Reserve
+    second = node.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"k"], page_bytes=SMALL), None)
+    assert list(second.states) == [pb.IN_FLIGHT]
+    node.store.fill(first, Evict.ANY)
+    node.store.finish_reservation(first)
+    node.store.arena.view[first.offsets[0]:first.offsets[0] + SMALL] = content(ns, b"k", SMALL)
+    node.commit(pb.CommitRequest(lease_id=first.lease.lease_id), None)
+    assert get(node, ns, [b"k"], SMALL) == 1
+    short = node.store.reserve(ns, [b"j"], b"k", 0, 1000, None)        # a claim that gets no slot ...
+    with pytest.raises(errors.CapacityExhausted):
+        node.store.finish_reservation(short)
+    again = node.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"j"], parent_key=b"k", page_bytes=SMALL), None)
+    assert list(again.states) == [pb.RESERVED]                          # ... is given back
