@@ -59,6 +59,11 @@ class LeaseTable:
         heapq.heappush(self._deadlines, (lease.deadline, lease_id))
         return lease
 
+    def restart(self, lease: Lease, now: float) -> None:
+        """Start the lease's TTL again from `now` (a read lease whose pages took a while to come up)."""
+        lease.deadline = now + lease.ttl_ms / 1000
+        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
 
@@ -71,7 +76,7 @@ class LeaseTable:
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, lease_id = heapq.heappop(self._deadlines)
             lease = self._leases.get(lease_id)
-            if lease is None:
+            if lease is None or lease.deadline > now:   # gone, or restarted (a later entry stands)
                 continue
             if lease.busy:
                 postponed.append((deadline, lease_id))

@@ -395,6 +395,7 @@ class PageStore:
             for record in ready:
                 record.hits += 1
             self.index.touch_all(ready)
+            self.leases.restart(lease, self.clock())   # its TTL runs from the answer, not from before promotion
             self.listener.on_hit(ready)
             self.counters.bytes_acquired += len(ready) * self.namespaces[lease.namespace_id].page_bytes
             return lease

@@ -348,3 +348,28 @@ def test_a_key_claimed_by_a_reservation_in_progress_is_in_flight_for_everyone_el
         node.store.finish_reservation(short)
     again = node.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"j"], parent_key=b"k", page_bytes=SMALL), None)
     assert list(again.states) == [pb.RESERVED]                          # ... is given back
+
+
+def test_a_read_lease_runs_its_ttl_from_the_answer_not_from_before_promotion(tmp_path):
+    clock = ManualClock()
+    svc = make_node(tmp_path, NODE + ["leases.read_ttl_ms=1000"], clock)
+    ns = open_ns(svc, SMALL)
+    keys = chain("ttl", 3)
+    put(svc, ns, keys, SMALL)
+    write_all_down(svc)
+    drop_dram_copies(svc)
+    real_promote = svc.controller.promote
+
+    def slow_promote(records, deadline):      # the disk took 0.9 s of the 1 s TTL
+        clock.advance(0.9)
+        return real_promote(records, deadline)
+
+    svc.controller.promote = slow_promote
+    acquired = svc.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys), None)
+    assert acquired.hit_pages == 3
+    clock.advance(0.5)
+    assert svc.reap_expired() == 0, "the lease expired 0.5 s after it was answered"
+    clock.advance(0.6)
+    assert svc.reap_expired() == 1
+    svc.nvme.close()
+    svc.store.arena.close()
