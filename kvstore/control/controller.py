@@ -155,8 +155,11 @@ class CacheController:
     def forget(self, page_ids: list[PageId]) -> None:
         """Delete pages from NVMe (they already left the index)."""
         if page_ids:
-            failpoints.hit("delete.before_nvme")
-            self._nvme.delete(page_ids)
+            try:
+                failpoints.hit("delete.before_nvme")
+                self._nvme.delete(page_ids)
+            finally:
+                self._store.nvme_deleted(page_ids)
 
     # -- the background loop ----------------------------------------------------------
 
@@ -211,8 +214,7 @@ class CacheController:
             failpoints.hit("promote.after_read")
         finally:
             promoted, garbage = self._store.finish_promotion(claim, results)
-        if garbage:
-            self._nvme.delete(garbage)
+        self._delete_from_nvme(garbage)
         return promoted
 
     def _read_pages(self, records: list[PageRecord], slots: list[int]) -> list[bool]:
@@ -231,8 +233,7 @@ class CacheController:
             on_disk = self._write_pages(batch)
         finally:
             written, garbage = self._store.finish_writedown(batch, on_disk)
-        if garbage:
-            self._nvme.delete(garbage)
+        self._delete_from_nvme(garbage)
         log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
         return written
 
@@ -261,6 +262,14 @@ class CacheController:
             on_disk.update(group)
         return on_disk
 
+    def _delete_from_nvme(self, page_ids: list[PageId]) -> None:
+        """Delete pages the store marked as being deleted, then tell it they are gone."""
+        if page_ids:
+            try:
+                self._nvme.delete(page_ids)
+            finally:
+                self._store.nvme_deleted(page_ids)
+
     def _stored(self, record: PageRecord) -> tuple[StoredPage, memoryview]:
         ns_id, key, parent_key, page_bytes, checksum, view = self._store.stored_page(record)
         return StoredPage(ns_id, key, parent_key, page_bytes, checksum), view
@@ -272,5 +281,5 @@ class CacheController:
 
     def _make_room(self, shard: int, pages: int) -> None:
         victims = self._store.nvme_victims(lambda r: self._nvme.shard_of(*r.page_id), shard, 2 * pages)
-        self._nvme.delete([r.page_id for r in victims])
+        self._delete_from_nvme([r.page_id for r in victims])
         log.info("NVMe shard %d full: evicted pages=%d", shard, len(victims))

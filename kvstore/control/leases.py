@@ -38,6 +38,7 @@ class Lease:
     token: bytes = dataclasses.field(default_factory=lambda: secrets.token_bytes(TOKEN_BYTES))
     transfers: int = 0                   # data-plane transfers in flight; its memory is freed after the last
     writing: set[int] = dataclasses.field(default_factory=set)  # key indices whose slot is being written
+    committing: set[int] = dataclasses.field(default_factory=set)  # key indices a Commit is hashing now
     rdma_qp_num: int = 0                 # the node's queue pair moving its bytes over RDMA, if any
     ended: bool = False
 

@@ -68,8 +68,12 @@ class Scrubber:
                             bad.append(record)
                 finally:
                     garbage = self._store.scrub_done(batch, bad)
-                if garbage and self._nvme is not None:
-                    self._nvme.delete(garbage)
+                if garbage:
+                    try:
+                        if self._nvme is not None:
+                            self._nvme.delete(garbage)
+                    finally:
+                        self._store.nvme_deleted(garbage)
                 checked += len(batch)
                 bad_total += len(bad)
                 if bytes_per_s:

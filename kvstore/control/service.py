@@ -95,10 +95,10 @@ class KVStoreService:
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.write_ttl_ms, self.config)
         store = self.store
         reservation = store.reserve(request.namespace_id, keys, request.parent_key, request.lease_id, ttl_ms, owner)
-        if reservation.lease is not None and request.rdma_qp_num:
-            reservation.lease.rdma_qp_num = request.rdma_qp_num
-            self._touch_rdma(request.rdma_qp_num)
         try:
+            if reservation.lease is not None and request.rdma_qp_num:
+                reservation.lease.rdma_qp_num = request.rdma_qp_num
+                self._touch_rdma(request.rdma_qp_num)
             short = store.fill(reservation, self._evict())
             if short and self.controller and store.protect_unsaved:
                 # DRAM is full of pages not yet on NVMe: write some down (outside every lock), ask again.

@@ -132,6 +132,9 @@ class PageStore:
         self.namespaces: dict[int, Namespace] = {}
         self._namespace_used: dict[int, float] = {}        # last use, for reclaiming idle ones
         self._pending: dict[PageId, int] = {}              # reserved, uncommitted page -> lease id
+        # Pages whose NVMe copy is being deleted (outside the lock): not written down meanwhile,
+        # or the delete could erase the fresh copy. A count per id: deletes may overlap.
+        self._nvme_deleting: dict[PageId, int] = {}
         self.counters = Counters()
         self.listener: StoreListener = _NoListener()
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
@@ -292,20 +295,27 @@ class PageStore:
                 if index in lease.writing:
                     raise errors.SlotBusy(f"index {index} of lease {lease_id:#x} is still being written "
                                           "over the data plane: commit it after its transfer is answered")
+                if index in lease.committing:
+                    raise errors.SlotBusy(f"index {index} of lease {lease_id:#x} is already being committed")
             if checksums and len(checksums) != len(indices):
                 raise errors.InvalidArgument(
                     f"{len(checksums)} checksums for {len(indices)} pages: give one per page or none")
             page_bytes = self.namespaces[lease.namespace_id].page_bytes
             offsets = [lease.slots[i] for i in indices]
             lease.busy += 1
+            lease.committing.update(indices)   # no data-plane write, no other commit, until published
         try:
             view = self.arena.view
             sums = [xxhash.xxh3_64_intdigest(view[o:o + page_bytes]) for o in offsets]
-        finally:
+            failpoints.hit("commit.before_publish")
+        except BaseException:
             with self._lock:
                 lease.busy -= 1
-        failpoints.hit("commit.before_publish")
-        with self._lock:
+                lease.committing.difference_update(indices)
+            raise
+        with self._lock:   # one section from the marks' release to publishing: no write slips in between
+            lease.busy -= 1
+            lease.committing.difference_update(indices)
             for position, (want, got) in enumerate(zip(checksums, sums)):
                 if want != got:
                     self.counters.checksum_failures += 1
@@ -420,7 +430,9 @@ class PageStore:
             for record in records:
                 if record is not None and record.alive:
                     removed += self.index.remove_subtree(record)
-            return removed, [r for r in removed if r.on_nvme or r.busy]
+            on_disk = [r for r in removed if r.on_nvme or r.busy]
+            self._deleting([r.page_id for r in on_disk])
+            return removed, on_disk
 
     # -- leases: expiry, connections, draining -----------------------------------------
 
@@ -465,8 +477,8 @@ class PageStore:
                 offset = lease.slots.get(slot)
                 if offset is None:
                     raise errors.SlotNotInLease(f"slot {slot} is not a reserved, uncommitted slot of lease {lease_id:#x}")
-                if slot in lease.writing:
-                    raise errors.SlotBusy(f"slot {slot} of lease {lease_id:#x} is already being written")
+                if slot in lease.writing or slot in lease.committing:
+                    raise errors.SlotBusy(f"slot {slot} of lease {lease_id:#x} is already being written or committed")
             elif not 0 <= slot < len(lease.pinned):
                 raise errors.SlotNotInLease(f"lease {lease_id:#x} pins {len(lease.pinned)} pages; no page {slot}")
             else:
@@ -509,7 +521,7 @@ class PageStore:
             for record in records:
                 if len(batch) >= pages_max:
                     break
-                for node in _unsaved_chain(record):
+                for node in _unsaved_chain(record, self._nvme_deleting):
                     if node not in seen:
                         seen.add(node)
                         batch.append(node)
@@ -538,18 +550,29 @@ class PageStore:
             for record in batch:
                 if record not in on_disk:
                     continue
-                if not record.alive:
-                    garbage.append(record.page_id)
-                elif record.parent is None or record.parent.on_nvme:
+                if record.alive and (record.parent is None or record.parent.on_nvme):
                     self.index.set_on_nvme(record, True)
                     written.append(record)
+                else:  # deleted meanwhile, or its parent is not on NVMe: its bytes must not stay there
+                    garbage.append(record.page_id)
             self.counters.demotions += len(written)
             self.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
             for record in batch:
                 self.index.release_busy(record)
             self.index.unpin_all(batch)
+            self._deleting(garbage)
             self._settled.notify_all()
         return written, garbage
+
+    def nvme_deleted(self, page_ids: list[PageId]) -> None:
+        """The NVMe deletes of these pages (from delete, eviction or garbage) are done."""
+        with self._lock:
+            for page_id in page_ids:
+                left = self._nvme_deleting[page_id] - 1
+                if left:
+                    self._nvme_deleting[page_id] = left
+                else:
+                    del self._nvme_deleting[page_id]
 
     def leading_on_nvme(self, records: list[PageRecord]) -> tuple[int, bool]:
         """(leading pages of this chain on NVMe, whether the next one can never get there: it left)."""
@@ -562,6 +585,7 @@ class PageStore:
         with self._lock:
             victims = self.index.evict_nvme(shard_of, shard, count)
             self.counters.nvme_evictions += len(victims)
+            self._deleting([r.page_id for r in victims])
         failpoints.hit("evict.after_victims")
         return victims
 
@@ -629,6 +653,7 @@ class PageStore:
                 if position < len(read_ok) and not ok and record.alive:
                     garbage += self._drop_corrupt(record)
             self.index.unpin_all(claim.records)
+            self._deleting(garbage)
             self.counters.promotions += promoted
             self.counters.promoted_bytes += promoted_bytes
             self._settled.notify_all()
@@ -666,6 +691,7 @@ class PageStore:
                 if record.alive:   # an earlier one's subtree may have taken it
                     garbage += self._drop_corrupt(record)
             self.index.unpin_all(batch)
+            self._deleting(garbage)
             self.counters.scrub_pages_checked += len(batch)
             self.counters.scrub_pages_bad += len(bad)
         return garbage
@@ -732,6 +758,11 @@ class PageStore:
             budget -= 1
         return self.allocator.has_free_slab()
 
+    def _deleting(self, page_ids: list[PageId]) -> None:
+        """Lock held: these pages' NVMe copies are about to be deleted (see nvme_deleted)."""
+        for page_id in page_ids:
+            self._nvme_deleting[page_id] = self._nvme_deleting.get(page_id, 0) + 1
+
     def _drop_corrupt(self, record: PageRecord) -> list[PageId]:
         removed = self.index.remove_subtree(record)
         self.counters.corrupt_pages += len(removed)
@@ -783,12 +814,13 @@ class PageStore:
         self.allocator.free(record.offset)
 
 
-def _unsaved_chain(record: PageRecord) -> list[PageRecord]:
-    """The page and its ancestors not yet on NVMe, root first; [] if one is gone or moving."""
+def _unsaved_chain(record: PageRecord, deleting: dict[PageId, int]) -> list[PageRecord]:
+    """The page and its ancestors not yet on NVMe, root first; [] if one is gone, moving, or
+    its NVMe copy is being deleted."""
     chain = []
     node: PageRecord | None = record
     while node is not None and not node.on_nvme:
-        if not node.alive or node.offset == NO_SLOT or node.busy:
+        if not node.alive or node.offset == NO_SLOT or node.busy or node.page_id in deleting:
             return []
         chain.append(node)
         node = node.parent

@@ -373,3 +373,42 @@ def test_a_read_lease_runs_its_ttl_from_the_answer_not_from_before_promotion(tmp
     assert svc.reap_expired() == 1
     svc.nvme.close()
     svc.store.arena.close()
+
+
+def test_no_data_plane_write_starts_while_a_commit_hashes_its_slots(node, monkeypatch):
+    """Else the page would be published with the checksum of bytes that are then overwritten."""
+    from kvstore.control import store as store_module
+
+    ns = open_ns(node, SMALL)
+    r = node.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"k"], page_bytes=SMALL), None)
+    hashing, go_on = threading.Event(), threading.Event()
+    real_hash = store_module.xxhash.xxh3_64_intdigest
+
+    def slow_hash(data):
+        hashing.set()
+        go_on.wait(10)
+        return real_hash(data)
+
+    monkeypatch.setattr(store_module.xxhash, "xxh3_64_intdigest", slow_hash)
+    committer = threading.Thread(target=node.commit, args=(pb.CommitRequest(lease_id=r.lease_id), None))
+    committer.start()
+    assert hashing.wait(10)
+    with pytest.raises(errors.SlotBusy):
+        node.grants.resolve_write(r.lease_id, r.data_token, 0, SMALL)
+    with pytest.raises(errors.SlotBusy):
+        node.commit(pb.CommitRequest(lease_id=r.lease_id, indices=[0]), None)
+    go_on.set()
+    committer.join(10)
+    assert node.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"k"]), None).hit_pages == 1
+
+
+def test_pages_written_to_disk_whose_parent_is_not_on_nvme_are_deleted_from_it(node):
+    ns = open_ns(node, SMALL)
+    keys = chain("orphan", 2)
+    put(node, ns, keys, SMALL)
+    parent, child = (node.store.index.get((ns, k)) for k in keys)
+    batch = node.store.claim_unsaved([child], 10)
+    assert batch == [parent, child]
+    written, garbage = node.store.finish_writedown(batch, {child})    # the parent's shard write failed
+    assert written == [] and garbage == [child.page_id] and not child.on_nvme
+    node.store.nvme_deleted(garbage)
