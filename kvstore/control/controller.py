@@ -244,7 +244,8 @@ class CacheController:
         for record in batch:
             by_shard.setdefault(self._nvme.shard_of(*record.page_id), []).append(record)
         on_disk: set[PageRecord] = set()
-        for shard, group in by_shard.items():
+        txn_bytes = self.config.write_txn_bytes
+        for shard, group in (item for pair in by_shard.items() for item in _by_bytes(*pair, txn_bytes)):
             pages = [self._stored(record) for record in group]
             try:
                 self._save_namespaces(group)
@@ -283,3 +284,19 @@ class CacheController:
         victims = self._store.nvme_victims(lambda r: self._nvme.shard_of(*r.page_id), shard, 2 * pages)
         self._delete_from_nvme([r.page_id for r in victims])
         log.info("NVMe shard %d full: evicted pages=%d", shard, len(victims))
+
+
+def _by_bytes(shard: int, group: list[PageRecord], txn_bytes: int) -> list[tuple[int, list[PageRecord]]]:
+    """A shard's pages in runs of at most `txn_bytes` (one page at least), in chain order."""
+    runs: list[tuple[int, list[PageRecord]]] = []
+    run: list[PageRecord] = []
+    nbytes = 0
+    for record in group:
+        if run and nbytes + record.slot_bytes > txn_bytes:
+            runs.append((shard, run))
+            run, nbytes = [], 0
+        run.append(record)
+        nbytes += record.slot_bytes
+    if run:
+        runs.append((shard, run))
+    return runs
