@@ -67,6 +67,7 @@ class PageIndex:
         self._on_removed = on_removed          # a removed, unpinned page: free what it held
         self._on_dram_dropped = on_dram_dropped  # a page's DRAM copy may be reused
         self.pages_by_namespace: dict[int, int] = {}
+        self._roots: dict[int, set[PageRecord]] = {}   # pages with no parent, per namespace (Delete all)
         self.dram_pages = 0
         self.nvme_pages = 0
 
@@ -90,6 +91,8 @@ class PageIndex:
             if parent.children is None:
                 parent.children = set()
             parent.children.add(record)
+        else:
+            self._roots.setdefault(page_id[0], set()).add(record)
         self._pages[page_id] = record
         self.pages_by_namespace[page_id[0]] = self.pages_by_namespace.get(page_id[0], 0) + 1
         self.dram_pages += offset != NO_SLOT
@@ -115,7 +118,7 @@ class PageIndex:
 
     def roots(self, namespace_id: int) -> list[PageRecord]:
         """Pages of a namespace that have no parent (removing their subtrees empties it)."""
-        return [r for (ns, _), r in self._pages.items() if ns == namespace_id and r.parent is None]
+        return list(self._roots.get(namespace_id, ()))
 
     def touch_all(self, records: list[PageRecord]) -> None:
         """One access tick for pages written or read together."""
@@ -163,6 +166,9 @@ class PageIndex:
         self._pages.update(zip((record.page_id for record in records), records))
         for ns_id, count in collections.Counter(record.page_id[0] for record in records).items():
             self.pages_by_namespace[ns_id] = self.pages_by_namespace.get(ns_id, 0) + count
+        for record in records:
+            if record.parent is None:
+                self._roots.setdefault(record.page_id[0], set()).add(record)
         self.nvme_pages += len(records)
         # All share tick 0 and get increasing sequence numbers: appended in order, still a heap.
         first = next(self._seq)
@@ -264,11 +270,19 @@ class PageIndex:
             if record.parent is not None:
                 assert record.parent.alive and self._pages.get(record.parent.page_id) is record.parent
                 assert record in record.parent.children
+            else:
+                assert record in self._roots[record.page_id[0]]
+        assert sum(map(len, self._roots.values())) == sum(r.parent is None for r in self._pages.values())
 
     def _remove(self, record: PageRecord) -> None:
         assert record.is_leaf(), "only leaves leave the index"
         del self._pages[record.page_id]
         self.pages_by_namespace[record.page_id[0]] -= 1
+        if record.parent is None:
+            roots = self._roots[record.page_id[0]]
+            roots.discard(record)
+            if not roots:
+                del self._roots[record.page_id[0]]
         self.dram_pages -= record.in_dram
         self.nvme_pages -= record.on_nvme
         record.alive = False

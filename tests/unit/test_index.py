@@ -103,3 +103,12 @@ def test_nvme_eviction_keeps_what_is_on_disk_prefix_closed(index):
     assert taken == [a[2]]  # the deepest page on NVMe goes first, though a0 is older
     assert a[2].alive and not a[2].on_nvme  # still in DRAM
     assert index.evict_nvme(lambda r: 1, 0, 5) == []  # other shards' pages are not taken
+
+
+def test_roots_are_kept_per_namespace_not_found_by_a_scan(index, freed):
+    chain(index, "a", 3)
+    chain(index, "b", 2)
+    assert sorted(r.page_id[1] for r in index.roots(1)) == [b"a0", b"b0"]
+    index.remove_subtree(index.roots(1)[0])
+    assert len(index.roots(1)) == 1 and index.roots(2) == []
+    index.check_prefix_closed()
