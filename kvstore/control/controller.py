@@ -115,7 +115,7 @@ class CacheController:
 
     def promote(self, records: list[PageRecord], deadline: float) -> int:
         """Bring these NVMe pages into DRAM, in order, until the deadline; returns pages promoted."""
-        claim = self._store.claim_for_promotion(records, self._evict())
+        claim = self._store.claim_for_promotion(records, self._store.evict_first)
         if claim.short and self._store.protect_unsaved:
             cleaned = self.clean(claim.short)
             more = self._store.claim_for_promotion(records, Evict.CLEAN if cleaned else Evict.ANY)
@@ -196,9 +196,6 @@ class CacheController:
 
     def _write_back_due(self) -> bool:
         return self.config.write_policy == WRITE_BACK and self._store.dram_fill() > self.config.high_watermark
-
-    def _evict(self) -> Evict:
-        return Evict.CLEAN if self._store.protect_unsaved else Evict.ANY
 
     # -- promotion --------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ class KVStoreService:
             if reservation.lease is not None and request.rdma_qp_num:
                 reservation.lease.rdma_qp_num = request.rdma_qp_num
                 self._touch_rdma(request.rdma_qp_num)
-            short = store.fill(reservation, self._evict())
+            short = store.fill(reservation, store.evict_first)
             if short and self.controller and store.protect_unsaved:
                 # DRAM is full of pages not yet on NVMe: write some down (outside every lock), ask again.
                 cleaned = self.controller.clean(short)
@@ -272,6 +272,3 @@ class KVStoreService:
 
     def open_leases(self) -> int:
         return self.store.open_leases()
-
-    def _evict(self) -> Evict:
-        return Evict.CLEAN if self.store.protect_unsaved else Evict.ANY

@@ -140,6 +140,11 @@ class PageStore:
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
         self.draining = False
 
+    @property
+    def evict_first(self) -> Evict:
+        """What allocation may drop before any page is written down for room (write_back: clean pages only)."""
+        return Evict.CLEAN if self.protect_unsaved else Evict.ANY
+
     # -- namespaces -------------------------------------------------------------------
 
     def open_namespace(self, namespace: Namespace) -> int:
