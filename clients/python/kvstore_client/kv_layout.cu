@@ -1,0 +1,1 @@
+../../../native/kv_layout.cu
