@@ -22,7 +22,15 @@ $(VLLM_STAMP): $(STAMP) tests/requirements-vllm-events.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -r tests/requirements-vllm-events.txt
 	touch $@
 
-install: $(STAMP)
+# kvstore_native (native/): the C hot loops. A failed build is loud and not fatal: the SDK and
+# the server keep their pure-Python paths (same results, slower), and the next make tries again.
+NATIVE := $(VENV)/.native-installed
+$(NATIVE): $(STAMP) native/setup.py native/pyproject.toml $(wildcard native/csrc/*)
+	@if $(BIN)/pip install --quiet --disable-pip-version-check ./native; then touch $@; else \
+		echo "*** WARNING: kvstore_native did not build (see above). kvstore runs on its pure-Python paths," \
+		     "several times slower. It needs gcc, Python headers, libssl-dev and libxxhash-dev. ***" >&2; fi
+
+install: $(STAMP) $(NATIVE)
 
 # The engines the adapter tests run against, pinned, without their GPU dependency sets
 # (see tests/requirements-engines.txt); test-only, never a dependency of the server.
@@ -30,10 +38,10 @@ $(ENGINES): $(STAMP) tests/requirements-engines.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r tests/requirements-engines.txt
 	touch $@
 
-run: $(STAMP)
+run: $(STAMP) $(NATIVE)
 	$(BIN)/python examples/ttft_demo.py
 
-test: $(STAMP) $(ENGINES) $(VLLM_STAMP)
+test: $(STAMP) $(NATIVE) $(ENGINES) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 
 # The crash test's long form (tests/fault/test_crash_failpoints.py): at least 1000 SIGKILLs, at every
@@ -47,7 +55,7 @@ crash: $(STAMP)
 quickstart: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	mkdir -p bench/results
 	$(BIN)/python bench/shm_throughput.py --json bench/results/shm_throughput.json
 
@@ -59,4 +67,4 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) *.egg-info clients/python/*.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info clients/python/*.egg-info native/*.egg-info native/build .pytest_cache

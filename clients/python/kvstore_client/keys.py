@@ -16,6 +16,7 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
+from kvstore_client import native
 from kvstore_client.proto import pb
 
 KEY_BYTES_MAX = 64
@@ -64,10 +65,24 @@ def page_hash(page_tokens: Sequence[int] | np.ndarray, prior_hash: str | None = 
 
 
 def prefix_hashes(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: str = "") -> list[str]:
-    """Keys of every full page of `tokens`; a trailing partial page gets no key."""
+    """Keys of every full page of `tokens`; a trailing partial page gets no key.
+
+    One native call for the whole prompt where kvstore_native is installed (numpy arrays and CPU
+    tensors of 32- or 64-bit integers are hashed in place), else prefix_hashes_python.
+    """
+    if native.module is None:
+        return prefix_hashes_python(tokens, page_tokens, seed)
     if page_tokens <= 0:
         raise ValueError(f"page_tokens must be positive, got {page_tokens}")
-    array = np.asarray(tokens, dtype=np.int64)
+    array = _token_array(tokens)
+    return native.module.prefix_hashes(array, page_tokens, bytes.fromhex(seed))
+
+
+def prefix_hashes_python(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: str = "") -> list[str]:
+    """The reference chain, page by page with hashlib: what the native path must equal byte for byte."""
+    if page_tokens <= 0:
+        raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+    array = _token_array(tokens).astype(np.int64)
     if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in uint32")
     keys: list[str] = []
@@ -76,6 +91,23 @@ def prefix_hashes(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: st
         prior = page_hash(array[start:start + page_tokens], prior)
         keys.append(prior)
     return keys
+
+
+_NATIVE_DTYPES = (np.dtype("<u4"), np.dtype("<i4"), np.dtype("<u8"), np.dtype("<i8"))
+
+
+def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A C-contiguous array of 32- or 64-bit integers the native chain reads in place (range-checked there)."""
+    if type(tokens).__module__.startswith("torch"):
+        tokens = tokens.detach().cpu().numpy()
+    array = np.asarray(tokens)
+    if array.ndim != 1 and array.size:
+        array = array.reshape(-1)
+    if array.dtype not in _NATIVE_DTYPES:
+        if array.size and array.dtype.kind not in "iub":
+            raise ValueError(f"token ids must be integers that fit in uint32, got dtype {array.dtype}")
+        array = array.astype(np.int64)
+    return np.ascontiguousarray(array)
 
 
 def encode_key(key: Key) -> bytes:

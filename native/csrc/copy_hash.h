@@ -1,0 +1,14 @@
+#ifndef KVSTORE_NATIVE_COPY_HASH_H
+#define KVSTORE_NATIVE_COPY_HASH_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct { const uint8_t *src; size_t nbytes; } segment_t;
+
+/* Copy segments back to back into dst and return XXH3_64bits of the bytes copied, reading
+ * each byte from memory once. */
+uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count);
+
+/* XXH3_64bits of [data, data + nbytes). */
+uint64_t hash_bytes(const uint8_t *data, size_t nbytes);
+#endif

@@ -1,0 +1,57 @@
+/* The body of copy_hash, compiled once per instruction set (copy_hash.c, copy_hash_avx2.c):
+ * the including file names the function (COPY_HASH_NAME) and chooses xxhash's vector unit. */
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#include <immintrin.h>
+#include <string.h>
+
+#include "copy_hash.h"
+
+#ifndef COPY_HASH_NAME
+#error "define COPY_HASH_NAME before including copy_hash_body.h"
+#endif
+
+/* Pieces this small stay in L1 between the copy and the hash, and are short enough for the
+ * out-of-order core to overlap one piece's hashing with the next one's loads from DRAM. */
+enum { PIECE_BYTES = 4 << 10 };
+
+__attribute__((target("avx2")))
+static void copy_stream(uint8_t *dst, const uint8_t *src, size_t nbytes) {
+    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+    if (head > nbytes)
+        head = nbytes;
+    memcpy(dst, src, head);
+    size_t i = head;
+    for (; i + 128 <= nbytes; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
+    }
+    memcpy(dst + i, src + i, nbytes - i);
+}
+
+uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, int streaming) {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (size_t s = 0; s < count; s++) {
+        const uint8_t *src = segments[s].src;
+        size_t nbytes = segments[s].nbytes;
+        for (size_t done = 0; done < nbytes; done += PIECE_BYTES) {
+            size_t n = nbytes - done < PIECE_BYTES ? nbytes - done : PIECE_BYTES;
+            if (streaming)
+                copy_stream(dst, src + done, n);
+            else
+                memcpy(dst, src + done, n);
+            XXH3_64bits_update(&state, src + done, n);
+            dst += n;
+        }
+    }
+    if (streaming)
+        _mm_sfence();   /* the streamed stores are visible before the caller's Commit is sent */
+    return XXH3_64bits_digest(&state);
+}

@@ -1,0 +1,99 @@
+"""kvstore_native agrees byte for byte with the pure-Python paths it replaces, on random inputs."""
+
+import ctypes
+import hashlib
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore_client import keys, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"kvstore_native not built: {native.missing_reason}")
+kvstore_native = native.module
+
+
+@pytest.mark.parametrize("dtype", ["<u4", "<i4", "<u8", "<i8"])
+@pytest.mark.parametrize("page", [1, 3, 16, 64, 1500])
+def test_prefix_hashes_equal_the_reference_chain(dtype, page):
+    rng = np.random.default_rng(page)
+    high = 2**31 - 1 if dtype == "<i4" else 2**32 - 1
+    tokens = rng.integers(0, high, size=int(rng.integers(0, page * 20)), dtype=np.int64, endpoint=True)
+    seed = hashlib.sha256(rng.bytes(8)).hexdigest() if page % 2 else ""
+    expected = keys.prefix_hashes_python(tokens.tolist(), page, seed)
+    assert keys.prefix_hashes(tokens.astype(dtype), page, seed) == expected
+    assert keys.prefix_hashes(tokens.tolist(), page, seed) == expected
+
+
+def test_prefix_hashes_take_torch_and_strided_input():
+    torch = pytest.importorskip("torch")
+    tokens = np.arange(0, 4096 * 3, 3, dtype=np.int64)
+    expected = keys.prefix_hashes_python(tokens, 16)
+    assert keys.prefix_hashes(torch.from_numpy(tokens), 16) == expected
+    wide = np.repeat(tokens, 2)[::2]   # the same ids, not contiguous
+    assert keys.prefix_hashes(wide, 16) == expected
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], np.array([0, 2**32], dtype=np.uint64), np.array([-5], dtype=np.int32)])
+def test_token_ids_outside_uint32_are_refused_on_both_paths(bad):
+    for chain in (keys.prefix_hashes, keys.prefix_hashes_python):
+        with pytest.raises(ValueError, match="uint32"):
+            chain(bad, 1)
+
+
+def test_a_refused_token_in_the_last_page_refuses_the_call():
+    tokens = np.zeros(64, dtype=np.int64)
+    tokens[-1] = -1
+    with pytest.raises(ValueError, match="uint32"):
+        kvstore_native.prefix_hashes(tokens, 16, b"")
+
+
+def test_float_token_ids_are_refused_not_truncated():
+    for chain in (keys.prefix_hashes, keys.prefix_hashes_python):
+        with pytest.raises(ValueError, match="integers"):
+            chain([1.5, 2.0], 1)
+
+
+def _aligned(nbytes: int, misalign: int) -> tuple[np.ndarray, int]:
+    storage = np.zeros(nbytes + 128, dtype=np.uint8)
+    address = (storage.ctypes.data + 63) // 64 * 64 + misalign
+    return storage, address
+
+
+@pytest.mark.parametrize("misalign", [0, 1, 17])
+def test_copy_hash_copies_and_equals_xxh3(misalign):
+    rng = np.random.default_rng(misalign)
+    sizes = [0, 1, 15, 16, 17, 128, 129, 240, 241, 255, 1024, 4095, 4096, 4097, 65536 + 13, 1 << 20]
+    for nbytes in sizes:
+        source = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+        storage, dst = _aligned(nbytes, misalign)
+        cuts = sorted(rng.integers(0, nbytes + 1, size=3).tolist()) if nbytes else []
+        bounds = [0, *cuts, nbytes]
+        segments = [(source.ctypes.data + a, b - a) for a, b in zip(bounds, bounds[1:])]
+        got = kvstore_native.copy_hash(dst, segments)
+        assert got == xxhash.xxh3_64_intdigest(source.tobytes()), nbytes
+        assert ctypes.string_at(dst, nbytes) == source.tobytes(), nbytes
+        assert kvstore_native.xxh3_64(source.tobytes()) == got
+
+
+def test_copy_hash_pages_copies_each_page_to_its_offset():
+    rng = np.random.default_rng(7)
+    page = 4096 + 64
+    source = rng.integers(0, 256, size=page * 5, dtype=np.uint8)
+    storage, base = _aligned(page * 8, 0)
+    offsets = [page * 7, 0, page * 3, page, page * 5]
+    pages = [(offset, [(source.ctypes.data + i * page, page)]) for i, offset in enumerate(offsets)]
+    sums = kvstore_native.copy_hash_pages(base, pages)
+    for i, offset in enumerate(offsets):
+        data = source[i * page:(i + 1) * page].tobytes()
+        assert ctypes.string_at(base + offset, page) == data
+        assert sums[i] == xxhash.xxh3_64_intdigest(data)
+
+
+def test_bad_arguments_raise_not_crash():
+    with pytest.raises(TypeError):
+        kvstore_native.prefix_hashes(np.zeros(4, dtype=np.float32), 1, b"")
+    with pytest.raises(ValueError):
+        kvstore_native.prefix_hashes(np.zeros(4, dtype=np.uint32), 0, b"")
+    with pytest.raises(TypeError):
+        kvstore_native.copy_hash(0, [("x", 1)])
