@@ -47,6 +47,11 @@ class ArenaMapping:
             _memmove(dst, src, nbytes)
             src += nbytes
 
+    def hold(self) -> np.ndarray:
+        """A view of the whole mapping that keeps it mapped, even past close(), until the view is dropped
+        (memory registered with a GPU must stay mapped until it is unregistered)."""
+        return self._array[:]
+
     def close(self) -> None:
         self.view.release()
         del self._array
