@@ -178,10 +178,19 @@ class ScrubConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HbmConfig:
+    """The HBM tier: a pool of one GPU's memory, allocated whole at start-up and exported over CUDA IPC
+    to engines on this host (kvstore/tiers/hbm.py). pool_bytes 0 = no HBM tier."""
+    pool_bytes: int = 0
+    device: int = 0                         # CUDA device index, as this process sees them
+
+
+@dataclasses.dataclass(frozen=True)
 class TestingConfig:
     """Fault injection for the crash tests; empty in production (kvstore/failpoints.py)."""
     failpoints: str = ""                    # e.g. "commit.after_publish=kill@3"
     failpoints_seed: int = 0                # seeds the probabilistic (kill%P) points
+    hbm_on_host: bool = False               # a host memfd stands in for the HBM pool's GPU (tests without CUDA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +209,7 @@ class Config:
     events: EventsConfig = EventsConfig()
     route: RouteConfig = RouteConfig()
     scrub: ScrubConfig = ScrubConfig()
+    hbm: HbmConfig = HbmConfig()
     testing: TestingConfig = TestingConfig()
 
     @property
@@ -379,6 +389,8 @@ def _validate(config: Config) -> None:
          'must look like host:port, or "" to serve no metrics'),
         ("ops.log_format", config.ops.log_format in ("text", "json", "logfmt"), "must be text, json or logfmt"),
         ("systemd.watchdog_usec", config.systemd.watchdog_usec >= 0, "must not be negative"),
+        ("hbm.pool_bytes", config.hbm.pool_bytes >= 0, "must not be negative (0 = no HBM tier)"),
+        ("hbm.device", config.hbm.device >= 0, "must be a CUDA device index"),
     ]
     checks += _events_checks(config.events) + _route_checks(config.route)
     for dotted, ok, why in checks:
@@ -431,7 +443,7 @@ _SECTION_TYPES: dict[str, type] = {
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
-    "events": EventsConfig, "route": RouteConfig, "scrub": ScrubConfig,
+    "events": EventsConfig, "route": RouteConfig, "scrub": ScrubConfig, "hbm": HbmConfig,
     "testing": TestingConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {

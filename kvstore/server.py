@@ -39,6 +39,7 @@ from kvstore.ops.metrics import Metrics
 from kvstore.ops.notify import Notifier
 from kvstore.ops.supervise import serve_until_stopped
 from kvstore.tiers.dram import Arena
+from kvstore.tiers.hbm import open_pool
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.transport.tcp import TcpServer, TcpSettings
 from kvstore_client.errors import TransportUnavailable
@@ -61,6 +62,7 @@ class Node:
         self.tcp: TcpServer | None = None
         self.rdma = None
         self.nvme: NvmeTier | None = None
+        self.hbm = None
         self.metrics: Metrics | None = None
         try:
             if config.nvme.enabled:
@@ -98,6 +100,10 @@ class Node:
                 except TransportUnavailable as exc:
                     raise OSError(f"rdma.enabled is set but {exc}") from None
                 self.service.rdma = self.rdma
+            if config.hbm.pool_bytes:
+                self.hbm = open_pool(config.hbm.device, config.hbm.pool_bytes, config.testing.hbm_on_host)
+                self.service.hbm = pb.HbmRegion(ipc_handle=self.hbm.ipc_handle, nbytes=self.hbm.nbytes,
+                                                device_uuid=self.hbm.device_uuid)
             self.health = HealthState(self.grpc, config.ops.reflection)
             if self.metrics is not None:
                 self.metrics.serve(config.ops.metrics_address)
@@ -111,6 +117,8 @@ class Node:
                 self.tcp.close()
             if self.nvme is not None:
                 self.nvme.close()
+            if self.hbm is not None:
+                self.hbm.close()
             self.arena.close()
             raise
         self._stop = threading.Event()
@@ -179,6 +187,8 @@ class Node:
             self.controller.stop()
         if self.nvme is not None:
             self.nvme.close()
+        if self.hbm is not None:
+            self.hbm.close()
         if self.metrics is not None:
             self.metrics.close()
         log.info("draining complete open_leases_left=%d duration_s=%.3f", open_leases, time.monotonic() - started)

@@ -42,6 +42,7 @@ class KVStoreService:
         self.instance_id = secrets.token_bytes(8)
         self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
         self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
+        self.hbm: pb.HbmRegion | None = None     # set by the server when it holds an HBM pool
         self._methods: dict[str, Callable[[Any, object | None], Any]] = {
             "Hello": self.hello, "OpenNamespace": self.open_namespace, "Lookup": self.lookup,
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
@@ -71,7 +72,8 @@ class KVStoreService:
                 batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
-            tcp_endpoint=self.tcp_endpoint, rdma_enabled=self.rdma is not None, instance_id=self.instance_id)
+            tcp_endpoint=self.tcp_endpoint, rdma_enabled=self.rdma is not None, instance_id=self.instance_id,
+            hbm=self.hbm)
 
     def open_namespace(self, request: pb.OpenNamespaceRequest, owner: object | None) -> pb.OpenNamespaceResponse:
         namespace = checks.namespace_spec(request.spec, self.limits, self.config.limits.name_bytes_max)

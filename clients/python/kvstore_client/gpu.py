@@ -6,7 +6,8 @@
     stored = pages.put_from_gpu(ns, keys, cache, "sglang_page_first", block_ids)
 
 The arena the client mapped (shared memory, so only on the node's host) is registered with CUDA
-once per client as mapped pinned memory; the gather/scatter kernel then reads each page from the
+once per client as mapped pinned memory, and the node's HBM pool, when it has one, is opened once
+over CUDA IPC (a page the node answers with an HBM offset is read from there); the gather/scatter kernel then reads each page from the
 store's DRAM and writes it into its block of the engine's cache (and back for a put), one launch
 per call: a page crosses PCIe once, with no host buffer of the engine's in between. `layout` is the
 byte order of a stored page (kv_layout.PAGE_FORMATS, or a PageFormat): it must be the one the
@@ -58,6 +59,7 @@ class GpuPages:
         self._device = device if device is not None else CudaDevice()
         self._lock = threading.Lock()       # one device copy at a time; guards the registration
         self._registration: ArenaRegistration | None = None
+        self._hbm: tuple[bytes, int] | None = None     # the node's HBM pool opened here: (IPC handle, address)
         self._closed = False
 
     def get_to_gpu(self, namespace: Namespace, keys: Sequence[Key], kv_cache: kv_layout.CacheLayout,
@@ -105,9 +107,10 @@ class GpuPages:
         return stored
 
     def close(self) -> None:
-        """Unregister the arena; the client itself stays open (it is the caller's)."""
+        """Unregister the arena and close the HBM pool's handle; the client itself stays open (it is the caller's)."""
         with self._lock:
             self._closed = True
+            self._close_hbm()
             if self._registration is not None:
                 self._registration.drop(self._device)
                 self._registration = None
@@ -134,9 +137,7 @@ class GpuPages:
                 raise errors.PageSizeMismatch(f"the node answered {acquired.page_bytes}-byte pages, "
                                               f"the cache's are {plan.page_bytes}")
             with self._lock:
-                base = self._arena_base(conn)
-                addrs = base + np.asarray(acquired.offsets[:hits], dtype=np.uint64)
-                self._device.pages_to_cache(plan, addrs, blocks[:hits])
+                self._device.pages_to_cache(plan, self._page_addresses(conn, acquired, hits), blocks[:hits])
         finally:
             conn.control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
         _check_node(conn)
@@ -193,6 +194,34 @@ class GpuPages:
         plan = kv_layout.plan(shape, page_format, kv_cache)
         plan.check_blocks(blocks)
         return plan, raw_keys, blocks
+
+    def _page_addresses(self, conn: NodeConnection, acquired: pb.AcquireResponse, hits: int) -> np.ndarray:
+        """Where each hit page is, as the device sees it: in the node's HBM pool when the answer says so, else in
+        the arena (under _lock)."""
+        addrs = self._arena_base(conn) + np.asarray(acquired.offsets[:hits], dtype=np.uint64)
+        if len(acquired.hbm_offsets):
+            hbm = np.asarray(acquired.hbm_offsets[:hits], dtype=np.int64)
+            in_hbm = hbm >= 0
+            if in_hbm.any():
+                region = conn.hello.hbm
+                if int(hbm.max()) + acquired.page_bytes > region.nbytes:
+                    raise errors.Internal(f"the node answered an HBM offset {int(hbm.max())} past its "
+                                          f"{region.nbytes}-byte pool")
+                addrs[in_hbm] = self._hbm_base(region) + hbm[in_hbm].astype(np.uint64)
+        return addrs
+
+    def _hbm_base(self, region: pb.HbmRegion) -> int:
+        """The address of the node's HBM pool here: its handle is opened once and kept while the node serves it
+        (a restarted node exports a new pool; the old one is closed then). Under _lock."""
+        if self._hbm is None or self._hbm[0] != region.ipc_handle:
+            self._close_hbm()
+            self._hbm = (region.ipc_handle, self._device.open_ipc(region.ipc_handle))
+        return self._hbm[1]
+
+    def _close_hbm(self) -> None:
+        if self._hbm is not None:
+            self._device.close_ipc(self._hbm[1])
+            self._hbm = None
 
     def _arena_base(self, conn: NodeConnection) -> int:
         """The device address of the arena this connection mapped; registers it on first use (under _lock)."""

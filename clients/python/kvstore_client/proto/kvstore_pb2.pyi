@@ -141,7 +141,7 @@ class HelloRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits", "tcp_endpoint", "rdma_enabled", "instance_id")
+    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits", "tcp_endpoint", "rdma_enabled", "instance_id", "hbm")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class HelloResponse(_message.Message):
     TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     RDMA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HBM_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     shm_socket: str
     arena_bytes: int
@@ -156,7 +157,18 @@ class HelloResponse(_message.Message):
     tcp_endpoint: str
     rdma_enabled: bool
     instance_id: bytes
-    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tcp_endpoint: _Optional[str] = ..., rdma_enabled: _Optional[bool] = ..., instance_id: _Optional[bytes] = ...) -> None: ...
+    hbm: HbmRegion
+    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tcp_endpoint: _Optional[str] = ..., rdma_enabled: _Optional[bool] = ..., instance_id: _Optional[bytes] = ..., hbm: _Optional[_Union[HbmRegion, _Mapping]] = ...) -> None: ...
+
+class HbmRegion(_message.Message):
+    __slots__ = ("ipc_handle", "nbytes", "device_uuid")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    nbytes: int
+    device_uuid: bytes
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -273,7 +285,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token")
+    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token", "hbm_offsets")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +294,7 @@ class AcquireResponse(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HBM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     hit_pages: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
@@ -290,7 +303,8 @@ class AcquireResponse(_message.Message):
     lease_ttl_ms: int
     promoted_pages: int
     data_token: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
+    hbm_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., data_token: _Optional[bytes] = ..., hbm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
