@@ -84,6 +84,7 @@ class LeaseConfig:
 @dataclasses.dataclass(frozen=True)
 class LimitsConfig:
     batch_pages_max: int = 1024
+    lookup_pages_max: int = 32768           # pages in one Lookup/Route: a 512k-token prompt at 16 tokens a page
     page_bytes_max: int = 0                 # 0 = dram.slab_bytes (a page fits in one slab)
     name_bytes_max: int = 256               # model, tenant, layout and dtype strings of a namespace
     namespaces_per_tenant_max: int = 1024   # open namespaces of one tenant; idle ones are reclaimed first
@@ -347,6 +348,7 @@ def _validate(config: Config) -> None:
         ("limits.page_bytes_max", 0 <= config.limits.page_bytes_max <= config.dram.slab_bytes,
          f"must be between 1 and dram.slab_bytes ({config.dram.slab_bytes}), or 0 for dram.slab_bytes"),
         ("limits.batch_pages_max", 0 < config.limits.batch_pages_max <= 65536, "must be 1 to 65536"),
+        ("limits.lookup_pages_max", 0 < config.limits.lookup_pages_max <= 65536, "must be 1 to 65536"),
         ("leases.read_ttl_ms", 0 < config.leases.read_ttl_ms <= config.leases.ttl_ms_max,
          "must be positive and at most leases.ttl_ms_max"),
         ("leases.write_ttl_ms", 0 < config.leases.write_ttl_ms <= config.leases.ttl_ms_max,

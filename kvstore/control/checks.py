@@ -42,34 +42,58 @@ def namespace_spec(spec: pb.NamespaceSpec, limits: Limits, name_bytes_max: int) 
 
 
 def keys(batch: Sequence[bytes], limits: Limits, what: str = "keys") -> list[bytes]:
-    if not batch:
-        raise errors.InvalidArgument(f"{what} is empty: send at least one key")
-    if len(batch) > limits.batch_pages_max:
-        raise errors.BatchTooLarge(
-            f"{len(batch)} keys in one call; limits.batch_pages_max is {limits.batch_pages_max}: split it")
-    sizes = list(map(len, batch))
-    if min(sizes) == 0 or max(sizes) > limits.key_bytes_max:
-        position = next(i for i, n in enumerate(sizes) if not 0 < n <= limits.key_bytes_max)
-        raise errors.InvalidArgument(
-            f"{what}[{position}] has {sizes[position]} bytes; keys are 1 to {limits.key_bytes_max} bytes")
-    if len(set(batch)) != len(batch):
-        raise errors.DuplicateKey(f"{what} holds the same key twice; a chain never repeats a page")
-    return list(batch)
+    """Keys of a Reserve, Acquire or Delete: at most limits.batch_pages_max."""
+    return _keys(batch, limits, limits.batch_pages_max, "batch_pages_max", what)
 
 
-def lookup_keys(namespace: Namespace, request: pb.LookupRequest | pb.RouteRequest, limits: Limits) -> list[bytes]:
-    """The keys a Lookup or Route names, by keys or by tokens; the page count is checked before hashing."""
+def lookup_keys(namespace: Namespace, request: pb.LookupRequest | pb.RouteRequest, limits: Limits,
+                parent_key: bytes = b"") -> list[bytes]:
+    """The keys a Lookup or Route names, by keys or by tokens; the page count is checked before hashing.
+
+    By tokens, the chain starts from `parent_key` (the key of the page before them) when given,
+    else from the namespace's hash_seed.
+    """
     if request.keys and request.tokens:
         raise errors.InvalidArgument("give keys or tokens, not both")
+    if parent_key and not request.tokens:
+        raise errors.InvalidArgument("parent_key continues a chain of tokens: send it with tokens, not keys")
     if not request.tokens:
-        return keys(request.keys, limits)
+        return _keys(request.keys, limits, limits.lookup_pages_max, "lookup_pages_max", "keys")
     if not namespace.page_tokens:
         raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
     pages = len(request.tokens) // namespace.page_tokens
-    if pages > limits.batch_pages_max:
-        raise errors.BatchTooLarge(f"{pages} pages of tokens; limits.batch_pages_max is {limits.batch_pages_max}: "
-                                   "split the prompt")
-    return [encode_key(k) for k in prefix_hashes(request.tokens, namespace.page_tokens, namespace.hash_seed)]
+    if pages > limits.lookup_pages_max:
+        raise errors.BatchTooLarge(f"{pages} pages of tokens; limits.lookup_pages_max is {limits.lookup_pages_max}: "
+                                   "split the prompt, each part's parent_key the last key of the part before")
+    seed = _chain_key(parent_key) if parent_key else namespace.hash_seed
+    return [encode_key(k) for k in prefix_hashes(request.tokens, namespace.page_tokens, seed)]
+
+
+def _keys(batch: Sequence[bytes], limits: Limits, most: int, limit_name: str, what: str) -> list[bytes]:
+    if not batch:
+        raise errors.InvalidArgument(f"{what} is empty: send at least one key")
+    if len(batch) > most:
+        raise errors.BatchTooLarge(f"{len(batch)} keys in one call; limits.{limit_name} is {most}: split it")
+    keys = list(batch)
+    sizes = set(map(len, keys))
+    if min(sizes) == 0 or max(sizes) > limits.key_bytes_max:
+        position = next(i for i, key in enumerate(keys) if not 0 < len(key) <= limits.key_bytes_max)
+        raise errors.InvalidArgument(
+            f"{what}[{position}] has {len(keys[position])} bytes; keys are 1 to {limits.key_bytes_max} bytes")
+    if len(set(keys)) != len(keys):
+        raise errors.DuplicateKey(f"{what} holds the same key twice; a chain never repeats a page")
+    return keys
+
+
+def _chain_key(key: bytes) -> str:
+    """A key the token chain made (hex digits), as the seed its next page is hashed from."""
+    try:
+        text = key.decode("ascii")
+        bytes.fromhex(text)
+    except ValueError:
+        raise errors.InvalidArgument("parent_key must be a key of the token chain (hex digits), "
+                                     f"got {key[:16]!r}...") from None
+    return text
 
 
 def lease_ttl_ms(asked_ms: int, default_ms: int, config: Config) -> int:

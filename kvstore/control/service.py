@@ -70,6 +70,7 @@ class KVStoreService:
             server_version=__version__, shm_socket=self.shm_socket, arena_bytes=self.store.arena.nbytes,
             limits=pb.Limits(
                 batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
+                lookup_pages_max=self.limits.lookup_pages_max,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
             tcp_endpoint=self.tcp_endpoint, rdma_enabled=self.rdma is not None, instance_id=self.instance_id,
@@ -81,9 +82,10 @@ class KVStoreService:
 
     def lookup(self, request: pb.LookupRequest, owner: object | None) -> pb.LookupResponse:
         namespace = self.store.namespace(request.namespace_id)
-        keys = checks.lookup_keys(namespace, request, self.limits)
+        keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
         tiers = self.store.tiers(request.namespace_id, keys)
-        return pb.LookupResponse(hit_pages=len(tiers), tiers=tiers)
+        last_key = keys[-1] if request.tokens and keys else b""
+        return pb.LookupResponse(hit_pages=len(tiers), tiers=tiers, last_key=last_key)
 
     def reserve(self, request: pb.ReserveRequest, owner: object | None) -> pb.ReserveResponse:
         namespace = self.store.namespace(request.namespace_id)

@@ -24,6 +24,7 @@ import enum
 import hmac
 import itertools
 import logging
+import operator
 import threading
 import time
 from typing import Callable, Iterable, Protocol
@@ -41,6 +42,8 @@ from kvstore_client.keys import Namespace, namespace_id
 from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
+
+_OFFSET = operator.attrgetter("offset")
 
 # Namespaces over all tenants; beyond it (and a tenant's own limit) idle ones are reclaimed.
 NAMESPACES_MAX = 4096
@@ -199,7 +202,10 @@ class PageStore:
     def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
         """The tier of each leading page held here (DRAM when it is in both)."""
         with self._lock:
-            return [pb.NVME if r.offset == NO_SLOT else pb.DRAM for r in self.index.leading(ns_id, keys)]
+            offsets = list(map(_OFFSET, self.index.leading(ns_id, keys)))
+        if NO_SLOT not in offsets:   # the usual answer, without a per-page step
+            return [pb.DRAM] * len(offsets)
+        return [pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets]
 
     # -- writes: reserve, commit, abort -------------------------------------------------
 

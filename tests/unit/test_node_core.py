@@ -172,7 +172,7 @@ def test_a_token_lookup_is_sized_before_any_token_is_hashed(node, monkeypatch):
     ns = node.open_namespace(pb.OpenNamespaceRequest(spec=spec), None).namespace_id
     hashed = []
     monkeypatch.setattr(checks, "prefix_hashes", lambda *a: hashed.append(a) or [])
-    tokens = [1] * (16 * (node.limits.batch_pages_max + 1))
+    tokens = [1] * (16 * (node.limits.lookup_pages_max + 1))
     with pytest.raises(errors.BatchTooLarge, match="split"):
         node.lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens), None)
     assert not hashed

@@ -201,6 +201,38 @@ def test_lookup_by_tokens_uses_the_namespace_chain(service):
     assert service.lookup(pb.LookupRequest(namespace_id=ns, tokens=[0, 1, 2, 3, 9, 9, 9, 9]), None).hit_pages == 1
 
 
+def test_lookup_by_tokens_continues_the_chain_from_parent_key(service):
+    from kvstore_client.keys import encode_key, prefix_hashes
+    ns = open_ns(service, page_tokens=4, hash_seed="ab" * 32)
+    tokens = list(range(40))
+    chain = [encode_key(k) for k in prefix_hashes(tokens, 4, "ab" * 32)]
+    put(service, ns, chain)
+    first = service.lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens[:16]), None)
+    assert first.hit_pages == 4 and first.last_key == chain[3]
+    rest = service.lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens[16:], parent_key=first.last_key), None)
+    assert rest.hit_pages == 6 and rest.last_key == chain[-1]
+    # the same tokens without their parent are another chain
+    assert service.lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens[16:]), None).hit_pages == 0
+
+
+@pytest.mark.parametrize("request_fields, error, message", [
+    ({"keys": [b"k"], "parent_key": b"ab"}, errors.InvalidArgument, "with tokens"),
+    ({"tokens": [1, 2, 3, 4], "parent_key": b"not hex"}, errors.InvalidArgument, "hex"),
+    ({"tokens": list(range(4 * 129))}, errors.BatchTooLarge, "lookup_pages_max is 128"),
+    ({"keys": [b"k%d" % i for i in range(129)]}, errors.BatchTooLarge, "lookup_pages_max is 128"),
+])
+def test_lookup_input_is_refused_before_any_hashing(clock, request_fields, error, message):
+    svc = make_service(["dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "limits.batch_pages_max=64",
+                        "limits.lookup_pages_max=128"], clock)
+    ns = open_ns(svc, page_tokens=4)
+    with pytest.raises(error, match=message):
+        svc.lookup(pb.LookupRequest(namespace_id=ns, **request_fields), None)
+    # a Lookup may name more pages than a Reserve (it holds no slot and no lease per page)
+    assert svc.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"k%d" % i for i in range(128)]), None).hit_pages == 0
+    assert svc.hello(pb.HelloRequest(), None).limits.lookup_pages_max == 128
+    svc.store.arena.close()
+
+
 def test_draining_refuses_new_leases_but_finishes_open_ones(service):
     ns = open_ns(service)
     r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"a"], page_bytes=PAGE), None)

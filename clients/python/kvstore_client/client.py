@@ -29,7 +29,7 @@ import logging
 import threading
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from kvstore_client import checksums, errors
+from kvstore_client import checksums, errors, lookup
 from kvstore_client.buffers import page_segments
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
@@ -147,11 +147,16 @@ class KVStoreClient:
         return loaded
 
     def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Sequence[int] | None = None) -> int:
-        """How many leading pages are stored, by keys or by token ids. Extends no lease."""
-        if (keys is None) == (tokens is None):
-            raise ValueError("pass exactly one of keys or tokens")
-        request = pb.LookupRequest(keys=encode_keys(keys or ()), tokens=list(tokens or ()))
-        return self._on_node(lambda conn: conn.call_in(namespace, "Lookup", request), _always).hit_pages
+        """How many leading pages are stored, by keys or by token ids (a list, numpy array or CPU tensor).
+
+        One call for a prompt of any length: parts beyond the node's limit go as several Lookups
+        (lookup.py). Extends no lease.
+        """
+        chain = lookup.chain_keys(namespace, keys, tokens)
+        if tokens is not None and not chain:
+            return 0   # fewer tokens than one page
+        return self._on_node(lambda conn: conn.reopening(
+            namespace, lambda ns_id: lookup.leading_hits(conn.control, conn.hello.limits, ns_id, chain)), _always)
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Sequence[int] | None = None) -> pb.RouteResponse:

@@ -118,4 +118,9 @@ def encode_key(key: Key) -> bytes:
 
 
 def encode_keys(keys: Iterable[Key]) -> list[bytes]:
-    return [encode_key(k) for k in keys]
+    raw = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
+    sizes = set(map(len, raw))   # checked once over the batch: a long prompt is thousands of keys
+    if sizes and (min(sizes) == 0 or max(sizes) > KEY_BYTES_MAX):
+        bad = next(len(k) for k in raw if not 0 < len(k) <= KEY_BYTES_MAX)
+        raise ValueError(f"a key must be 1 to {KEY_BYTES_MAX} bytes, got {bad}")
+    return raw

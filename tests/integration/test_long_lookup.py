@@ -1,0 +1,38 @@
+"""A prompt longer than one Lookup holds is looked up in one SDK call, by keys and by tokens."""
+
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, Namespace, prefix_hashes
+
+PAGE = 4096
+PAGES = 2000
+
+
+@pytest.fixture
+def long_client(start_server):
+    server = start_server({"limits.lookup_pages_max": 300, "limits.batch_pages_max": 256,
+                           "dram.arena_bytes": "64MiB"})
+    with KVStoreClient(server.address, timeout_s=10) as c:
+        yield c
+
+
+def test_a_long_prompt_is_looked_up_in_parts(long_client):
+    ns = Namespace(model="long", page_bytes=PAGE, page_tokens=16, hash_seed="cd" * 32)
+    tokens = np.random.default_rng(3).integers(0, 128_000, PAGES * 16 + 5).astype(np.uint32)
+    keys = prefix_hashes(tokens, 16, ns.hash_seed)
+    stored = 1234   # ends inside the fifth part of 300
+    assert long_client.put(ns, keys[:stored], np.zeros((stored, PAGE), np.uint8)) == stored
+    assert long_client.lookup(ns, keys=keys) == stored
+    assert long_client.lookup(ns, tokens=tokens) == stored
+    assert long_client.lookup(ns, tokens=tokens.tolist()) == stored
+    assert long_client.lookup(ns, keys=keys[:900]) == 900   # three whole parts
+    assert long_client.lookup(ns, tokens=tokens[:15]) == 0   # not one full page
+
+
+def test_lookup_of_an_early_miss_stops_at_it(long_client):
+    ns = Namespace(model="miss", page_bytes=PAGE, page_tokens=16)
+    keys = [f"m{i}" for i in range(PAGES)]
+    assert long_client.put(ns, keys[:10], np.zeros((10, PAGE), np.uint8)) == 10
+    assert long_client.lookup(ns, keys=keys) == 10
+    assert long_client.limits.lookup_pages_max == 300
