@@ -11,6 +11,15 @@ DRAM (an arena slot), on NVMe, or both:
   a restart stays prefix-closed), dropping only its NVMe copy when it is also in DRAM.
 - Delete takes a page with everything that extends it.
 
+A page may be committed after a parent the index no longer holds (an engine backs up the
+pages after its own cache hit, and this store evicted the page before them). It is then a
+root *anchored* at the parent key it names: `anchor` holds that key, and `_anchored` maps the
+absent parent's page id to the pages waiting for it. Nothing else is recorded for the absent
+parent (no record, no bytes). Lookups are unchanged: from the chain's start they stop at the
+gap, and from the anchored page on they count it. When the parent page is committed again,
+it adopts its anchored pages as children, so from then on it is evicted only after them
+(leaf-first). An anchored page that leaves the index leaves its anchor entry too.
+
 Not thread-safe: the page store's lock guards every call (store.py).
 """
 
@@ -27,7 +36,7 @@ NO_SLOT = -1
 
 class PageRecord:
     __slots__ = ("page_id", "parent", "children", "offset", "slot_bytes", "checksum",
-                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued")
+                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor")
 
     def __init__(self, page_id: PageId, parent: "PageRecord | None", offset: int, slot_bytes: int, checksum: int):
         self.page_id = page_id
@@ -43,6 +52,7 @@ class PageRecord:
         self.on_nvme = False
         self.busy = False          # being written down or promoted by the controller
         self.queued = False        # waiting in the controller's write-down queue
+        self.anchor = b""          # the absent parent's key this root waits for (see the module docstring)
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -68,6 +78,7 @@ class PageIndex:
         self._on_dram_dropped = on_dram_dropped  # a page's DRAM copy may be reused
         self.pages_by_namespace: dict[int, int] = {}
         self._roots: dict[int, set[PageRecord]] = {}   # pages with no parent, per namespace (Delete all)
+        self._anchored: dict[PageId, set[PageRecord]] = {}   # absent parent -> roots anchored at it
         self.dram_pages = 0
         self.nvme_pages = 0
 
@@ -81,10 +92,13 @@ class PageIndex:
         return self._pages.get(page_id)
 
     def add(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
-            checksum: int, on_nvme: bool = False) -> PageRecord:
-        """Insert without an access tick; the caller touches the new pages (see touch_all)."""
+            checksum: int, on_nvme: bool = False, anchor: bytes = b"") -> PageRecord:
+        """Insert without an access tick; the caller touches the new pages (see touch_all).
+
+        `anchor`: with no parent, the key of the absent parent this page extends."""
         assert page_id not in self._pages, "a committed page is immutable"
         assert parent is None or parent.alive, "the index stays prefix-closed"
+        assert not (parent is not None and anchor), "a page is anchored only when its parent is absent"
         record = PageRecord(page_id, parent, offset, slot_bytes, checksum)
         record.on_nvme = on_nvme
         if parent is not None:
@@ -93,7 +107,13 @@ class PageIndex:
             parent.children.add(record)
         else:
             self._roots.setdefault(page_id[0], set()).add(record)
+            if anchor and (page_id[0], anchor) != page_id:
+                record.anchor = anchor
+                self._anchored.setdefault((page_id[0], anchor), set()).add(record)
         self._pages[page_id] = record
+        waiting = self._anchored.pop(page_id, None)
+        if waiting:
+            self._adopt(record, waiting)
         self.pages_by_namespace[page_id[0]] = self.pages_by_namespace.get(page_id[0], 0) + 1
         self.dram_pages += offset != NO_SLOT
         self.nvme_pages += on_nvme
@@ -269,11 +289,48 @@ class PageIndex:
                 assert record in record.parent.children
             else:
                 assert record in self._roots[record.page_id[0]]
+            if record.anchor:
+                assert record.parent is None and (record.page_id[0], record.anchor) not in self._pages
+                assert record in self._anchored[(record.page_id[0], record.anchor)]
         assert sum(map(len, self._roots.values())) == sum(r.parent is None for r in self._pages.values())
+        assert sum(map(len, self._anchored.values())) == sum(bool(r.anchor) for r in self._pages.values())
+
+    def anchored(self, parent_id: PageId) -> set[PageRecord]:
+        """Pages waiting for the absent parent `parent_id` (tests and Stats)."""
+        return set(self._anchored.get(parent_id, ()))
+
+    def _adopt(self, record: PageRecord, waiting: set[PageRecord]) -> None:
+        """The anchored roots in `waiting` become children of `record`, their parent committed again.
+
+        A root that is one of `record`'s own ancestors stays a plain root (keys that name each
+        other would make a cycle; honest hash chains never do)."""
+        ancestors = set()
+        node = record.parent
+        while node is not None:
+            ancestors.add(node)
+            node = node.parent
+        roots = self._roots[record.page_id[0]]
+        for child in waiting:
+            child.anchor = b""
+            if child in ancestors:
+                continue
+            roots.discard(child)
+            child.parent = record
+            if record.children is None:
+                record.children = set()
+            record.children.add(child)
+        if not roots:
+            del self._roots[record.page_id[0]]
 
     def _remove(self, record: PageRecord) -> None:
         assert record.is_leaf(), "only leaves leave the index"
         del self._pages[record.page_id]
+        if record.anchor:
+            anchor_id = (record.page_id[0], record.anchor)
+            waiting = self._anchored[anchor_id]
+            waiting.discard(record)
+            if not waiting:
+                del self._anchored[anchor_id]
         self.pages_by_namespace[record.page_id[0]] -= 1
         if record.parent is None:
             roots = self._roots[record.page_id[0]]

@@ -225,9 +225,8 @@ class PageStore:
                     raise errors.InvalidArgument(
                         "parent_key of an extending Reserve must be the last key reserved under the lease")
             else:
+                # An absent parent does not refuse the chain: it is committed anchored at that key (index.py).
                 parent = self.index.get((ns_id, parent_key)) if parent_key else None
-                if parent_key and parent is None and (ns_id, parent_key) not in self._pending:
-                    return Reservation(None, 0, states, [0] * len(keys), [], slot_bytes, False)
                 lease = self.leases.open(WRITE, ns_id, self.clock(), ttl_ms, owner)
                 lease.parent_key = parent_key
                 if parent is not None:
@@ -342,7 +341,7 @@ class PageStore:
         return states, sums, published
 
     def _publish(self, lease: Lease, indices: list[int], sums: list[int]) -> tuple[list[int], list[PageRecord]]:
-        """Lock held: make checked pages visible in chain order; a page whose parent is gone is dropped."""
+        """Lock held: make checked pages visible in chain order; a page whose parent is absent is anchored at it."""
         ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
         states, published = [], []
@@ -352,11 +351,8 @@ class PageStore:
             del self._pending[(ns_id, key)]
             parent_key = keys[position - 1] if position else lease.parent_key
             parent = index.get((ns_id, parent_key)) if parent_key else None
-            if parent_key and parent is None:
-                self.allocator.free(offset)
-                states.append(pb.COMMIT_PARENT_MISSING)
-                continue
-            published.append(index.add((ns_id, key), parent, offset, slot_bytes, checksum))
+            anchor = parent_key if parent is None else b""
+            published.append(index.add((ns_id, key), parent, offset, slot_bytes, checksum, anchor=anchor))
             states.append(pb.COMMITTED)
         index.touch_all(published)
         self.counters.pages_committed += len(published)

@@ -11,6 +11,8 @@ of SGLang's host pool runs here and what needs a GPU.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,7 +20,11 @@ from kvstore_client import KVStoreClient, prefix_hashes
 from sglang_harness import SGLangHostPool, import_sglang
 
 import_sglang()
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheFile,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from kvstore_client.adapters.sglang import KVStoreHiCacheStorage  # noqa: E402
@@ -104,9 +110,8 @@ def test_misses_load_nothing_past_the_first_gap(server):
     assert backend.get(keys[3], pool.get_dummy_flat_data_page()) is None
 
 
-def test_prefix_keys_chain_batches_and_refuse_orphans(server):
-    """With hicache_storage_pass_prefix_keys, a batch hangs off the page before it; a batch
-    whose prefix is not stored cannot be reached by any lookup, so it is not stored."""
+def test_prefix_keys_chain_batches(server):
+    """With hicache_storage_pass_prefix_keys, a batch hangs off the page before it."""
     pool = SGLangHostPool("page_first", pages=8, page_size=PAGE)
     pool.fill_random(seed=4)
     backend = create(server, pool)
@@ -115,10 +120,47 @@ def test_prefix_keys_chain_batches_and_refuse_orphans(server):
     assert backend.batch_set_v1(keys[2:], host_indices(2, 2), HiCacheStorageExtraInfo(prefix_keys=keys[:2])) \
         == [True] * 2
     assert backend.batch_exists(keys) == 4
-    orphan = prefix_hashes(tokens(2 * PAGE, seed=40), PAGE)
-    assert backend.batch_set_v1(orphan, host_indices(4, 2), HiCacheStorageExtraInfo(prefix_keys=["e" * 64])) \
-        == [False, False]
-    assert backend.batch_exists(orphan) == 0
+    assert backend._clients.get().lookup(backend.namespace, keys=keys) == 4
+
+
+def test_a_batch_whose_parent_the_store_evicted_is_backed_up_like_the_file_backend_does(server, tmp_path):
+    """SGLang backs up the pages after its own cache hit; the store may have evicted the page before
+    them. The batch is stored anchored at that parent, found by the queries SGLang makes (the pages
+    after its host hit), never from the chain's start across the gap, and joined again when the
+    parent is stored again: the same answers as SGLang's file backend on the same calls."""
+    pool = SGLangHostPool("page_first", pages=8, page_size=PAGE)
+    pool.fill_random(seed=5)
+    backend = create(server, pool)
+    file_backend = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
+    keys = prefix_hashes(tokens(6 * PAGE, seed=5), PAGE)
+    flat = [pool.get_data_page(p * PAGE, flat=True).clone() for p in range(6)]
+    written = [pool.page_bytes(p * PAGE) for p in range(6)]
+
+    def set_batch(first, count, prefix):
+        info = HiCacheStorageExtraInfo(prefix_keys=list(prefix))
+        ours = backend.batch_set_v1(keys[first:first + count], host_indices(first, count), info)
+        theirs = file_backend.batch_set(keys[first:first + count], flat[first:first + count])
+        return ours, theirs
+
+    def exists(ks):
+        return backend.batch_exists(ks), file_backend.batch_exists(ks)
+
+    assert set_batch(0, 2, []) == ([True] * 2, True)
+    # The first batch leaves both stores (kvstore evicted it; the file backend's evictor did too).
+    assert backend._clients.get().delete(backend.namespace, keys[:2]) == 2
+    for key in keys[:2]:
+        os.remove(os.path.join(file_backend.file_path, f"{file_backend._get_suffixed_key(key)}.bin"))
+
+    assert set_batch(2, 4, keys[:2]) == ([True] * 4, True)         # kvstore used to answer [False] * 4
+    assert exists(keys[2:]) == (4, 4)                              # what SGLang asks after its host hit
+    assert exists(keys) == (0, 0)                                  # from the chain's start: the gap
+    assert backend.batch_get_v1(keys[2:], host_indices(0, 4)) == [True] * 4
+    assert [pool.page_bytes(p * PAGE) for p in range(4)] == written[2:]
+
+    pool.set_from_flat_data_page(0, flat[0])      # the prefix is computed again and backed up again
+    pool.set_from_flat_data_page(PAGE, flat[1])
+    assert set_batch(0, 2, []) == ([True] * 2, True)
+    assert exists(keys) == (6, 6)
 
 
 def test_tp_ranks_of_an_mha_model_keep_their_own_pages(server):

@@ -112,3 +112,47 @@ def test_roots_are_kept_per_namespace_not_found_by_a_scan(index, freed):
     index.remove_subtree(index.roots(1)[0])
     assert len(index.roots(1)) == 1 and index.roots(2) == []
     index.check_prefix_closed()
+
+
+def test_a_page_of_an_absent_parent_is_an_anchored_root_adopted_when_the_parent_returns(index, freed):
+    # c0, c1 extend a1, which the index no longer holds (an engine backs up after its own cache hit).
+    a = chain(index, "a", 1)
+    anchored = index.add((1, b"c0"), None, offset=3 * SLOT, slot_bytes=SLOT, checksum=0, anchor=b"a1")
+    index.touch_all([anchored])
+    index.insert((1, b"c1"), anchored, offset=4 * SLOT, slot_bytes=SLOT, checksum=0)
+    assert index.anchored((1, b"a1")) == {anchored} and anchored.anchor == b"a1"
+    assert [r.page_id[1] for r in index.leading(1, [b"a0", b"a1", b"c0", b"c1"])] == [b"a0"]
+    assert len(index.leading(1, [b"c0", b"c1"])) == 2
+    index.check_prefix_closed()
+
+    a1 = index.insert((1, b"a1"), a[0], offset=5 * SLOT, slot_bytes=SLOT, checksum=0)
+    assert anchored.parent is a1 and anchored in a1.children and not anchored.anchor
+    assert not index.anchored((1, b"a1"))
+    assert len(index.leading(1, [b"a0", b"a1", b"c0", b"c1"])) == 4
+    index.check_prefix_closed()
+    # Leaf-first again across the joined chain: a1 (touched last) outlives c0 and c1.
+    evicted = []
+    while (victim := index.evict_dram(SLOT, clean_only=False)) is not None:
+        evicted.append(victim.page_id[1])
+        index.check_prefix_closed()
+    assert evicted.index(b"c1") < evicted.index(b"c0") < evicted.index(b"a1") < evicted.index(b"a0")
+
+
+def test_an_anchored_page_that_leaves_the_index_leaves_its_anchor(index):
+    anchored = index.add((1, b"c0"), None, offset=0, slot_bytes=SLOT, checksum=0, anchor=b"gone")
+    index.touch_all([anchored])
+    assert index.evict_dram(SLOT, clean_only=False) is anchored
+    assert not index.anchored((1, b"gone"))
+    index.check_prefix_closed()
+    # A parent committed later adopts nothing, and no stale anchor is left behind.
+    parent = index.insert((1, b"gone"), None, offset=SLOT, slot_bytes=SLOT, checksum=0)
+    assert parent.is_leaf()
+    index.check_prefix_closed()
+
+
+def test_keys_that_name_each_other_never_make_a_cycle(index):
+    x = index.add((1, b"x"), None, offset=0, slot_bytes=SLOT, checksum=0, anchor=b"y")
+    y = index.add((1, b"y"), x, offset=SLOT, slot_bytes=SLOT, checksum=0)   # y's parent is x; x waits for y
+    assert y.parent is x and x.parent is None and not x.anchor and not x.is_leaf()
+    assert index.add((1, b"s"), None, offset=2 * SLOT, slot_bytes=SLOT, checksum=0, anchor=b"s").anchor == b""
+    index.check_prefix_closed()

@@ -2,8 +2,8 @@
 
 A put reserves its chain in groups and moves and commits each group in runs (the sizes are the
 data path's PipelineShape). The next group's Reserve is in flight while this group moves, and the
-server checksums one run while the next one moves. Pages become visible in chain order, because a
-page whose parent is not yet visible is dropped at commit:
+server checksums one run while the next one moves. Pages become visible in chain order (a page
+committed before its parent would be stored anchored at it, see kvstore/control/index.py):
 
 - on a control channel that answers in order (the local channel), everything is submitted
   without waiting: the next group extends this group's write lease (its Reserve is answered
