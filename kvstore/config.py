@@ -18,6 +18,9 @@ import typing
 from typing import Any, Mapping
 
 ENV_PREFIX = "KVSTORE_"
+# The client SDK's own variables (kvstore_client/credentials.py): a shell may export them for the
+# `kvstore` CLI next to a node's, so the node's loader passes over them.
+CLIENT_ENV = frozenset({"KVSTORE_TOKEN", "KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY"})
 
 
 class ConfigError(ValueError):
@@ -187,6 +190,28 @@ class HbmConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Who may call the node, as which tenant (kvstore/control/identity.py). Nothing set = one trusted
+    tenant on loopback and the local socket only, as a node without authentication always was."""
+    tokens_file: str = ""                   # lines "<sha256 hex of a token> <tenant> <tenant|admin> [expires]"; SIGHUP rereads
+    tls_cert: str = ""                      # PEM certificate chain of the gRPC port; with tls_key, gRPC speaks TLS only
+    tls_key: str = ""                       # PEM private key of tls_cert
+    tls_client_ca: str = ""                 # PEM CA of client certificates: mutual TLS, the certificate's CN is the tenant
+    local_uids: tuple[str, ...] = ()        # "uid:tenant" or "uid:tenant:admin": the local socket's peers, by uid
+    allow_unauthenticated_remote: bool = False  # serve a non-loopback address with no authentication configured
+
+    @property
+    def enabled(self) -> bool:
+        """Callers are told apart: every plane resolves an identity, and unknown callers are refused."""
+        return bool(self.tokens_file or self.tls_client_ca or self.local_uids)
+
+    @property
+    def remote(self) -> bool:
+        """A caller on another host can prove who it is (a token, or a client certificate)."""
+        return bool(self.tokens_file or self.tls_client_ca)
+
+
+@dataclasses.dataclass(frozen=True)
 class TestingConfig:
     """Fault injection for the crash tests; empty in production (kvstore/failpoints.py)."""
     failpoints: str = ""                    # e.g. "commit.after_publish=kill@3"
@@ -211,6 +236,7 @@ class Config:
     route: RouteConfig = RouteConfig()
     scrub: ScrubConfig = ScrubConfig()
     hbm: HbmConfig = HbmConfig()
+    auth: AuthConfig = AuthConfig()
     testing: TestingConfig = TestingConfig()
 
     @property
@@ -254,7 +280,7 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None,
             for key, value in values.items():
                 _put(tree, f"{section}.{key}", value)
     for name, value in sorted(environ.items()):
-        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG":
+        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG" and name not in CLIENT_ENV:
             _put(tree, _env_to_dotted(name), value)
     for name, dotted in _SYSTEMD_ENV.items():
         if environ.get(name):
@@ -394,7 +420,7 @@ def _validate(config: Config) -> None:
         ("hbm.pool_bytes", config.hbm.pool_bytes >= 0, "must not be negative (0 = no HBM tier)"),
         ("hbm.device", config.hbm.device >= 0, "must be a CUDA device index"),
     ]
-    checks += _events_checks(config.events) + _route_checks(config.route)
+    checks += _events_checks(config.events) + _route_checks(config.route) + _auth_checks(config)
     for dotted, ok, why in checks:
         if not ok:
             raise ConfigError(f"{dotted}: {why}")
@@ -428,6 +454,41 @@ def _route_checks(route: RouteConfig) -> list[tuple[str, bool, str]]:
     ]
 
 
+def _auth_checks(config: Config) -> list[tuple[str, bool, str]]:
+    auth = config.auth
+    # The planes that answer questions. The TCP data plane is not among them: a frame moves bytes
+    # only with a lease's 128-bit data token, and only the control plane hands those out.
+    remote = [f"{name}={address}" for name, address in
+              (("server.grpc_address", config.server.grpc_address), ("ops.metrics_address", config.ops.metrics_address))
+              if address and not _loopback(address)]
+    return [
+        ("auth.tls_key", bool(auth.tls_cert) == bool(auth.tls_key), "needs auth.tls_cert with it (both or neither)"),
+        ("auth.tls_client_ca", not auth.tls_client_ca or bool(auth.tls_cert),
+         "mutual TLS needs the server's own auth.tls_cert and auth.tls_key"),
+        ("auth.local_uids", all(_uid_entry(e) for e in auth.local_uids),
+         'each entry must be "uid:tenant" or "uid:tenant:admin"'),
+        ("auth.allow_unauthenticated_remote", auth.remote or auth.allow_unauthenticated_remote or not remote,
+         f"{', '.join(remote)} is not a loopback address and no authentication is configured "
+         "(auth.tokens_file or auth.tls_client_ca): configure one, or set auth.allow_unauthenticated_remote = true "
+         "to serve it to anyone who reaches it"),
+    ]
+
+
+def _loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False   # a name or a wildcard ("", 0.0.0.0, ::) may reach other hosts
+
+
+def _uid_entry(entry: str) -> bool:
+    parts = entry.split(":")
+    return len(parts) in (2, 3) and parts[0].isdigit() and bool(parts[1]) and parts[2:] in ([], ["admin"])
+
+
 def _is_hex(text: str) -> bool:
     try:
         bytes.fromhex(text)
@@ -446,7 +507,7 @@ _SECTION_TYPES: dict[str, type] = {
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
     "events": EventsConfig, "route": RouteConfig, "scrub": ScrubConfig, "hbm": HbmConfig,
-    "testing": TestingConfig,
+    "auth": AuthConfig, "testing": TestingConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

@@ -2,7 +2,8 @@
 
     kvstore-server --config kvstore.toml --set dram.arena_bytes=4GiB
 
-Start-up either serves or exits non-zero with one line naming the problem. SIGTERM
+Start-up either serves or exits non-zero with one line naming the problem. SIGHUP rereads
+auth.tokens_file (a revoked token is refused from then on). SIGTERM
 (or SIGINT) drains: health turns NOT_SERVING, new leases are refused, open ones may
 finish until server.drain_timeout_s, then the node stops and exits 0. Under systemd
 (Type=notify) the node sends READY=1 once it serves, WATCHDOG=1 while it is alive and
@@ -25,6 +26,7 @@ from kvstore.config import Config, ConfigError
 from kvstore.control.event_subscriber import EventSubscriber
 from kvstore.control import recovery
 from kvstore.control.grpc_server import create_server
+from kvstore.control.identity import Authenticator
 from kvstore.control.local_server import LocalServer
 from kvstore.control.controller import CacheController
 from kvstore.control.data_plane import SlotGrants
@@ -65,6 +67,12 @@ class Node:
         self.hbm = None
         self.metrics: Metrics | None = None
         try:
+            try:
+                self.auth = Authenticator(config.auth)
+            except ValueError as exc:
+                raise OSError(f"auth.tokens_file: {exc}") from None
+            except OSError as exc:
+                raise OSError(f"cannot read auth.tokens_file {config.auth.tokens_file}: {exc.strerror}") from None
             if config.nvme.enabled:
                 self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes, config.nvme.io_threads)
             socket_path = config.shm_socket_path if config.shm.enabled else ""
@@ -78,13 +86,13 @@ class Node:
             self.service = KVStoreService(self.store, self.controller, self.scrubber, shm_socket=socket_path)
             grpc_service = local_service = self.service
             if config.ops.metrics_address:
-                self.metrics = Metrics(self.service)
+                self.metrics = Metrics(self.service, self.auth)
                 grpc_service = self.metrics.instrument(self.service, "grpc")
                 local_service = self.metrics.instrument(self.service, "local")
             if socket_path:
-                self.local = _listen_local(socket_path, local_service, self.arena.fd, config)
+                self.local = _listen_local(socket_path, local_service, self.arena.fd, config, self.auth)
             self.grpc, self.grpc_port = create_server(grpc_service, config.server.grpc_address,
-                                                      config.server.grpc_workers)
+                                                      config.server.grpc_workers, self.auth)
             if config.tcp.enabled:
                 self.tcp = _tcp_server(config, SlotGrants(self.store))
                 self.tcp.start()
@@ -213,9 +221,9 @@ def _tcp_server(config: Config, resolver: SlotGrants) -> TcpServer:
         write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion), resolver)
 
 
-def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Config) -> LocalServer:
+def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Config, auth: Authenticator) -> LocalServer:
     try:
-        return LocalServer(path, service, arena_fd, config.allowed_uids, config.shm.connections_max)
+        return LocalServer(path, service, arena_fd, config.allowed_uids, config.shm.connections_max, auth)
     except OSError as exc:
         if exc.errno is None:  # already says what is wrong (another server, not a socket)
             raise
@@ -280,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=node.auth.reload, name="auth-reload").start())
     node.start()
     if config.server.ready_file:
         _write_ready_file(config.server.ready_file, node)

@@ -4,6 +4,12 @@ Requests are parsed here rather than by gRPC, so a malformed message gets
 INVALID_ARGUMENT with a readable reason instead of gRPC's generic INTERNAL. A broken
 invariant (AssertionError) stops the node (kvstore/invariants.py) rather than being
 answered INTERNAL; any other unexpected exception is answered INTERNAL.
+
+Every call's identity is resolved first, before its request is even parsed
+(identity.py): a missing, wrong or revoked token is answered UNAUTHENTICATED, a token and
+client certificate of different tenants PERMISSION_DENIED. With auth.tls_cert the port
+speaks TLS only; with auth.tls_client_ca it asks every client for a certificate signed by
+that CA (mutual TLS) and the certificate's common name is the caller's tenant.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvstore.config import AuthConfig
+from kvstore.control.identity import Authenticator, Caller, certificate_tenant
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
 from kvstore_client import errors, framing
@@ -24,14 +32,16 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kvstore.v1.KVStore"
 
 
-def _unary(service: KVStoreService, name: str, request_cls: type) -> Callable[[bytes, grpc.ServicerContext], Any]:
+def _unary(service: KVStoreService, auth: Authenticator, name: str,
+           request_cls: type) -> Callable[[bytes, grpc.ServicerContext], Any]:
     def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
         try:
+            identity = auth.grpc_identity(context.invocation_metadata(), certificate_tenant(context.auth_context()))
             try:
                 request = request_cls.FromString(raw)
             except DecodeError as exc:
                 raise errors.MalformedRequest(f"{name}: request is not a valid {request_cls.__name__}: {exc}") from None
-            return service.handle(name, request)
+            return service.handle(name, request, Caller(identity))
         except errors.KVStoreError as exc:
             context.set_trailing_metadata(((errors.ERROR_CODE_METADATA_KEY, str(exc.code)),))
             context.abort(exc.status, str(exc))
@@ -44,20 +54,37 @@ def _unary(service: KVStoreService, name: str, request_cls: type) -> Callable[[b
     return handler
 
 
-def create_server(service: KVStoreService, address: str, workers: int) -> tuple[grpc.Server, int]:
+def create_server(service: KVStoreService, address: str, workers: int,
+                  auth: Authenticator | None = None) -> tuple[grpc.Server, int]:
     """A started-ready (not yet started) gRPC server bound to `address`, and its port."""
+    auth = auth or Authenticator(AuthConfig())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
                          options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            _unary(service, name, request_cls), response_serializer=response_cls.SerializeToString)
+            _unary(service, auth, name, request_cls), response_serializer=response_cls.SerializeToString)
         for name, request_cls, response_cls in framing.METHODS.values()
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    credentials = _server_credentials(auth.config)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises where older ones returned 0
         port = 0
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}: address in use or not local")
     return server, port
+
+
+def _server_credentials(config: AuthConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    pem = {}
+    for setting in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(config, setting)
+        try:
+            pem[setting] = open(path, "rb").read() if path else None
+        except OSError as exc:
+            raise OSError(f"cannot read auth.{setting} {path}: {exc.strerror}") from None
+    return grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])], root_certificates=pem["tls_client_ca"],
+                                       require_client_auth=pem["tls_client_ca"] is not None)

@@ -1,10 +1,13 @@
 """The Unix-socket server of a node: hands out the arena fd and carries the local control channel.
 
 Each connection is checked as it is accepted, before any frame is read: a peer uid
-(SO_PEERCRED) outside shm.allowed_uids is answered PERMISSION_DENIED, and a connection
+(SO_PEERCRED) outside shm.allowed_uids, or (with authentication configured) one that
+auth.local_uids maps to no tenant, is answered PERMISSION_DENIED, and a connection
 beyond shm.connections_max is answered CAPACITY_EXHAUSTED; either gets that one frame and
 no thread. An accepted connection gets a thread. Frame 0 (MAP_ARENA) is answered with
-the arena's memfd over SCM_RIGHTS; other frames carry kvstore.v1 requests (framing.py).
+the arena's memfd over SCM_RIGHTS; the arena holds every tenant's pages, so with
+authentication configured only an admin identity may map it (a tenant's client then moves
+its pages over TCP, where each frame is checked against its lease); other frames carry kvstore.v1 requests (framing.py).
 Leases taken on a connection end when it closes, so a client killed mid-put frees its
 slots at once. A broken invariant in the service stops the node (kvstore/invariants.py).
 """
@@ -23,6 +26,8 @@ import time
 
 from google.protobuf.message import DecodeError
 
+from kvstore.config import AuthConfig
+from kvstore.control.identity import Authenticator, Caller, Identity
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
 from kvstore_client import errors, framing
@@ -36,8 +41,9 @@ REFUSAL_LINGER_S = 1.0
 
 class LocalServer:
     def __init__(self, path: str, service: KVStoreService, arena_fd: int, allowed_uids: frozenset[int],
-                 connections_max: int):
+                 connections_max: int, auth: Authenticator | None = None):
         self.path = path
+        self._auth = auth or Authenticator(AuthConfig())
         self._service = service
         self._arena_fd = arena_fd
         self._allowed_uids = allowed_uids
@@ -82,15 +88,21 @@ class LocalServer:
                 log.exception("accept failed on %s", self.path)
                 continue
             pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            try:
+                identity = self._auth.local_identity(uid)
+            except errors.KVStoreError as exc:
+                log.warning("shm peer refused pid=%d uid=%d: %s", pid, uid, exc)
+                self._refusals.refuse(conn, exc)
+                continue
             refusal = self._admit(conn, pid, uid)
             if refusal is not None:
                 self._refusals.refuse(conn, refusal)
                 continue
-            threading.Thread(target=self._serve, args=(conn, pid), name="shm-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, pid, identity), name="shm-conn", daemon=True).start()
 
     def _admit(self, conn: socket.socket, pid: int, uid: int) -> errors.KVStoreError | None:
         """Counts the connection in and returns None, or returns why it is refused. Reads nothing from it."""
-        if uid not in self._allowed_uids:
+        if not self._auth.enabled and uid not in self._allowed_uids:   # with auth, local_uids decides
             log.warning("shm peer refused pid=%d uid=%d (not in shm.allowed_uids)", pid, uid)
             return errors.PermissionDenied(f"uid {uid} may not use this kvstore node; add it to shm.allowed_uids")
         with self._lock:
@@ -103,8 +115,8 @@ class LocalServer:
             self._connections.add(conn)
         return None
 
-    def _serve(self, conn: socket.socket, pid: int) -> None:
-        owner = object()
+    def _serve(self, conn: socket.socket, pid: int, identity: Identity) -> None:
+        owner = Caller(identity)
         try:
             while True:
                 header = _recv_exact(conn, framing.HEADER.size)
@@ -115,6 +127,13 @@ class LocalServer:
                 if payload is None:
                     return
                 if kind == framing.MAP_ARENA:
+                    if self._auth.enabled and not identity.admin:
+                        refusal = errors.PermissionDenied(
+                            "the arena holds every tenant's pages and is mapped only by an admin identity "
+                            "(auth.local_uids 'uid:tenant:admin'); a tenant's pages move over TCP")
+                        self._auth.refused("local", refusal)
+                        _send_error(conn, refusal)
+                        continue
                     conn.sendmsg([framing.encode(0, b"")],
                                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", self._arena_fd))])
                     continue
@@ -132,7 +151,7 @@ class LocalServer:
             except AssertionError as exc:
                 stop_node("the local channel", exc)
 
-    def _answer(self, conn: socket.socket, kind: int, payload: bytes, owner: object) -> None:
+    def _answer(self, conn: socket.socket, kind: int, payload: bytes, owner: Caller) -> None:
         method = framing.METHODS.get(kind)
         try:
             if method is None:

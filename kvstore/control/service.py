@@ -1,8 +1,9 @@
 """The kvstore service: the rules of every control-plane method, carrier-agnostic.
 
 gRPC (grpc_server.py) and the local Unix-socket channel (local_server.py) both call
-`handle(method, request, owner)`. Methods check their input whole (checks.py) before any
-work, then ask the page store (store.py), which owns all page state and its lock, and the
+`handle(method, request, owner)`, the owner being the caller (identity.Caller: the
+connection or call its leases end with, and who it is). What the caller's identity may name
+is checked first (tenancy.py), then methods check their input whole (checks.py) before any work, then ask the page store (store.py), which owns all page state and its lock, and the
 cache controller (controller.py), which does the disk I/O. The service itself holds no
 lock and touches no disk. Methods raise the exceptions of kvstore_client.errors; the
 carriers turn them into statuses.
@@ -16,9 +17,10 @@ import time
 from typing import Any, Callable
 
 from kvstore import __version__
-from kvstore.control import checks, route
+from kvstore.control import checks, route, tenancy
 from kvstore.control.controller import CacheController
 from kvstore.control.engine_index import EngineIndex
+from kvstore.control.identity import TRUSTED, Caller
 from kvstore.control.scrubber import Scrubber
 from kvstore.control.store import Counters, Evict, PageStore
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
@@ -60,6 +62,10 @@ class KVStoreService:
         return self.store.draining
 
     def handle(self, method: str, request: Any, owner: object | None = None) -> Any:
+        identity = owner.identity if isinstance(owner, Caller) else TRUSTED
+        tenancy.admit(self.store, method, request, identity)
+        if method == "Stats" and not identity.admin:
+            return tenancy.tenant_stats(self.store, request, identity, checks.stats_page(request, self.config)[1])
         return self._methods[method](request, owner)
 
     # -- methods ----------------------------------------------------------------------

@@ -51,6 +51,17 @@ Clock = Callable[[], float]
 PageId = tuple[int, bytes]
 
 
+def namespace_not_found(ns_id: int) -> errors.KVStoreError:
+    """The one answer for a namespace id a caller may not use: never opened, or another tenant's."""
+    return errors.NamespaceNotFound(
+        f"namespace {ns_id:#018x} is not open on this server; call OpenNamespace with its spec first")
+
+
+def lease_not_found(lease_id: int) -> errors.KVStoreError:
+    """The one answer for a lease a caller may not use: unknown, ended, or another tenant's."""
+    return errors.LeaseNotFound(f"lease {lease_id:#x} is unknown, already finished, or expired")
+
+
 class Evict(enum.Enum):
     """What allocation may drop to free a slot."""
 
@@ -186,9 +197,14 @@ class PageStore:
     def namespace(self, ns_id: int) -> Namespace:
         namespace = self.namespaces.get(ns_id)
         if namespace is None:
-            raise errors.NamespaceNotFound(
-                f"namespace {ns_id:#018x} is not open on this server; call OpenNamespace with its spec first")
+            raise namespace_not_found(ns_id)
         return namespace
+
+    def lease_namespace(self, lease_id: int) -> int | None:
+        """The namespace a lease is in; None for an unknown lease."""
+        with self._lock:
+            lease = self.leases.get(lease_id)
+            return None if lease is None else lease.namespace_id
 
     def adopt_recovered(self, namespaces: dict[int, Namespace], records: list[PageRecord]) -> None:
         """Start-up: take the namespaces and pages rebuilt from NVMe (before anything is served)."""
@@ -474,7 +490,7 @@ class PageStore:
         with self._lock:
             lease = self.leases.get(lease_id)
             if lease is None or self.clock() > lease.deadline:
-                raise errors.LeaseNotFound(f"lease {lease_id:#x} is unknown, already finished, or expired")
+                raise lease_not_found(lease_id)
             if not hmac.compare_digest(lease.token, token):
                 raise errors.TokenMismatch(f"the token does not match lease {lease_id:#x}")
             if lease.kind != kind:
@@ -798,7 +814,7 @@ class PageStore:
     def _lease(self, lease_id: int, kind: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
-            raise errors.LeaseNotFound(f"lease {lease_id:#x} is unknown, already finished, or expired")
+            raise lease_not_found(lease_id)
         if lease.kind != kind:
             verb = "Abort or Commit" if lease.kind == WRITE else "Release"
             raise errors.InvalidArgument(f"lease {lease_id:#x} is a {lease.kind} lease: end it with {verb}")

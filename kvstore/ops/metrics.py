@@ -9,21 +9,32 @@ Two kinds, chosen to keep the request path cheap:
 - Per call: one histogram observation per RPC, labelled by method and carrier (grpc or
   local). Data-plane bytes come from the service's counters of bytes it granted to be
   copied; the server never sees a shared-memory copy, and shm is the only transport yet.
+
+The endpoint shows every tenant's namespaces and the node's totals, so it is an operator's
+view: with authentication configured (auth.*) a scrape must carry an admin token
+(`Authorization: Bearer <token>`, Prometheus' `authorization` scrape setting) and is
+answered 401 otherwise. Refused callers are counted per plane and error
+(kvstore_auth_refusals_total).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from typing import Any, Iterator
+from wsgiref.simple_server import make_server
 
 from google.protobuf.descriptor import FieldDescriptor
 from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
-                               start_http_server)
+                               make_wsgi_app)
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore import __version__
+from kvstore.control.identity import Authenticator, bearer_token
 from kvstore.control.service import KVStoreService
 from kvstore_client import errors
 from kvstore_client.proto import pb
@@ -40,10 +51,11 @@ _NUMERIC = {FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_UINT32, FieldDescr
 
 
 class Metrics:
-    def __init__(self, service: KVStoreService):
+    def __init__(self, service: KVStoreService, auth: Authenticator | None = None):
         disable_created_metrics()  # *_created series double the output and no dashboard reads them
+        self.auth = auth
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(StatsCollector(service))
+        self.registry.register(StatsCollector(service, auth))
         ProcessCollector(registry=self.registry)
         self.rpc_seconds = Histogram(
             "kvstore_rpc_duration_seconds", "Time in the service per call, from parsed request to response",
@@ -59,8 +71,17 @@ class Metrics:
     def serve(self, address: str) -> int:
         """Bind the /metrics endpoint; raises OSError naming ops.metrics_address when it cannot."""
         host, _, port = address.rpartition(":")
+        app = make_wsgi_app(self.registry)
+        if self.auth is not None and self.auth.enabled:
+            app = _admin_only(app, self.auth)
+        host = host.strip("[]")
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
         try:
-            self._http, _ = start_http_server(int(port), host.strip("[]"), registry=self.registry)
+            self._http = make_server(host, int(port), app, Server, handler_class=_SilentHandler)
+            threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
         except (OSError, ValueError) as exc:
             why = getattr(exc, "strerror", None) or exc
             raise OSError(f"cannot bind metrics to {address} (ops.metrics_address): {why}") from None
@@ -105,11 +126,31 @@ class MeteredService:
         return getattr(self._service, name)
 
 
+def _admin_only(app: Any, auth: Authenticator) -> Any:
+    """The WSGI app behind a check that the scrape carries an admin token."""
+    def guarded(environ: dict, start_response: Any) -> Any:
+        header = environ.get("HTTP_AUTHORIZATION", "")
+        try:
+            token = bearer_token([("authorization", header)]) if header else None
+            if token is None:
+                raise errors.Unauthenticated("no token")
+            if not auth.token_identity(token).admin:
+                raise errors.PermissionDenied("a tenant's token")
+        except errors.KVStoreError as exc:
+            auth.refused("metrics", exc)
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"metrics need an admin token: send 'Authorization: Bearer <token>' of an admin in "
+                    b"auth.tokens_file\n"]
+        return app(environ, start_response)
+    return guarded
+
+
 class StatsCollector(Collector):
     """Tier, namespace and lease state, read from the service's Stats at scrape time."""
 
-    def __init__(self, service: KVStoreService):
+    def __init__(self, service: KVStoreService, auth: Authenticator | None = None):
         self._service = service
+        self._auth = auth
 
     def describe(self) -> list[Metric]:
         return []  # the metric set follows the Stats message; nothing to check at registration
@@ -135,6 +176,12 @@ class StatsCollector(Collector):
             _add(families, "kvstore_namespace_pages", "pages", labels, ns.pages)
             _add(families, "kvstore_namespace_bytes", "bytes", labels, ns.pages * ns.page_bytes)
         yield from families.values()
+        if self._auth is not None:
+            refusals = CounterMetricFamily("kvstore_auth_refusals", "Callers refused for their identity, by plane "
+                                           "and error", labels=["plane", "error"])
+            for (plane, error), count in sorted(self._auth.refusals.items()):
+                refusals.add_metric([plane, error], count)
+            yield refusals
 
 
 def _numeric_fields(message: Any) -> Iterator[tuple[str, float]]:

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from kvstore_client import errors, framing
+from kvstore_client.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +75,16 @@ class GrpcChannel:
 
     answers_in_order = False
 
-    def __init__(self, target: str, timeout_s: float):
+    def __init__(self, target: str, timeout_s: float, credentials: Credentials | None = None):
+        """`credentials`: None = from the KVSTORE_TOKEN / KVSTORE_TLS_* variables (credentials.py)."""
         self.timeout_s = timeout_s
+        credentials = credentials if credentials is not None else Credentials.resolve()
+        self._metadata = credentials.metadata
         # Its own subchannel pool: by default gRPC shares connections among channels to one target,
         # so a new channel (connection.py opens one per reconnect) would inherit the old one's
         # reconnect backoff, and fail at once for up to a second after the node is back.
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                               ("grpc.use_local_subchannel_pool", 1)])
+        self._channel = credentials.channel(target, [("grpc.max_receive_message_length", 64 << 20),
+                                                     ("grpc.use_local_subchannel_pool", 1)])
         self._posted: set[Any] = set()
         self._stubs = {
             name: self._channel.unary_unary(
@@ -93,16 +97,16 @@ class GrpcChannel:
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return self._stubs[name](request, timeout=timeout_s or self.timeout_s)
+            return self._stubs[name](request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise errors.error_from_rpc(exc) from None
 
     def submit(self, name: str, request: Any) -> GrpcCall:
         """Send the call now and return at once; result() waits. No order between submitted calls."""
-        return GrpcCall(self._stubs[name].future(request, timeout=self.timeout_s))
+        return GrpcCall(self._stubs[name].future(request, timeout=self.timeout_s, metadata=self._metadata))
 
     def post(self, name: str, request: Any) -> None:
-        future = self._stubs[name].future(request, timeout=self.timeout_s)
+        future = self._stubs[name].future(request, timeout=self.timeout_s, metadata=self._metadata)
         self._posted.add(future)
 
         def done(f: Any) -> None:

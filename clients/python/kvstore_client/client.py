@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from kvstore_client import checksums, errors, lookup
 from kvstore_client.buffers import page_segments
 from kvstore_client.connection import ConnectOptions, NodeConnection
+from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.pipeline import PutBatch, get_batch
 from kvstore_client.proto import pb
@@ -54,14 +55,19 @@ def _never() -> bool:
 
 class KVStoreClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = "",
-                 transport: str = "auto", tcp_congestion: str = "", rdma: RdmaOptions | None = None):
+                 transport: str = "auto", tcp_congestion: str = "", rdma: RdmaOptions | None = None,
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         """`rdma`: device, port, GID index, traffic class, service level and queue sizes of the RDMA data plane
-        (experimental: see rdma_transport.py); None = defaults (first ACTIVE port, a RoCE v2 GID)."""
+        (experimental: see rdma_transport.py); None = defaults (first ACTIVE port, a RoCE v2 GID).
+        `token`, `tls_ca`, `tls_cert`, `tls_key`: who this client is to the node (credentials.py); each
+        one left None is read from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY."""
         if control not in ("local", "grpc"):
             raise ValueError(f"control must be 'local' or 'grpc', got {control!r}")
         self._options = ConnectOptions(target=target, timeout_s=timeout_s, control=control, transport=transport,
                                        client_name=client_name, tcp_congestion=tcp_congestion,
-                                       rdma=rdma or RdmaOptions())
+                                       rdma=rdma or RdmaOptions(), credentials=Credentials.resolve(
+                                           token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key))
         self._lock = threading.Lock()            # guards _conn and _closed; a call enters _conn under it
         self._replace_lock = threading.Lock()    # one reconnect at a time; the other callers then use it
         self._closed = False

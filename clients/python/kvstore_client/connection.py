@@ -18,6 +18,7 @@ from typing import Any, Callable, TypeVar
 
 from kvstore_client import errors
 from kvstore_client.channel import GrpcChannel, LocalChannel
+from kvstore_client.credentials import Credentials
 from kvstore_client.data_path import DataPath
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
@@ -42,12 +43,13 @@ class ConnectOptions:
     client_name: str = ""
     tcp_congestion: str = ""
     rdma: RdmaOptions = RdmaOptions()
+    credentials: Credentials = Credentials()
 
 
 class NodeConnection:
     def __init__(self, options: ConnectOptions):
         """Hello over gRPC, then the first data path that works; raises what stopped it (Unavailable, ...)."""
-        self.grpc = GrpcChannel(options.target, options.timeout_s)
+        self.grpc = GrpcChannel(options.target, options.timeout_s, options.credentials)
         self.local: LocalChannel | None = None
         self.data: DataPath | None = None
         try:

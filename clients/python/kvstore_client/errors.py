@@ -54,7 +54,12 @@ Draining = _error(
     "The server is shutting down and takes no new leases. Retry on another node or later.")
 PermissionDenied = _error(
     "PermissionDenied", pb.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED,
-    "This process's uid may not map the server's arena (see shm.allowed_uids).")
+    "The caller's identity may not do this: its uid is not allowed (shm.allowed_uids, auth.local_uids), the "
+    "request names another tenant, or the call needs the admin role. The message says which.")
+Unauthenticated = _error(
+    "Unauthenticated", pb.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED,
+    "The node needs to know who calls: no token was sent, or it is wrong, expired or revoked. Pass "
+    "token= (or KVSTORE_TOKEN) with a token the operator listed in auth.tokens_file.")
 MalformedRequest = _error(
     "MalformedRequest", pb.MALFORMED_REQUEST, grpc.StatusCode.INVALID_ARGUMENT,
     "The request bytes are not a valid message of the method's type.")
@@ -89,7 +94,7 @@ ERRORS_BY_CODE: dict[int, type[KVStoreError]] = {
     for cls in (InvalidArgument, NamespaceNotFound, PageSizeMismatch, LeaseNotFound,
                 ChecksumMismatch, DuplicateKey, BatchTooLarge, CapacityExhausted, Draining,
                 PermissionDenied, MalformedRequest, Internal, TokenMismatch, SlotNotInLease, LengthMismatch,
-                SlotBusy, TransportUnavailable)
+                SlotBusy, TransportUnavailable, Unauthenticated)
 }
 
 # gRPC statuses that carry no kvstore code (raised by gRPC itself, not our server).
@@ -99,6 +104,7 @@ _ERRORS_BY_STATUS: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.CANCELLED: Unavailable,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 

@@ -27,6 +27,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LENGTH_MISMATCH: _ClassVar[ErrorCode]
     SLOT_BUSY: _ClassVar[ErrorCode]
     TRANSPORT_UNAVAILABLE: _ClassVar[ErrorCode]
+    UNAUTHENTICATED: _ClassVar[ErrorCode]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +74,7 @@ SLOT_NOT_IN_LEASE: ErrorCode
 LENGTH_MISMATCH: ErrorCode
 SLOT_BUSY: ErrorCode
 TRANSPORT_UNAVAILABLE: ErrorCode
+UNAUTHENTICATED: ErrorCode
 TIER_UNSPECIFIED: Tier
 HBM: Tier
 DRAM: Tier

@@ -1,0 +1,61 @@
+"""What a client proves about itself to a node: a bearer token and/or TLS files.
+
+    KVStoreClient(target, token="...", tls_ca="ca.pem")                      # token over TLS
+    KVStoreClient(target, tls_ca="ca.pem", tls_cert="alice.pem", tls_key="alice.key")   # mutual TLS
+
+Each argument left out is read from the environment: KVSTORE_TOKEN, KVSTORE_TLS_CA,
+KVSTORE_TLS_CERT, KVSTORE_TLS_KEY. The token travels in every call's metadata as
+`authorization: Bearer <token>` and, on the TCP data plane, in the connection's first frame.
+With tls_ca the gRPC channel speaks TLS and checks the node's certificate against that CA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import grpc
+
+ENV = {"token": "KVSTORE_TOKEN", "tls_ca": "KVSTORE_TLS_CA", "tls_cert": "KVSTORE_TLS_CERT",
+       "tls_key": "KVSTORE_TLS_KEY"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    token: str = ""
+    tls_ca: str = ""            # PEM file of the CA that signed the node's certificate; "" = plaintext gRPC
+    tls_cert: str = ""          # PEM file of this client's certificate (mutual TLS)
+    tls_key: str = ""           # PEM file of its private key
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, **given: str | None) -> "Credentials":
+        """The given values, each one not given (None) taken from its KVSTORE_* variable."""
+        environ = os.environ if environ is None else environ
+        values = {name: given.get(name) if given.get(name) is not None else environ.get(variable, "")
+                  for name, variable in ENV.items()}
+        credentials = cls(**values)
+        if bool(credentials.tls_cert) != bool(credentials.tls_key):
+            raise ValueError("tls_cert and tls_key go together (a client certificate and its key), or neither")
+        if credentials.tls_cert and not credentials.tls_ca:
+            raise ValueError("tls_cert needs tls_ca: the CA that signed the node's certificate")
+        return credentials
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+    def channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.Channel:
+        if not self.tls_ca:
+            return grpc.insecure_channel(target, options=options)
+        files = [_read(path, name) if path else None for path, name in
+                 ((self.tls_ca, "tls_ca"), (self.tls_key, "tls_key"), (self.tls_cert, "tls_cert"))]
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(*files), options=options)
+
+
+def _read(path: str, name: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {name} {path}: {exc.strerror}") from None

@@ -1,0 +1,73 @@
+"""Tenancy: what an identity may name in a request, checked before the service does any work.
+
+The tenant comes from the identity, never from the request. OpenNamespace fills in the
+caller's tenant (a spec naming another tenant is refused), and since a namespace's id is a
+digest of its whole spec, each tenant's pages live in a key space of their own: another
+tenant's pages simply do not exist for a caller. A namespace id or lease id of another
+tenant is answered exactly as an unknown one (NamespaceNotFound, LeaseNotFound, the same
+message, raised on the same path), so a probe learns nothing about what exists. Methods
+that touch every tenant (Scrub) need the admin role; an admin may name any tenant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.control.identity import Identity
+from kvstore.control.store import PageStore, lease_not_found, namespace_not_found
+from kvstore_client import errors
+from kvstore_client.proto import pb
+
+# Methods whose request names a namespace by id, and those that name leases.
+_BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route"})
+_ADMIN_ONLY = frozenset({"Scrub"})
+
+
+def admit(store: PageStore, method: str, request: Any, identity: Identity) -> None:
+    """Raise what the identity may not do with this request; fill in its tenant where it is implied."""
+    if method == "OpenNamespace":
+        spec = request.spec
+        if not spec.tenant:
+            spec.tenant = identity.tenant
+        elif spec.tenant != identity.tenant and not identity.admin:
+            raise errors.PermissionDenied(
+                f"spec.tenant={spec.tenant!r} is not the caller's tenant: leave spec.tenant empty and the node "
+                "fills in the tenant of the caller's token")
+        return
+    if identity.admin:
+        return
+    if method in _ADMIN_ONLY:
+        raise errors.PermissionDenied(f"{method} needs the admin role; the caller's token is a tenant's")
+    if method in _BY_NAMESPACE:
+        own_namespace(store, request.namespace_id, identity)
+    elif method in ("Commit", "Abort"):
+        own_lease(store, request.lease_id, identity)
+    elif method == "Release":
+        for lease_id in request.lease_ids:
+            own_lease(store, lease_id, identity)
+
+
+def own_namespace(store: PageStore, namespace_id: int, identity: Identity) -> None:
+    namespace = store.namespaces.get(namespace_id)
+    if namespace is None or (namespace.tenant != identity.tenant and not identity.admin):
+        raise namespace_not_found(namespace_id)
+
+
+def own_lease(store: PageStore, lease_id: int, identity: Identity) -> None:
+    namespace_id = store.lease_namespace(lease_id)
+    namespace = store.namespaces.get(namespace_id) if namespace_id is not None else None
+    if namespace is not None and namespace.tenant != identity.tenant and not identity.admin:
+        raise lease_not_found(lease_id)
+
+
+def tenant_stats(store: PageStore, request: pb.StatsRequest, identity: Identity, most: int) -> pb.StatsResponse:
+    """Stats as one tenant sees them: its own namespaces and their pages, nothing node-wide.
+
+    The node's tier counters (hits, misses, fill) sum every tenant's traffic, so they are an
+    oracle of what others do; a tenant is shown none of them (per-tenant counters do not exist).
+    """
+    _, _, namespaces, _ = store.snapshot(0, len(store.namespaces) + 1)
+    own = [ns for ns in namespaces if ns.tenant == identity.tenant]
+    count = request.namespaces_max or most
+    return pb.StatsResponse(namespaces=own[request.namespaces_offset:request.namespaces_offset + count],
+                            namespaces_total=len(own))

@@ -1,0 +1,223 @@
+"""Tenants on a real node with tokens: each tenant hits its own pages, and another tenant misses them and
+can neither read, delete nor learn of them, on every API; bad identities are refused with what to fix."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from identities import Tokens, token_line
+from kvstore_client import KVStoreClient, Namespace, errors
+from kvstore_client.channel import GrpcChannel
+from kvstore_client.credentials import Credentials
+from kvstore_client.proto import pb
+
+PAGE = 16384
+NS = Namespace(model="tenant-model", page_bytes=PAGE, page_tokens=16)
+
+
+def pages(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    return Tokens(tmp_path)
+
+
+@pytest.fixture
+def node(start_server, tokens):
+    return start_server({"auth.tokens_file": str(tokens.path)})
+
+
+def channel(node, token: str) -> GrpcChannel:
+    return GrpcChannel(node.address, 5.0, Credentials(token=token))
+
+
+def stored(node, tokens, keys=("a0", "a1", "a2")):
+    with KVStoreClient(node.address, token=tokens.alice) as alice:
+        assert alice.put(NS, list(keys), pages(len(keys))) == len(keys)
+        return alice.stats().namespaces[0].namespace_id
+
+
+def test_same_tenant_hits_another_tenant_misses_and_cannot_delete(node, tokens):
+    keys = ["a0", "a1", "a2"]
+    data = pages(3)
+    with KVStoreClient(node.address, token=tokens.alice) as alice, \
+            KVStoreClient(node.address, token=tokens.bob) as bob:
+        assert alice.put(NS, keys, data) == 3
+        out = np.zeros_like(data)
+        assert alice.lookup(NS, keys) == 3 and alice.get(NS, keys, out) == 3 and np.array_equal(out, data)
+        # The same spec and keys from bob name bob's own key space: nothing is there.
+        assert bob.lookup(NS, keys) == 0
+        assert bob.get(NS, keys, np.zeros_like(data)) == 0
+        assert bob.delete(NS, keys) == 0 and bob.clear(NS) == 0
+        assert bob.route(NS, ["e0"], keys=keys).scores[0].dram_pages == 0
+        assert alice.get(NS, keys, out) == 3 and np.array_equal(out, data)
+        # bob's own pages under the same keys are his and do not disturb alice's
+        assert bob.put(NS, keys, pages(3, seed=1)) == 3
+        assert alice.get(NS, keys, out) == 3 and np.array_equal(out, data)
+
+
+def test_another_tenants_namespace_id_is_answered_as_an_unknown_one(node, tokens):
+    alice_ns = stored(node, tokens)
+    bob = channel(node, tokens.bob)
+    unknown = (alice_ns + 1) % (1 << 64)
+    requests = {
+        "Lookup": lambda ns: pb.LookupRequest(namespace_id=ns, keys=[b"a0"]),
+        "Acquire": lambda ns: pb.AcquireRequest(namespace_id=ns, keys=[b"a0"]),
+        "Reserve": lambda ns: pb.ReserveRequest(namespace_id=ns, keys=[b"x"], page_bytes=PAGE),
+        "Delete": lambda ns: pb.DeleteRequest(namespace_id=ns, all_pages=True),
+        "Route": lambda ns: pb.RouteRequest(namespace_id=ns, keys=[b"a0"], engine_ids=["e0"]),
+    }
+    for method, request in requests.items():
+        answers = []
+        for ns in (alice_ns, unknown):
+            with pytest.raises(errors.NamespaceNotFound) as info:
+                bob.call(method, request(ns))
+            answers.append(str(info.value).replace(f"{ns:#018x}", "<id>"))
+        assert answers[0] == answers[1], method
+    with KVStoreClient(node.address, token=tokens.alice) as alice:
+        assert alice.lookup(NS, ["a0", "a1", "a2"]) == 3
+
+
+def test_another_tenants_lease_is_answered_as_an_unknown_one(node, tokens):
+    alice = channel(node, tokens.alice)
+    bob = channel(node, tokens.bob)
+    ns_id = alice.call("OpenNamespace", pb.OpenNamespaceRequest(spec=NS.to_proto())).namespace_id
+    write = alice.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[b"w"], page_bytes=PAGE))
+    for method, request in [("Commit", pb.CommitRequest(lease_id=write.lease_id)),
+                            ("Abort", pb.AbortRequest(lease_id=write.lease_id)),
+                            ("Release", pb.ReleaseRequest(lease_ids=[write.lease_id]))]:
+        with pytest.raises(errors.LeaseNotFound, match="is unknown, already finished, or expired"):
+            bob.call(method, request)
+    assert alice.call("Abort", pb.AbortRequest(lease_id=write.lease_id)).aborted_pages == 1
+
+
+def test_a_spec_naming_another_tenant_is_refused(node, tokens):
+    bob = channel(node, tokens.bob)
+    with pytest.raises(errors.PermissionDenied, match="leave spec.tenant empty"):
+        bob.call("OpenNamespace", pb.OpenNamespaceRequest(spec=Namespace("m", PAGE, tenant="alice").to_proto()))
+    own = bob.call("OpenNamespace", pb.OpenNamespaceRequest(spec=Namespace("m", PAGE, tenant="bob").to_proto()))
+    filled = bob.call("OpenNamespace", pb.OpenNamespaceRequest(spec=Namespace("m", PAGE).to_proto()))
+    assert own.namespace_id == filled.namespace_id   # the node filled in bob's tenant
+    ops = channel(node, tokens.ops)
+    ops.call("OpenNamespace", pb.OpenNamespaceRequest(spec=Namespace("m", PAGE, tenant="alice").to_proto()))
+
+
+def test_stats_show_a_tenant_only_its_own(node, tokens):
+    stored(node, tokens)
+    with KVStoreClient(node.address, token=tokens.bob) as bob:
+        assert bob.put(NS, ["b0"], pages(1)) == 1
+        stats = bob.stats()
+    assert [(ns.tenant, ns.pages) for ns in stats.namespaces] == [("bob", 1)] and stats.namespaces_total == 1
+    assert not stats.tiers and stats.pages_committed == 0   # node-wide counters would tell of alice
+    admin = channel(node, tokens.ops).call("Stats", pb.StatsRequest())
+    assert sorted(ns.tenant for ns in admin.namespaces) == ["alice", "bob"] and admin.tiers[0].pages == 4
+
+
+def test_admin_operations_need_the_admin_role(node, tokens):
+    alice_ns = stored(node, tokens)
+    with pytest.raises(errors.PermissionDenied, match="Scrub needs the admin role"):
+        channel(node, tokens.bob).call("Scrub", pb.ScrubRequest())
+    ops = channel(node, tokens.ops)
+    assert ops.call("Scrub", pb.ScrubRequest()).pages_checked == 3
+    assert ops.call("Delete", pb.DeleteRequest(namespace_id=alice_ns, all_pages=True)).deleted_pages == 3
+
+
+@pytest.mark.parametrize("token, why", [
+    (None, "needs a bearer token"),
+    ("not-a-token", "not one this node knows"),
+])
+def test_missing_or_wrong_token_is_unauthenticated(node, token, why):
+    with pytest.raises(errors.Unauthenticated, match=why):
+        KVStoreClient(node.address, token=token or "")
+
+
+def test_expired_token_is_unauthenticated(start_server, tokens):
+    tokens.lines.append(token_line("old-token", "alice", "tenant", "2020-01-01T00:00:00"))
+    tokens.write()
+    node = start_server({"auth.tokens_file": str(tokens.path)})
+    with pytest.raises(errors.Unauthenticated, match="expired"):
+        KVStoreClient(node.address, token="old-token")
+
+
+def test_a_token_revoked_on_sighup_is_refused_from_then_on(node, tokens):
+    bob = channel(node, tokens.bob)
+    bob.call("Hello", pb.HelloRequest())
+    tokens.lines = [line for line in tokens.lines if " bob " not in line]
+    tokens.write()
+    node.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "token file reloaded" not in node.log():
+        assert time.monotonic() < deadline, node.log()
+        time.sleep(0.02)
+    with pytest.raises(errors.Unauthenticated, match="revoked"):
+        bob.call("Hello", pb.HelloRequest())
+    channel(node, tokens.alice).call("Hello", pb.HelloRequest())
+
+
+def test_a_token_file_that_does_not_parse_on_sighup_keeps_the_old_one(node, tokens):
+    tokens.path.write_text("not a token line\n")
+    node.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "token file not reloaded" not in node.log():
+        assert time.monotonic() < deadline, node.log()
+        time.sleep(0.02)
+    channel(node, tokens.bob).call("Hello", pb.HelloRequest())
+
+
+def scrape(node, token: str | None) -> tuple[int, str]:
+    port = json.loads(node.ready_file.read_text())["metrics_port"]
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_metrics_need_an_admin_token_and_count_refusals(node, tokens):
+    stored(node, tokens)
+    assert scrape(node, None)[0] == 401
+    assert scrape(node, tokens.alice)[0] == 401
+    with pytest.raises(errors.Unauthenticated):
+        channel(node, "wrong").call("Hello", pb.HelloRequest())
+    status, text = scrape(node, tokens.ops)
+    assert status == 200 and 'tenant="alice"' in text
+    assert 'kvstore_auth_refusals_total{error="Unauthenticated",plane="grpc"} 1.0' in text
+    assert 'kvstore_auth_refusals_total{error="PermissionDenied",plane="metrics"} 1.0' in text
+
+
+def test_non_loopback_address_without_authentication_refuses_to_start(start_server):
+    with pytest.raises(RuntimeError, match="exited with 2") as info:
+        start_server({"server.grpc_address": "0.0.0.0:0"})
+    assert "auth.allow_unauthenticated_remote" in str(info.value)
+
+
+def test_local_uid_mapping_decides_the_local_channel(start_server, tokens):
+    import os
+    uid = os.getuid()
+    # A tenant's uid: the local channel serves it, but never the arena (it holds every tenant's pages).
+    tenant_node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{uid}:alice"})
+    with KVStoreClient(tenant_node.address, token=tokens.alice) as alice:
+        assert alice.transport == "tcp"
+        assert alice.put(NS, ["a0"], pages(1)) == 1
+    with pytest.raises(errors.PermissionDenied, match="mapped only by an admin identity"):
+        KVStoreClient(tenant_node.address, token=tokens.alice, transport="shm")
+    # An admin uid maps the arena.
+    admin_node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{uid}:ops:admin"})
+    with KVStoreClient(admin_node.address, token=tokens.ops) as ops:
+        assert ops.transport == "shm" and ops.put(NS, ["o0"], pages(1)) == 1
+    # An unmapped uid is refused before any frame is read.
+    other_node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{uid + 1}:bob"})
+    with pytest.raises(errors.PermissionDenied, match=f"uid {uid} maps to no tenant"):
+        KVStoreClient(other_node.address, token=tokens.alice, transport="shm")
