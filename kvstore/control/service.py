@@ -64,9 +64,11 @@ class KVStoreService:
     def handle(self, method: str, request: Any, owner: object | None = None) -> Any:
         identity = owner.identity if isinstance(owner, Caller) else TRUSTED
         tenancy.admit(self.store, method, request, identity)
-        if method == "Stats" and not identity.admin:
+        if identity.admin:
+            return self._methods[method](request, owner)
+        if method == "Stats":
             return tenancy.tenant_stats(self.store, request, identity, checks.stats_page(request, self.config)[1])
-        return self._methods[method](request, owner)
+        return tenancy.scoped(method, self._methods[method](request, owner))
 
     # -- methods ----------------------------------------------------------------------
 

@@ -71,3 +71,10 @@ def tenant_stats(store: PageStore, request: pb.StatsRequest, identity: Identity,
     count = request.namespaces_max or most
     return pb.StatsResponse(namespaces=own[request.namespaces_offset:request.namespaces_offset + count],
                             namespaces_total=len(own))
+
+
+def scoped(method: str, response: Any) -> Any:
+    """A tenant's answer: the HBM pool is mapped only by admins, as it holds every tenant's pages."""
+    if method == "Hello":
+        response.ClearField("hbm")
+    return response

@@ -221,3 +221,10 @@ def test_local_uid_mapping_decides_the_local_channel(start_server, tokens):
     other_node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{uid + 1}:bob"})
     with pytest.raises(errors.PermissionDenied, match=f"uid {uid} maps to no tenant"):
         KVStoreClient(other_node.address, token=tokens.alice, transport="shm")
+
+
+def test_hello_offers_a_tenant_no_region_of_every_tenants_pages(start_server, tokens):
+    node = start_server({"auth.tokens_file": str(tokens.path), "hbm.pool_bytes": "4MiB",
+                         "testing.hbm_on_host": "true"})
+    assert not channel(node, tokens.alice).call("Hello", pb.HelloRequest()).HasField("hbm")
+    assert channel(node, tokens.ops).call("Hello", pb.HelloRequest()).HasField("hbm")
