@@ -30,11 +30,14 @@ __device__ __forceinline__ void copy_slab(PLAN_PARAMS) {
     long long k = kv_layer / layers, layer = kv_layer % layers;
     Word* page_base = reinterpret_cast<Word*>(page_addrs[page]) + k * page_kv + layer * page_layer;
     Word* cache_base = reinterpret_cast<Word*>(cache_bases[kv_layer]) + block_ids[page] * cache_block;
-    long long words = tokens * heads * chunk_words;
-    long long step = (long long)blockDim.x * gridDim.y;
-    for (long long w = (long long)blockIdx.y * blockDim.x + threadIdx.x; w < words; w += step) {
-        long long chunk = w / chunk_words, word = w - chunk * chunk_words;
-        long long token = chunk / heads, head = chunk - token * heads;
+    // Within a slab 32-bit indices suffice (the planner keeps a slab under 2^31 words), and
+    // 32-bit division is several times cheaper than 64-bit on the GPU.
+    unsigned int words = (unsigned int)(tokens * heads * chunk_words);
+    unsigned int cw = (unsigned int)chunk_words, hs = (unsigned int)heads;
+    unsigned int step = blockDim.x * gridDim.y;
+    for (unsigned int w = blockIdx.y * blockDim.x + threadIdx.x; w < words; w += step) {
+        unsigned int chunk = w / cw, word = w - chunk * cw;
+        unsigned int token = chunk / hs, head = chunk - token * hs;
         Word* in_page = page_base + token * page_token + head * page_head + word;
         Word* in_cache = cache_base + token * cache_token + head * cache_head + word;
         if (ToCache) *in_cache = *in_page; else *in_page = *in_cache;

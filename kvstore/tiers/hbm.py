@@ -55,7 +55,7 @@ class CudaPool:
                 raise OSError(f"cannot allocate the HBM pool of {nbytes} bytes on CUDA device {index} "
                               f"(hbm.pool_bytes): {exc}") from None
             self.ipc_handle = bytes(runtime.ipcGetMemHandle(self.address))
-        self.device_uuid = bytes(runtime.getDeviceProperties(index)["uuid"])
+        self.device_uuid = bytes(runtime.getDeviceProperties(index).get("uuid", b""))
 
     def close(self) -> None:
         self._runtime.free(self.address)

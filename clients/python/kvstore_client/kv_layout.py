@@ -228,6 +228,8 @@ def plan(shape: PageShape, page_format: PageFormat, cache: CacheLayout) -> CopyP
         chunk, heads = chunk * heads, 1
     if heads == 1 and tokens > 1 and page["token"] == token == chunk:   # and tokens too: one chunk per slab
         chunk, tokens = chunk * tokens, 1
+    if tokens * heads * chunk >= 1 << 31:
+        raise InvalidArgument(f"one (kv, layer) of a page holds {tokens * heads * chunk} bytes; the kernel takes under 2 GiB")
     return CopyPlan(kv=shape.kv, layers=shape.layers, tokens=tokens, heads=heads, chunk_bytes=chunk,
                     page_kv=page["kv"], page_layer=page["layer"], page_token=page["token"], page_head=page["head"],
                     cache_block=block, cache_token=token, cache_head=head,
