@@ -313,16 +313,7 @@ class PageStore:
         Returns (states, checksums, pages published)."""
         with self._lock:
             lease = self._lease(lease_id, WRITE)
-            indices = indices or sorted(lease.slots)
-            for index in indices:
-                if index not in lease.slots:
-                    raise errors.InvalidArgument(
-                        f"index {index} is not a reserved, uncommitted slot of lease {lease_id:#x}")
-                if index in lease.writing:
-                    raise errors.SlotBusy(f"index {index} of lease {lease_id:#x} is still being written "
-                                          "over the data plane: commit it after its transfer is answered")
-                if index in lease.committing:
-                    raise errors.SlotBusy(f"index {index} of lease {lease_id:#x} is already being committed")
+            indices = self._committable(lease, indices)
             if checksums and len(checksums) != len(indices):
                 raise errors.InvalidArgument(
                     f"{len(checksums)} checksums for {len(indices)} pages: give one per page or none")
@@ -355,6 +346,38 @@ class PageStore:
                 self._end_lease(lease)
         failpoints.hit("commit.after_publish")
         return states, sums, published
+
+    def commit_written(self, lease_id: int, indices: list[int], checksums: list[int]) -> tuple[
+            list[int], list[int], list[PageRecord]]:
+        """Publish slots whose checksums the lease's writer computed as it copied them in (one pass over
+        the bytes: kvstore_native.copy_hash), without reading the slots back. A page is still never
+        published without a checksum from its writer or from this node; the scrubber, promotion from
+        NVMe and reads with verify check it later, like any page. Returns what commit() returns."""
+        with self._lock:
+            lease = self._lease(lease_id, WRITE)
+            indices = self._committable(lease, indices)
+            if len(checksums) != len(indices):
+                raise errors.InvalidArgument(
+                    f"{len(checksums)} checksums for {len(indices)} pages: checksums_from_writer needs one per page")
+            states, published = self._publish(lease, indices, checksums)
+            if not lease.slots:
+                self._end_lease(lease)
+        failpoints.hit("commit.after_publish")
+        return states, checksums, published
+
+    def _committable(self, lease: Lease, indices: list[int]) -> list[int]:
+        """Lock held: the indices a commit names (none: every uncommitted one), each reserved and idle."""
+        indices = indices or sorted(lease.slots)
+        for index in indices:
+            if index not in lease.slots:
+                raise errors.InvalidArgument(
+                    f"index {index} is not a reserved, uncommitted slot of lease {lease.lease_id:#x}")
+            if index in lease.writing:
+                raise errors.SlotBusy(f"index {index} of lease {lease.lease_id:#x} is still being written "
+                                      "over the data plane: commit it after its transfer is answered")
+            if index in lease.committing:
+                raise errors.SlotBusy(f"index {index} of lease {lease.lease_id:#x} is already being committed")
+        return indices
 
     def _publish(self, lease: Lease, indices: list[int], sums: list[int]) -> tuple[list[int], list[PageRecord]]:
         """Lock held: make checked pages visible in chain order; a page whose parent is absent is anchored at it."""

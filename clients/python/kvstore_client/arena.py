@@ -8,15 +8,17 @@ import os
 
 import numpy as np
 
+from kvstore_client import native
 from kvstore_client.buffers import Segment
 
 _memmove = ctypes.memmove
 
-# glibc copies large blocks with non-temporal stores, which bypass the cache. A put's page
-# is read back by the server right after it is written (the checksum at commit), so it is
-# copied in pieces below that switch: the bytes are still in the shared L3 cache when the
-# server hashes them, instead of a second stream competing for DRAM bandwidth. Measured
-# here with 4 MiB pages: 0.70 of memcpy whole, 0.98 in 256 KiB pieces (bench/shm_throughput.py).
+# Without kvstore_native (write_hashed returns None), the node reads a put's page back right
+# after it is written (the checksum at commit). glibc copies large blocks with non-temporal
+# stores, which bypass the cache, so such a page is copied in pieces below that switch: the
+# bytes are still in the shared L3 cache when the server hashes them, instead of a second
+# stream competing for DRAM bandwidth. Measured here with 4 MiB pages: 0.70 of memcpy whole,
+# 0.98 in 256 KiB pieces (bench/shm_throughput.py).
 CACHED_COPY_BYTES = 256 << 10
 
 
@@ -39,6 +41,13 @@ class ArenaMapping:
             for done in range(0, nbytes, CACHED_COPY_BYTES):
                 _memmove(dst + done, src + done, min(CACHED_COPY_BYTES, nbytes - done))
             dst += nbytes
+
+    def write_hashed(self, pages: list[tuple[int, list[Segment]]]) -> list[int] | None:
+        """Copy each (offset, segments) page into its slot and return its xxh3, one pass over each page
+        (kvstore_native.copy_hash: non-temporal stores, nothing read back); None without kvstore_native."""
+        if native.module is None:
+            return None
+        return native.module.copy_hash_pages(self.base, pages)
 
     def read(self, offset: int, segments: list[Segment]) -> None:
         """Copy the slot at `offset` out into a page's segments."""

@@ -51,8 +51,10 @@ class DataPath(Protocol):
     rdma_qp_num: int   # RDMA: the node's queue pair, named in Reserve and Acquire; 0 otherwise
     shape: PipelineShape
 
-    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
-        """Write each page into its reserved slot; raises Unavailable if the node is lost."""
+    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int] | None:
+        """Write each page into its reserved slot; raises Unavailable if the node is lost. Returns each
+        page's xxh3 where the path computed it from the bytes it copied (its Commit then says so and the
+        node reads nothing back), else None."""
 
     def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         """Read each pinned page into the caller's segments; raises Unavailable if the node is lost."""

@@ -2,8 +2,10 @@
 
 A put reserves its chain in groups and moves and commits each group in runs (the sizes are the
 data path's PipelineShape). The next group's Reserve is in flight while this group moves, and the
-server checksums one run while the next one moves. Pages become visible in chain order (a page
-committed before its parent would be stored anchored at it, see kvstore/control/index.py):
+server checksums one run while the next one moves (unless the data path checksummed the pages as
+it copied them: then the Commit carries those and the server reads nothing back). Pages become
+visible in chain order (a page committed before its parent would be stored anchored at it, see
+kvstore/control/index.py):
 
 - on a control channel that answers in order (the local channel), everything is submitted
   without waiting: the next group extends this group's write lease (its Reserve is answered
@@ -96,12 +98,19 @@ class PutBatch:
                                        "raise leases.write_ttl_ms or put fewer pages per call")
         first = reserved.first_index
         pages = [(first + i, reserved.offsets[i], self.segments[start + i]) for i in indices]
-        data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
-        sums = [checksums.of_page(self.segments[start + i]) for i in indices] if self.verify else []
+        written = data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
+        # verify: the node hashes the slots and compares (end to end); else a checksum taken while
+        # copying is the writer's word for the slot, and the node records it without reading back.
+        from_writer = written is not None and not self.verify
+        if self.verify:
+            sums = written if written is not None else [checksums.of_page(self.segments[start + i]) for i in indices]
+        else:
+            sums = written or []
         if after is not None:
             after.result()
         return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=[p[0] for p in pages],
-                                                         checksums=sums, durable=self.durable))
+                                                         checksums=sums, durable=self.durable,
+                                                         checksums_from_writer=from_writer))
 
 
 def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], durable: bool) -> int:

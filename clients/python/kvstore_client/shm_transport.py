@@ -13,9 +13,10 @@ from kvstore_client.channel import LocalChannel
 from kvstore_client.data_path import Page, PipelineShape
 from kvstore_client.proto import pb
 
-# The server checksums each committed run while the next one is copied. Runs are short so it
-# reads them back while they are still in the shared L3 cache (a second stream from DRAM slows
-# the copy itself by a third), and the last run's checksum, which nothing overlaps, is brief.
+# With kvstore_native the SDK checksums each page as it copies it, and the node reads nothing
+# back. Without it, the server checksums each committed run while the next one is copied: runs
+# are short so it reads them back while they are still in the shared L3 cache (a second stream
+# from DRAM slows the copy itself by a third), and the last run's checksum is brief.
 # A message costs tens of microseconds, which is why small pages go in groups of at least 32.
 SHAPE = PipelineShape(reserve_group_pages_min=32, reserve_group_bytes=0, commit_run_bytes=2 << 20)
 
@@ -37,11 +38,14 @@ class ShmDataPath:
         self.arena = arena
         self._channel = channel
 
-    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
-        write = self.arena.write
-        for _, offset, segments in pages:
-            write(offset, segments)
+    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int] | None:
+        sums = self.arena.write_hashed([(offset, segments) for _, offset, segments in pages])
+        if sums is None:   # no kvstore_native: memmove, and the node hashes the slots at commit
+            write = self.arena.write
+            for _, offset, segments in pages:
+                write(offset, segments)
         self._check_same_node()
+        return sums
 
     def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         read = self.arena.read

@@ -243,16 +243,18 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "indices", "checksums", "durable")
+    __slots__ = ("lease_id", "indices", "checksums", "durable", "checksums_from_writer")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FROM_WRITER_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     durable: bool
-    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
+    checksums_from_writer: bool
+    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., checksums_from_writer: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("states", "checksums", "durable_pages")
