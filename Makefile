@@ -11,15 +11,15 @@ ENGINES := $(VENV)/.engines
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e "./clients/python[fast]" -e ".[test,events,demo]"
+	$(BIN)/python tests/pip_install.py -e "./clients/python[fast]" -e ".[test,events,demo]"
 	touch $@
 
 # vLLM's own KV-event classes and publisher for the event tests: vllm without its CUDA
 # dependencies (it pins a CUDA torch), plus what vllm.distributed.kv_events imports.
 VLLM_STAMP := $(VENV)/.vllm-installed
 $(VLLM_STAMP): $(STAMP) tests/requirements-vllm-events.txt
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps vllm==0.33.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -r tests/requirements-vllm-events.txt
+	$(BIN)/python tests/pip_install.py --no-deps vllm==0.33.0
+	$(BIN)/python tests/pip_install.py -r tests/requirements-vllm-events.txt
 	touch $@
 
 # kvstore_native (native/): the C hot loops. A failed build is loud and not fatal: the SDK and
@@ -35,7 +35,7 @@ install: $(STAMP) $(NATIVE)
 # The engines the adapter tests run against, pinned, without their GPU dependency sets
 # (see tests/requirements-engines.txt); test-only, never a dependency of the server.
 $(ENGINES): $(STAMP) tests/requirements-engines.txt
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r tests/requirements-engines.txt
+	$(BIN)/python tests/pip_install.py --no-deps -r tests/requirements-engines.txt
 	touch $@
 
 run: $(STAMP) $(NATIVE)

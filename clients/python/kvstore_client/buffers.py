@@ -71,7 +71,11 @@ def _address(obj: Any, writable: bool, keepalive: list[Any]) -> Segment:
             raise InvalidArgument("tensor is not contiguous")
         keepalive.append(obj)
         return obj.data_ptr(), obj.numel() * obj.element_size()
-    array = obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, dtype=np.uint8)
+    try:
+        array = obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, dtype=np.uint8)
+    except TypeError:
+        raise InvalidArgument(f"a page is a numpy array, CPU tensor, bytes-like buffer or (pointer, nbytes) pair, "
+                              f"got {type(obj).__name__}") from None
     if not array.flags.c_contiguous:
         raise InvalidArgument("array is not C-contiguous")
     if writable and not array.flags.writeable:

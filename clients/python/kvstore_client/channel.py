@@ -9,17 +9,25 @@ On the local channel the server answers a connection's requests in order
 (`answers_in_order`), so submitted requests pipeline: the client copies pages while the
 server reserves the next group and checks the previous one. gRPC gives no order between
 calls in flight, so the pipeline (pipeline.py) waits where order matters.
+
+A client call that names its own `timeout_s` runs inside call_deadline(): every message it
+sends, on either channel, must be answered before that one deadline (DeadlineExceeded). On the
+local channel a request whose answer comes too late stays queued, and its answer is read and
+dropped when it arrives, so the channel stays in step; a lease it opened expires by its TTL.
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import contextlib
+import contextvars
 import logging
 import select
 import socket
 import threading
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import grpc
 
@@ -28,15 +36,47 @@ from kvstore_client.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
+# time.monotonic() by which the current call must be answered; None = each message gets the channel's timeout_s.
+_call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvstore_call_deadline", default=None)
+
+
+@contextlib.contextmanager
+def call_deadline(timeout_s: float | None) -> Iterator[None]:
+    """Every message sent inside the block (this thread or task) must be answered within timeout_s from now."""
+    if timeout_s is None:
+        yield
+        return
+    if not timeout_s > 0:
+        raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    outer = _call_deadline.get()
+    deadline = time.monotonic() + timeout_s
+    token = _call_deadline.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _call_deadline.reset(token)
+
+
+def seconds_left(default_s: float) -> float:
+    """The gRPC timeout of a message sent now: what is left of the call's deadline, else default_s."""
+    deadline = _call_deadline.get()
+    if deadline is None:
+        return default_s
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise errors.DeadlineExceeded("the call's timeout_s ran out before it finished")
+    return left
+
 
 class Pending:
     """The answer to a request submitted on the local channel, once it arrives."""
 
-    __slots__ = ("name", "posted", "_channel", "_response", "_error", "_done")
+    __slots__ = ("name", "posted", "deadline", "_channel", "_response", "_error", "_done")
 
     def __init__(self, name: str, channel: "LocalChannel"):
         self.name = name
         self.posted = False                  # nobody waits: an error is logged instead
+        self.deadline = _call_deadline.get()
         self._channel = channel
         self._response: Any = None
         self._error: errors.KVStoreError | None = None
@@ -97,13 +137,13 @@ class GrpcChannel:
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return self._stubs[name](request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+            return self._stubs[name](request, timeout=timeout_s or seconds_left(self.timeout_s), metadata=self._metadata)
         except grpc.RpcError as exc:
             raise errors.error_from_rpc(exc) from None
 
     def submit(self, name: str, request: Any) -> GrpcCall:
         """Send the call now and return at once; result() waits. No order between submitted calls."""
-        return GrpcCall(self._stubs[name].future(request, timeout=self.timeout_s, metadata=self._metadata))
+        return GrpcCall(self._stubs[name].future(request, timeout=seconds_left(self.timeout_s), metadata=self._metadata))
 
     def post(self, name: str, request: Any) -> None:
         future = self._stubs[name].future(request, timeout=self.timeout_s, metadata=self._metadata)
@@ -183,7 +223,8 @@ class LocalChannel:
             return fds[0]
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
-        return self.submit(name, request).result()
+        with call_deadline(timeout_s):
+            return self.submit(name, request).result()
 
     def submit(self, name: str, request: Any) -> Pending:
         method_id = framing.METHOD_IDS[name]
@@ -239,6 +280,9 @@ class LocalChannel:
                     target._settle(None, self._broken)
                     return
                 pending, response_cls = self._inflight[0]
+                if target.deadline is not None and not self._readable_before(target.deadline):
+                    raise errors.DeadlineExceeded(f"{target.name}: no answer on the shm socket within the "
+                                                  "call's timeout_s")
                 try:
                     header = self._recv_exact(framing.HEADER.size)
                     length, code = framing.decode_header(header)
@@ -260,6 +304,12 @@ class LocalChannel:
             for pending, _ in self._inflight:
                 pending._settle(None, error)
             self._inflight.clear()
+
+    def _readable_before(self, deadline: float) -> bool:
+        """Wait until an answer starts to arrive or `deadline` passes; a frame once started is read whole."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
 
     def _recv_exact(self, nbytes: int) -> bytes:
         buf = bytearray(nbytes)

@@ -21,6 +21,14 @@ reopened as they are used), each step bounded by `timeout_s`, one attempt per ca
 the node is down a call fails at once with errors.Unavailable. A call that finds the node
 gone while it runs fails with errors.Unavailable, and is made once more on a new connection
 when that is safe: get, lookup, route, stats, and a put none of whose pages was reserved yet.
+
+One client may be shared by any number of threads: calls run concurrently on one connection
+(the local channel matches answers to requests in order; gRPC multiplexes), and a reconnect is
+made once for all of them. Every call also takes its own `timeout_s`, one deadline for all the
+messages it sends (channel.call_deadline); without it each message gets the client's timeout_s.
+Token ids may be a list, a numpy array or a torch tensor wherever a call takes them; a bad
+argument of any kind raises errors.InvalidArgument (a ValueError) before anything is sent.
+For asyncio engines, async_client.AsyncKVStoreClient has the same methods as coroutines.
 """
 
 from __future__ import annotations
@@ -29,21 +37,20 @@ import logging
 import threading
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from kvstore_client import checksums, errors, lookup
+from kvstore_client import errors, lookup
+from kvstore_client.arguments import check_verify, engine_id_list, keys_or_tokens, page_keys, prefetch_policy
 from kvstore_client.buffers import page_segments
+from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
-from kvstore_client.pipeline import PutBatch, get_batch
+from kvstore_client.pipeline import PutBatch, PutResult, get_batch
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_EFFORT, "timeout": pb.TIMEOUT}
-
 
 def _always() -> bool:
     return True
@@ -63,7 +70,9 @@ class KVStoreClient:
         `token`, `tls_ca`, `tls_cert`, `tls_key`: who this client is to the node (credentials.py); each
         one left None is read from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY."""
         if control not in ("local", "grpc"):
-            raise ValueError(f"control must be 'local' or 'grpc', got {control!r}")
+            raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self._options = ConnectOptions(target=target, timeout_s=timeout_s, control=control, transport=transport,
                                        client_name=client_name, tcp_congestion=tcp_congestion,
                                        rdma=rdma or RdmaOptions(), credentials=Credentials.resolve(
@@ -89,9 +98,12 @@ class KVStoreClient:
 
     # -- public API -------------------------------------------------------------------
 
-    def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any, parent: Key | None = None,
-            verify: bool = False, durable: bool = False) -> int:
-        """Store pages under their keys; returns how many leading keys are now stored.
+    def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
+            parent: Key | None = None, verify: bool = False, durable: bool = False, *,
+            tokens: Any = None, timeout_s: float | None = None) -> PutResult:
+        """Store pages under their keys (or under the keys of `tokens`' full pages); returns how many
+        leading keys are now stored: a PutResult, an int that also says why it is short (`reason`,
+        e.g. "NO_SPACE: the node is full ...").
 
         `parent` is the key of the page before keys[0] (None at the start of a sequence).
         A key already stored (or being written by another client) is not copied again and
@@ -105,26 +117,30 @@ class KVStoreClient:
         written by another client (those count as stored, whether or not they are on NVMe
         yet). A page this call wrote that is committed but not on NVMe ends the count.
         """
-        _check_verify(verify)
-        raw_keys = encode_keys(keys)
+        check_verify(verify)
+        raw_keys = page_keys(namespace, keys, tokens)
+        if buffers is None:
+            raise errors.InvalidArgument("put needs the pages' buffers")
         segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
         parent_key = encode_key(parent) if parent is not None else b""
-        stored = 0
+        stored, reason = 0, ""
         for start, stop in self._batches(len(raw_keys)):
             batch = PutBatch(namespace.page_bytes, parent_key, raw_keys[start:stop], segments[start:stop],
                              verify, durable)
             batch_stored = self._on_node(
                 lambda conn: conn.reopening(namespace, lambda ns_id: batch.run(conn.control, conn.data, ns_id)),
-                retry_if=lambda: not batch.slots_reserved)
+                retry_if=lambda: not batch.slots_reserved, timeout_s=timeout_s)
             stored += batch_stored
             if batch_stored < stop - start:
+                reason = getattr(batch_stored, "reason", "")
                 break
             parent_key = raw_keys[stop - 1]
         del keepalive
-        return stored
+        return PutResult(stored, len(raw_keys), reason)
 
-    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, verify: bool = False,
-            policy: str = "wait_complete", timeout_ms: int = 0) -> int:
+    def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None, verify: bool = False,
+            policy: str = "wait_complete", timeout_ms: int = 0, *, tokens: Any = None,
+            timeout_s: float | None = None) -> int:
         """Copy the leading stored pages into `out`; returns how many were loaded.
 
         Pages only on the node's NVMe tier come up into DRAM first; `policy` says how long
@@ -132,28 +148,31 @@ class KVStoreClient:
         the rest is prefetched for next time) or "timeout" (up to `timeout_ms`). When the
         call fails, `out` may hold anything.
         """
-        if policy not in _PREFETCH_POLICIES:
-            raise errors.InvalidArgument(f"policy must be one of {sorted(_PREFETCH_POLICIES)}, got {policy!r}")
-        _check_verify(verify)
-        raw_keys = encode_keys(keys)
+        prefetch = prefetch_policy(policy)
+        check_verify(verify)
+        raw_keys = page_keys(namespace, keys, tokens)
+        if out is None:
+            raise errors.InvalidArgument("get needs the buffers to copy pages into (out)")
         segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
         loaded = 0
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:
                 request = pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys[start:stop],
-                                            policy=_PREFETCH_POLICIES[policy], timeout_ms=timeout_ms)
+                                            policy=prefetch, timeout_ms=timeout_ms)
                 return get_batch(conn.control, conn.data, request, segments[start:stop], verify)
 
             batch_loaded = self._on_node(
-                lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)), retry_if=_always)
+                lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)), retry_if=_always,
+                timeout_s=timeout_s)
             loaded += batch_loaded
             if batch_loaded < stop - start:
                 break
         del keepalive
         return loaded
 
-    def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Sequence[int] | None = None) -> int:
-        """How many leading pages are stored, by keys or by token ids (a list, numpy array or CPU tensor).
+    def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None, *,
+               timeout_s: float | None = None) -> int:
+        """How many leading pages are stored, by keys or by token ids (a list, numpy array or tensor).
 
         One call for a prompt of any length: parts beyond the node's limit go as several Lookups
         (lookup.py). Extends no lease.
@@ -162,28 +181,29 @@ class KVStoreClient:
         if tokens is not None and not chain:
             return 0   # fewer tokens than one page
         return self._on_node(lambda conn: conn.reopening(
-            namespace, lambda ns_id: lookup.leading_hits(conn.control, conn.hello.limits, ns_id, chain)), _always)
+            namespace, lambda ns_id: lookup.leading_hits(conn.control, conn.hello.limits, ns_id, chain)), _always,
+            timeout_s=timeout_s)
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
-              tokens: Sequence[int] | None = None) -> pb.RouteResponse:
+              tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
         """Score candidate engines by how much of this prefix each can reuse (its GPU, then this store)."""
-        if (keys is None) == (tokens is None):
-            raise ValueError("pass exactly one of keys or tokens")
-        request = pb.RouteRequest(keys=encode_keys(keys or ()), tokens=list(tokens or ()), engine_ids=list(engine_ids))
-        return self._on_node(lambda conn: conn.call_in(namespace, "Route", request), _always)
+        request = pb.RouteRequest(**keys_or_tokens(keys, tokens), engine_ids=engine_id_list(engine_ids))
+        return self._on_node(lambda conn: conn.call_in(namespace, "Route", request), _always, timeout_s=timeout_s)
 
-    def delete(self, namespace: Namespace, keys: Sequence[Key]) -> int:
+    def delete(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> int:
         """Remove pages and every page that extends them; returns pages removed."""
         request = pb.DeleteRequest(keys=encode_keys(keys))
-        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never).deleted_pages
+        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never,
+                             timeout_s=timeout_s).deleted_pages
 
-    def clear(self, namespace: Namespace) -> int:
+    def clear(self, namespace: Namespace, *, timeout_s: float | None = None) -> int:
         """Remove every page of the namespace; returns pages removed."""
         request = pb.DeleteRequest(all_pages=True)
-        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never).deleted_pages
+        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never,
+                             timeout_s=timeout_s).deleted_pages
 
-    def stats(self) -> pb.StatsResponse:
-        return self._on_node(lambda conn: conn.control.call("Stats", pb.StatsRequest()), _always)
+    def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
+        return self._on_node(lambda conn: conn.control.call("Stats", pb.StatsRequest()), _always, timeout_s=timeout_s)
 
     def register_buffer(self, address: int, nbytes: int, owner: Any = None) -> None:
         """Register [address, address + nbytes) (an engine's host KV pool) with the data plane once.
@@ -216,8 +236,14 @@ class KVStoreClient:
 
     # -- the connection ---------------------------------------------------------------
 
-    def _on_node(self, action: Callable[[NodeConnection], T], retry_if: Callable[[], bool]) -> T:
-        """Run `action` on a standing connection; if the node was lost under it and retry_if(), once more on a new one."""
+    def _on_node(self, action: Callable[[NodeConnection], T], retry_if: Callable[[], bool],
+                 timeout_s: float | None = None) -> T:
+        """Run `action` on a standing connection; if the node was lost under it and retry_if(), once more on a
+        new one. With `timeout_s`, every message of both attempts must be answered within it from now."""
+        with call_deadline(timeout_s):
+            return self._on_node_once_more(action, retry_if)
+
+    def _on_node_once_more(self, action: Callable[[NodeConnection], T], retry_if: Callable[[], bool]) -> T:
         conn = self._enter_connection()
         try:
             return _attempt(action, conn)
@@ -268,7 +294,7 @@ class KVStoreClient:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this KVStoreClient is closed")
+            raise errors.InvalidArgument("this KVStoreClient is closed: open a new one")
 
     def _batches(self, count: int) -> Iterator[tuple[int, int]]:
         step = self.limits.batch_pages_max
@@ -320,8 +346,3 @@ def _register_on(conn: NodeConnection, buffers: Sequence[tuple[int, int, Any]]) 
     if register is not None:
         for address, nbytes, owner in buffers:
             register(owner, address, nbytes)
-
-
-def _check_verify(verify: bool) -> None:
-    if verify and not checksums.available():
-        raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")

@@ -21,19 +21,22 @@ class KVStoreError(Exception):
     status: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
 
-def _error(name: str, code: int, status: grpc.StatusCode, doc: str) -> type[KVStoreError]:
-    return type(name, (KVStoreError,), {"code": code, "status": status, "__doc__": doc})
+def _error(name: str, code: int, status: grpc.StatusCode, doc: str,
+           base: type[Exception] = KVStoreError) -> type[KVStoreError]:
+    return type(name, (base,), {"code": code, "status": status, "__doc__": doc})
 
 
-InvalidArgument = _error(
-    "InvalidArgument", pb.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT,
-    "A field is empty or out of range. Fix the request; retrying it unchanged fails again.")
+# Also a ValueError: code that guards a call with `except ValueError` keeps working. The errors
+# below that name a bad argument more precisely are InvalidArguments too.
+InvalidArgument = type("InvalidArgument", (KVStoreError, ValueError), {
+    "code": pb.INVALID_ARGUMENT, "status": grpc.StatusCode.INVALID_ARGUMENT,
+    "__doc__": "A field is empty or out of range. Fix the request; retrying it unchanged fails again."})
 NamespaceNotFound = _error(
     "NamespaceNotFound", pb.NAMESPACE_NOT_FOUND, grpc.StatusCode.NOT_FOUND,
     "The namespace id was never opened on this server (or the server restarted): open it again.")
 PageSizeMismatch = _error(
     "PageSizeMismatch", pb.PAGE_SIZE_MISMATCH, grpc.StatusCode.INVALID_ARGUMENT,
-    "A page's size differs from the namespace's page_bytes: the KV layout does not match.")
+    "A page's size differs from the namespace's page_bytes: the KV layout does not match.", InvalidArgument)
 LeaseNotFound = _error(
     "LeaseNotFound", pb.LEASE_NOT_FOUND, grpc.StatusCode.NOT_FOUND,
     "The lease is unknown, already finished, or expired. Redo the reserve or acquire.")
@@ -42,10 +45,10 @@ ChecksumMismatch = _error(
     "Slot bytes do not hash to the checksum given at commit; nothing was made visible.")
 DuplicateKey = _error(
     "DuplicateKey", pb.DUPLICATE_KEY, grpc.StatusCode.INVALID_ARGUMENT,
-    "A key appears twice in one batch. Deduplicate the batch.")
+    "A key appears twice in one batch. Deduplicate the batch.", InvalidArgument)
 BatchTooLarge = _error(
     "BatchTooLarge", pb.BATCH_TOO_LARGE, grpc.StatusCode.INVALID_ARGUMENT,
-    "More pages in one call than limits.batch_pages_max. Split the batch.")
+    "More pages in one call than limits.batch_pages_max. Split the batch.", InvalidArgument)
 CapacityExhausted = _error(
     "CapacityExhausted", pb.CAPACITY_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
     "No slot could be freed: every page is pinned by a lease. Release leases or retry later.")
@@ -62,7 +65,7 @@ Unauthenticated = _error(
     "token= (or KVSTORE_TOKEN) with a token the operator listed in auth.tokens_file.")
 MalformedRequest = _error(
     "MalformedRequest", pb.MALFORMED_REQUEST, grpc.StatusCode.INVALID_ARGUMENT,
-    "The request bytes are not a valid message of the method's type.")
+    "The request bytes are not a valid message of the method's type.", InvalidArgument)
 Internal = _error(
     "Internal", pb.INTERNAL, grpc.StatusCode.INTERNAL,
     "A server bug. Report it with the server log; the request may be retried.")
@@ -119,4 +122,6 @@ def error_from_rpc(exc: grpc.RpcError) -> KVStoreError:
     for key, value in exc.trailing_metadata() or ():
         if key == ERROR_CODE_METADATA_KEY:
             return error_from_code(int(value), message)
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = f"no answer within the call's deadline (the client's or the call's timeout_s): {message}"
     return _ERRORS_BY_STATUS.get(status, Internal)(message)

@@ -17,7 +17,9 @@ from typing import Iterable, Sequence, Union
 import numpy as np
 
 from kvstore_client import native
+from kvstore_client.errors import InvalidArgument
 from kvstore_client.proto import pb
+from kvstore_client.tokens import token_array
 
 KEY_BYTES_MAX = 64
 
@@ -72,19 +74,15 @@ def prefix_hashes(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: st
     """
     if native.module is None:
         return prefix_hashes_python(tokens, page_tokens, seed)
-    if page_tokens <= 0:
-        raise ValueError(f"page_tokens must be positive, got {page_tokens}")
-    array = _token_array(tokens)
+    _check_page_tokens(page_tokens)
+    array = token_array(tokens)
     return native.module.prefix_hashes(array, page_tokens, bytes.fromhex(seed))
 
 
 def prefix_hashes_python(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: str = "") -> list[str]:
     """The reference chain, page by page with hashlib: what the native path must equal byte for byte."""
-    if page_tokens <= 0:
-        raise ValueError(f"page_tokens must be positive, got {page_tokens}")
-    array = _token_array(tokens).astype(np.int64)
-    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must fit in uint32")
+    _check_page_tokens(page_tokens)
+    array = token_array(tokens)
     keys: list[str] = []
     prior = seed or None
     for start in range(0, len(array) - page_tokens + 1, page_tokens):
@@ -93,34 +91,33 @@ def prefix_hashes_python(tokens: Sequence[int] | np.ndarray, page_tokens: int, s
     return keys
 
 
-_NATIVE_DTYPES = (np.dtype("<u4"), np.dtype("<i4"), np.dtype("<u8"), np.dtype("<i8"))
+def _check_page_tokens(page_tokens: int) -> None:
+    if not isinstance(page_tokens, (int, np.integer)) or page_tokens <= 0:
+        raise InvalidArgument(f"page_tokens must be a positive int, got {page_tokens!r}")
 
 
-def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """A C-contiguous array of 32- or 64-bit integers the native chain reads in place (range-checked there)."""
-    if type(tokens).__module__.startswith("torch"):
-        tokens = tokens.detach().cpu().numpy()
-    array = np.asarray(tokens)
-    if array.ndim != 1 and array.size:
-        array = array.reshape(-1)
-    if array.dtype not in _NATIVE_DTYPES:
-        if array.size and array.dtype.kind not in "iub":
-            raise ValueError(f"token ids must be integers that fit in uint32, got dtype {array.dtype}")
-        array = array.astype(np.int64)
-    return np.ascontiguousarray(array)
+_BYTES = (bytes, bytearray, memoryview)
 
 
 def encode_key(key: Key) -> bytes:
-    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if isinstance(key, str):
+        raw = key.encode()
+    elif isinstance(key, _BYTES):
+        raw = bytes(key)
+    else:   # bytes(3) would be three zero bytes: an int is a token id passed where a key belongs
+        raise InvalidArgument(f"a key is a str or bytes prefix hash, got {type(key).__name__} {key!r}; for token "
+                              "ids use prefix_hashes(tokens, page_tokens) or the call's tokens= argument")
     if not 0 < len(raw) <= KEY_BYTES_MAX:
-        raise ValueError(f"a key must be 1 to {KEY_BYTES_MAX} bytes, got {len(raw)}")
+        raise InvalidArgument(f"a key must be 1 to {KEY_BYTES_MAX} bytes, got {len(raw)}")
     return raw
 
 
 def encode_keys(keys: Iterable[Key]) -> list[bytes]:
-    raw = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+        raise InvalidArgument(f"keys must be a sequence of keys, got {type(keys).__name__}")
+    raw = [k.encode() if isinstance(k, str) else bytes(k) if isinstance(k, _BYTES) else encode_key(k) for k in keys]
     sizes = set(map(len, raw))   # checked once over the batch: a long prompt is thousands of keys
     if sizes and (min(sizes) == 0 or max(sizes) > KEY_BYTES_MAX):
         bad = next(len(k) for k in raw if not 0 < len(k) <= KEY_BYTES_MAX)
-        raise ValueError(f"a key must be 1 to {KEY_BYTES_MAX} bytes, got {bad}")
+        raise InvalidArgument(f"a key must be 1 to {KEY_BYTES_MAX} bytes, got {bad}")
     return raw

@@ -20,7 +20,7 @@ from kvstore_client.proto import pb
 def chain_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> list[bytes]:
     """The keys a lookup names: as given, or the namespace's chain over the tokens."""
     if (keys is None) == (tokens is None):
-        raise ValueError("pass exactly one of keys or tokens")
+        raise errors.InvalidArgument("pass exactly one of keys or tokens=")
     if keys is not None:
         return encode_keys(keys)
     if not namespace.page_tokens:

@@ -46,7 +46,7 @@ class PutBatch:
         # elsewhere (its pages may have been copied into a node that is gone).
         self.slots_reserved = False
 
-    def run(self, control: Any, data: DataPath, ns_id: int) -> int:
+    def run(self, control: Any, data: DataPath, ns_id: int) -> PutResult:
         """Store the batch; returns how many leading keys are now stored (see stored_pages)."""
         keys, in_order = self.keys, control.answers_in_order
         group = data.shape.group_pages(self.page_bytes)
@@ -113,22 +113,76 @@ class PutBatch:
                                                          checksums_from_writer=from_writer))
 
 
-def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], durable: bool) -> int:
+class PutResult(int):
+    """How many leading keys a put stored (it is that int), how many it was asked for, and why it stopped short.
+
+    `reason` is "" when every key was stored; else it names the first key not stored and why:
+    "NO_SPACE: ..." when the node is full, "PARENT_MISSING: ..." when the chain's parent is not
+    cached, "PARENT_GONE: ...", "NOT_DURABLE: ...". Code that reads the count as an int keeps working.
+    """
+
+    asked: int
+    reason: str
+
+    def __new__(cls, stored: int, asked: int, reason: str = "") -> "PutResult":
+        result = super().__new__(cls, stored)
+        result.asked, result.reason = asked, reason
+        return result
+
+    @property
+    def stored(self) -> int:
+        return int(self)
+
+    @property
+    def complete(self) -> bool:
+        return int(self) == self.asked
+
+    def __repr__(self) -> str:
+        return f"PutResult(stored={int(self)}, asked={self.asked}, reason={self.reason!r})"
+
+    def __str__(self) -> str:    # printed and formatted as the count it is
+        return str(int(self))
+
+
+def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], durable: bool) -> PutResult:
     """Leading keys stored, from each key's Reserve state and the Commit answers, in the order sent.
 
     A key counts when its page was already present or being written by another client (its
     state says so), or when this put reserved it and its Commit answered COMMITTED; with
     `durable`, a page this put wrote counts only if it is among the leading `durable_pages` of
-    its Commit's answer (on NVMe). Counting stops at the first key that does not count.
+    its Commit's answer (on NVMe). Counting stops at the first key that does not count, and
+    the result says why.
     """
-    written = iter([state == pb.COMMITTED and (not durable or j < answer.durable_pages)
+    written = iter([(state, j < answer.durable_pages)
                     for answer in answers for j, state in enumerate(answer.states)])
-    stored = 0
-    for state in states:
-        if state not in STORED_STATES or (state == pb.RESERVED and not next(written, False)):
-            break
-        stored += 1
-    return stored
+    for stored, state in enumerate(states):
+        if state in (pb.PRESENT, pb.IN_FLIGHT):
+            continue
+        if state == pb.RESERVED:
+            commit_state, on_nvme = next(written, (None, False))
+            if commit_state == pb.COMMITTED and (not durable or on_nvme):
+                continue
+            return PutResult(stored, len(states), _why_not_written(stored, commit_state))
+        return PutResult(stored, len(states), _why_not_reserved(stored, state))
+    return PutResult(len(states), len(states))
+
+
+def _why_not_reserved(index: int, state: int) -> str:
+    if state == pb.NO_SPACE:
+        return (f"NO_SPACE: the node is full: no slot could be freed for page {index} (every evictable page is "
+                "pinned by a lease or still being written); retry later or give the node more dram.arena_bytes")
+    if state == pb.PARENT_MISSING:
+        return (f"PARENT_MISSING: the parent of page {index} is not cached (evicted, or never put): "
+                "put the chain from its first page")
+    return f"page {index} was refused (reserve state {pb.ReserveState.Name(state)})"
+
+
+def _why_not_written(index: int, commit_state: int | None) -> str:
+    if commit_state == pb.COMMIT_PARENT_MISSING:
+        return f"PARENT_GONE: the parent of page {index} vanished before it was committed (its writer aborted)"
+    if commit_state == pb.COMMITTED:
+        return f"NOT_DURABLE: page {index} is committed in DRAM but the node did not report it on NVMe"
+    return f"page {index} was reserved but never committed"
 
 
 def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments: list[list[Segment]],
@@ -145,12 +199,17 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments
         data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
     finally:
         control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+    check_loaded(acquired, sent_at, segments, verify)
+    return hits
+
+
+def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[list[Segment]], verify: bool) -> None:
+    """Fail a get whose pages may be torn (LeaseNotFound) or, with verify, do not match (ChecksumMismatch)."""
     # The lease started after sent_at, so ending before sent_at + ttl means no page could
     # have been evicted (and its slot reused) under the transfer.
     if time.monotonic() > sent_at + acquired.lease_ttl_ms / 1000:
         raise errors.LeaseNotFound("the read lease expired during the transfer; the pages may be torn")
     if verify:
-        for i in range(hits):
+        for i in range(acquired.hit_pages):
             if checksums.of_page(segments[i]) != acquired.checksums[i]:
                 raise errors.ChecksumMismatch(f"page {i} does not match its checksum")
-    return hits

@@ -1,0 +1,52 @@
+"""A call's arguments checked and turned into what goes on the wire, the same for the sync and async clients.
+
+Each raises errors.InvalidArgument (a ValueError) naming what to pass instead, before anything is sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvstore_client import checksums, errors
+from kvstore_client.keys import Key, Namespace, encode_keys, prefix_hashes
+from kvstore_client.proto import pb
+from kvstore_client.tokens import token_array
+
+_PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_EFFORT, "timeout": pb.TIMEOUT}
+
+
+def keys_or_tokens(keys: Sequence[Key] | None, tokens: Any) -> dict[str, list]:
+    """A Lookup's or Route's keys or tokens field (the node hashes tokens itself)."""
+    if (keys is None) == (tokens is None):
+        raise errors.InvalidArgument("pass exactly one of keys= or tokens=")
+    if keys is not None:
+        return {"keys": encode_keys(keys)}
+    return {"tokens": token_array(tokens).tolist()}
+
+
+def page_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> list[bytes]:
+    """The keys a put or get names: given, or those of the full pages of `tokens` (as the node hashes them)."""
+    if (keys is None) == (tokens is None):
+        raise errors.InvalidArgument("pass exactly one of keys or tokens=")
+    if keys is not None:
+        return encode_keys(keys)
+    if not namespace.page_tokens:
+        raise errors.InvalidArgument("keys by tokens need a namespace with page_tokens set")
+    return encode_keys(prefix_hashes(tokens, namespace.page_tokens, namespace.hash_seed))
+
+
+def engine_id_list(engine_ids: Sequence[str]) -> list[str]:
+    if isinstance(engine_ids, str) or not all(isinstance(e, str) for e in engine_ids):
+        raise errors.InvalidArgument(f"engine_ids must be a list of engine id strings, got {engine_ids!r}")
+    return list(engine_ids)
+
+
+def prefetch_policy(policy: str) -> int:
+    if policy not in _PREFETCH_POLICIES:
+        raise errors.InvalidArgument(f"policy must be one of {sorted(_PREFETCH_POLICIES)}, got {policy!r}")
+    return _PREFETCH_POLICIES[policy]
+
+
+def check_verify(verify: bool) -> None:
+    if verify and not checksums.available():
+        raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")

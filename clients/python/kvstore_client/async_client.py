@@ -1,0 +1,408 @@
+"""AsyncKVStoreClient: the client's methods as coroutines, for asyncio engines; no thread per call.
+
+    async with AsyncKVStoreClient("127.0.0.1:50051") as client:
+        stored = await client.put(ns, keys, pages)
+        hits = await client.lookup(ns, tokens=prompt)
+
+Same arguments, results (PutResult, counts, RouteResponse, StatsResponse) and errors as
+KVStoreClient; argument checks are shared (arguments.py). Control messages go over the node's
+Unix socket as asyncio streams (the same frames as LocalChannel, answered in order) when the
+node is on this host, else over grpc.aio. Page bytes move through the shared-memory arena,
+copied inline: a memcpy of a page costs less than handing it to a thread. The arena's fd
+comes over its own socket (asyncio streams cannot receive SCM_RIGHTS), which stays open as
+the mapping's liveness signal, exactly as in the sync client: one short blocking exchange on
+the local socket at connect, never per call. Pages cannot move over TCP or RDMA here (their
+data paths block): on another host put/get raise TransportUnavailable, while lookup, route,
+delete, clear and stats work over grpc.aio.
+
+A put reserves, copies and commits one group at a time, without the sync client's overlap.
+A lost node is noticed before a call (no round trip) and the connection is opened again once;
+a call caught by the loss fails with Unavailable. `timeout_s` bounds a whole call; without it
+each message waits up to the client's timeout_s. One client serves any number of tasks of
+one event loop; it is not for use from other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import grpc
+import grpc.aio
+
+from kvstore_client import checksums, errors, framing
+from kvstore_client.arguments import check_verify, engine_id_list, keys_or_tokens, page_keys, prefetch_policy
+from kvstore_client.buffers import page_segments
+from kvstore_client.channel import LocalChannel
+from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
+from kvstore_client.pipeline import LEASE_MARGIN_S, PutResult, check_loaded, stored_pages
+from kvstore_client.proto import pb
+from kvstore_client.shm_transport import ShmDataPath
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncLocalChannel:
+    """kvstore.v1 frames on the node's Unix socket over asyncio streams; answers are matched in order."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader, self._writer = reader, writer
+        self._inflight: collections.deque[tuple[asyncio.Future, type]] = collections.deque()
+        self._broken: errors.KVStoreError | None = None
+        self._reading = asyncio.ensure_future(self._read_answers())
+
+    @classmethod
+    async def open(cls, path: str) -> "AsyncLocalChannel":
+        try:
+            reader, writer = await asyncio.open_unix_connection(path)
+        except OSError as exc:
+            raise errors.Unavailable(f"cannot connect to the shm socket {path}: {exc}") from None
+        return cls(reader, writer)
+
+    async def call(self, name: str, request: Any, timeout_s: float) -> Any:
+        answer = self._submit(name, request)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await answer
+        except TimeoutError:   # the answer, when it comes, is read and dropped: the channel stays in step
+            raise errors.DeadlineExceeded(f"{name}: no answer on the shm socket within timeout_s") from None
+
+    def post(self, name: str, request: Any) -> None:
+        """Send without waiting; an error in the answer is logged."""
+        if self._broken is not None:
+            return   # the node ends the connection's leases itself
+        answer = self._submit(name, request)
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception() is None or
+                                 log.warning("%s failed after it was posted: %s", name, f.exception()))
+
+    def alive(self) -> bool:
+        return self._broken is None and not self._reader.at_eof()
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+        self._reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reading
+
+    def _submit(self, name: str, request: Any) -> asyncio.Future:
+        if self._broken is not None:
+            raise self._broken
+        method_id = framing.METHOD_IDS[name]
+        answer = asyncio.get_running_loop().create_future()
+        self._inflight.append((answer, framing.METHODS[method_id][2]))
+        self._writer.write(framing.encode(method_id, request.SerializeToString()))
+        return answer
+
+    async def _read_answers(self) -> None:
+        try:
+            while True:
+                length, code = framing.decode_header(await self._reader.readexactly(framing.HEADER.size))
+                payload = await self._reader.readexactly(length)
+                answer, response_cls = self._inflight.popleft()
+                if answer.done():      # its caller gave up (timeout_s)
+                    continue
+                if code:
+                    answer.set_exception(errors.error_from_code(code, payload.decode(errors="replace")))
+                else:
+                    answer.set_result(response_cls.FromString(payload))
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            self._broken = errors.Unavailable(f"the shm socket closed: {exc}")
+            for answer, _ in self._inflight:
+                if not answer.done():
+                    answer.set_exception(self._broken)
+            self._inflight.clear()
+
+
+class AsyncGrpcChannel:
+    """kvstore.v1 over grpc.aio; errors mapped by errors.error_from_rpc, as in the sync client."""
+
+    def __init__(self, target: str):
+        self._channel = grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                                   ("grpc.use_local_subchannel_pool", 1)])
+        self._stubs = {name: self._channel.unary_unary(f"/kvstore.v1.KVStore/{name}",
+                                                       request_serializer=request_cls.SerializeToString,
+                                                       response_deserializer=response_cls.FromString)
+                       for name, request_cls, response_cls in framing.METHODS.values()}
+        self._posted: set[asyncio.Task] = set()
+
+    async def call(self, name: str, request: Any, timeout_s: float) -> Any:
+        try:
+            return await self._stubs[name](request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise errors.error_from_rpc(exc) from None
+
+    def post(self, name: str, request: Any, timeout_s: float = 5.0) -> None:
+        task = asyncio.ensure_future(self.call(name, request, timeout_s))
+        self._posted.add(task)
+        task.add_done_callback(lambda t: self._posted.discard(t) or t.cancelled() or t.exception() is None or
+                               log.warning("%s failed after it was posted: %s", name, t.exception()))
+
+    def alive(self) -> bool:
+        return True   # gRPC reconnects by itself; a node it cannot reach fails the call (Unavailable)
+
+    async def close(self) -> None:
+        if self._posted:   # releases and aborts finish first, or their leases would wait for their TTL
+            await asyncio.gather(*self._posted, return_exceptions=True)
+        await self._channel.close()
+
+
+class _Connection:
+    """What one Hello set up: the control channel, the arena (None on another host), namespace ids."""
+
+    def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel):
+        self.hello, self.grpc = hello, grpc_channel
+        self.control: AsyncLocalChannel | AsyncGrpcChannel = grpc_channel
+        self.data: ShmDataPath | None = None
+        self.arena_channel: LocalChannel | None = None   # the arena came over it; open while the mapping is used
+        self.namespace_ids: dict[Namespace, int] = {}
+
+    @classmethod
+    async def open(cls, target: str, timeout_s: float, transport: str, client_name: str) -> "_Connection":
+        grpc_channel = AsyncGrpcChannel(target)
+        conn = None
+        try:
+            hello = await grpc_channel.call("Hello", pb.HelloRequest(client_name=client_name), timeout_s)
+            conn = cls(hello, grpc_channel)
+            if hello.shm_socket and transport in ("auto", "shm"):
+                conn.arena_channel = LocalChannel(hello.shm_socket, timeout_s)
+                conn.data = ShmDataPath(conn.arena_channel, hello.instance_id)
+                conn.control = await AsyncLocalChannel.open(hello.shm_socket)
+            elif transport == "shm":
+                raise errors.TransportUnavailable("the node offers no shared memory to this host")
+        except BaseException:
+            await (conn.close() if conn is not None else grpc_channel.close())
+            raise
+        return conn
+
+    def alive(self) -> bool:
+        return self.control.alive() and (self.data is None or self.data.alive())
+
+    async def close(self) -> None:
+        if self.control is not self.grpc:
+            await self.control.close()
+        if self.data is not None:
+            self.data.close()
+        if self.arena_channel is not None:
+            self.arena_channel.close()
+        await self.grpc.close()
+
+
+class AsyncKVStoreClient:
+    def __init__(self, target: str, *, timeout_s: float = 5.0, transport: str = "auto", client_name: str = ""):
+        """Nothing is sent until the first call (or `await client.connect()`, or `async with`)."""
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if transport not in ("auto", "shm", "tcp", "rdma"):
+            raise errors.InvalidArgument(f"transport must be auto, shm, tcp or rdma, got {transport!r}")
+        self._target, self._timeout_s, self._transport, self._client_name = target, timeout_s, transport, client_name
+        self._conn: _Connection | None = None
+        self._opening = asyncio.Lock()
+        self._closed = False
+
+    async def connect(self) -> "AsyncKVStoreClient":
+        await self._connection()
+        return self
+
+    @property
+    def transport(self) -> str:
+        """"shm" when pages can move (same host), else "none" (control calls only)."""
+        return "shm" if self._conn is not None and self._conn.data is not None else "none"
+
+    # -- the same methods as KVStoreClient --------------------------------------------
+
+    async def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
+                  parent: Key | None = None, verify: bool = False, durable: bool = False, *,
+                  tokens: Any = None, timeout_s: float | None = None) -> PutResult:
+        """KVStoreClient.put: store pages; a PutResult counts the leading keys stored and says why it is short."""
+        check_verify(verify)
+        raw_keys = page_keys(namespace, keys, tokens)
+        if buffers is None:
+            raise errors.InvalidArgument("put needs the pages' buffers")
+        segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
+        parent_key = encode_key(parent) if parent is not None else b""
+
+        async def put_all(conn: _Connection) -> PutResult:
+            stored, step = 0, conn.hello.limits.batch_pages_max
+            prior = parent_key
+            for start in range(0, len(raw_keys), step):
+                batch = await self._in_namespace(conn, namespace, lambda ns_id: _put_batch(
+                    conn, ns_id, namespace.page_bytes, prior, raw_keys[start:start + step],
+                    segments[start:start + step], verify, durable, self._timeout_s))
+                stored += batch
+                if not batch.complete:
+                    return PutResult(stored, len(raw_keys), batch.reason)
+                prior = raw_keys[min(start + step, len(raw_keys)) - 1]
+            return PutResult(stored, len(raw_keys))
+
+        try:
+            return await self._on_node(put_all, timeout_s, needs_data=True)
+        finally:
+            del keepalive
+
+    async def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None,
+                  verify: bool = False, policy: str = "wait_complete", timeout_ms: int = 0, *,
+                  tokens: Any = None, timeout_s: float | None = None) -> int:
+        """KVStoreClient.get: copy the leading stored pages into `out`; returns how many were loaded."""
+        prefetch = prefetch_policy(policy)
+        check_verify(verify)
+        raw_keys = page_keys(namespace, keys, tokens)
+        if out is None:
+            raise errors.InvalidArgument("get needs the buffers to copy pages into (out)")
+        segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
+
+        async def get_all(conn: _Connection) -> int:
+            loaded, step = 0, conn.hello.limits.batch_pages_max
+            for start in range(0, len(raw_keys), step):
+                request = pb.AcquireRequest(keys=raw_keys[start:start + step], policy=prefetch, timeout_ms=timeout_ms)
+                hits = await self._in_namespace(conn, namespace, lambda ns_id: _get_batch(
+                    conn, ns_id, request, segments[start:start + step], verify, self._timeout_s))
+                loaded += hits
+                if hits < len(request.keys):
+                    break
+            return loaded
+
+        try:
+            return await self._on_node(get_all, timeout_s, needs_data=True)
+        finally:
+            del keepalive
+
+    async def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None, *,
+                     timeout_s: float | None = None) -> int:
+        request = pb.LookupRequest(**keys_or_tokens(keys, tokens))
+        return (await self._call_in(namespace, "Lookup", request, timeout_s)).hit_pages
+
+    async def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
+                    tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
+        request = pb.RouteRequest(**keys_or_tokens(keys, tokens), engine_ids=engine_id_list(engine_ids))
+        return await self._call_in(namespace, "Route", request, timeout_s)
+
+    async def delete(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> int:
+        request = pb.DeleteRequest(keys=encode_keys(keys))
+        return (await self._call_in(namespace, "Delete", request, timeout_s)).deleted_pages
+
+    async def clear(self, namespace: Namespace, *, timeout_s: float | None = None) -> int:
+        return (await self._call_in(namespace, "Delete", pb.DeleteRequest(all_pages=True), timeout_s)).deleted_pages
+
+    async def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
+        return await self._on_node(
+            lambda conn: conn.control.call("Stats", pb.StatsRequest(), self._timeout_s), timeout_s)
+
+    async def close(self) -> None:
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def __aenter__(self) -> "AsyncKVStoreClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- the connection ---------------------------------------------------------------
+
+    async def _call_in(self, namespace: Namespace, method: str, request: Any, timeout_s: float | None) -> Any:
+        async def call(conn: _Connection) -> Any:
+            async def in_namespace(ns_id: int) -> Any:
+                request.namespace_id = ns_id
+                return await conn.control.call(method, request, self._timeout_s)
+            return await self._in_namespace(conn, namespace, in_namespace)
+        return await self._on_node(call, timeout_s)
+
+    async def _on_node(self, action: Callable[[_Connection], Awaitable[T]], timeout_s: float | None,
+                       needs_data: bool = False) -> T:
+        if timeout_s is not None and not timeout_s > 0:
+            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn = await self._connection()
+                if needs_data and conn.data is None:
+                    raise errors.TransportUnavailable(
+                        "AsyncKVStoreClient moves pages through shared memory only, and the node is on another host "
+                        "(or transport= excludes shm): use KVStoreClient for pages over TCP or RDMA")
+                return await action(conn)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"the call did not finish within its timeout_s={timeout_s}") from None
+
+    async def _connection(self) -> _Connection:
+        if self._closed:
+            raise errors.InvalidArgument("this AsyncKVStoreClient is closed: open a new one")
+        async with self._opening:
+            stale = self._conn
+            if stale is not None and stale.alive():
+                return stale
+            self._conn = None
+            if stale is not None:
+                log.info("the connection to %s was lost; opening it again", self._target)
+                await stale.close()
+            self._conn = await _Connection.open(self._target, self._timeout_s, self._transport, self._client_name)
+            return self._conn
+
+    async def _in_namespace(self, conn: _Connection, namespace: Namespace,
+                            action: Callable[[int], Awaitable[T]]) -> T:
+        """Run action(namespace id), opening the namespace first (again, once, if the node forgot it)."""
+        for attempt in (1, 2):
+            ns_id = conn.namespace_ids.get(namespace)
+            if ns_id is None:
+                opened = await conn.control.call("OpenNamespace", pb.OpenNamespaceRequest(spec=namespace.to_proto()),
+                                                 self._timeout_s)
+                ns_id = conn.namespace_ids[namespace] = opened.namespace_id
+            try:
+                return await action(ns_id)
+            except errors.NamespaceNotFound:
+                conn.namespace_ids.pop(namespace, None)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+
+async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: bytes, keys: list[bytes],
+                     segments: list, verify: bool, durable: bool, timeout_s: float) -> PutResult:
+    """One Reserve, the copies, one Commit; an error aborts the lease. The count as pipeline.stored_pages says."""
+    control = conn.control
+    sent_at = time.monotonic()
+    reserved = await control.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=keys,
+                                                               page_bytes=page_bytes), timeout_s)
+    indices = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
+    if not indices:
+        return stored_pages(reserved.states, [], durable)
+    try:
+        if time.monotonic() > sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S:
+            raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
+                                       "raise leases.write_ttl_ms or put fewer pages per call")
+        pages = [(reserved.first_index + i, reserved.offsets[i], segments[i]) for i in indices]
+        conn.data.put(reserved.lease_id, reserved.data_token, pages, page_bytes)
+        sums = [checksums.of_page(segments[i]) for i in indices] if verify else []
+        committed = await control.call("Commit", pb.CommitRequest(lease_id=reserved.lease_id,
+                                                                  indices=[p[0] for p in pages], checksums=sums,
+                                                                  durable=durable), timeout_s)
+    except BaseException:
+        control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
+        raise
+    return stored_pages(reserved.states, [committed], durable)
+
+
+async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, segments: list, verify: bool,
+                     timeout_s: float) -> int:
+    """Acquire, copy the hits, post the release, then check them as pipeline.get_batch does."""
+    request.namespace_id = ns_id
+    sent_at = time.monotonic()
+    acquired = await conn.control.call("Acquire", request, timeout_s)
+    hits = acquired.hit_pages
+    if not hits:
+        return 0
+    try:
+        conn.data.get(acquired.lease_id, acquired.data_token,
+                      [(i, acquired.offsets[i], segments[i]) for i in range(hits)], acquired.page_bytes)
+    finally:
+        conn.control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+    check_loaded(acquired, sent_at, segments, verify)
+    return hits

@@ -1,0 +1,112 @@
+"""AsyncKVStoreClient against a real server: the sync client's answers and errors, many calls in flight on
+one event loop with no thread per call, per-call deadlines that leave the channel in step."""
+
+import asyncio
+import os
+import signal
+import time
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore_client import AsyncKVStoreClient, InvalidArgument, KVStoreClient, Namespace, errors, prefix_hashes
+
+PAGE = 8192
+
+
+@pytest.fixture
+def ns():
+    return Namespace(model="async", page_bytes=PAGE, page_tokens=16)
+
+
+def pages(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+def test_same_answers_as_the_sync_client(server, ns):
+    tokens = np.arange(16 * 40, dtype=np.int64)
+    keys = prefix_hashes(tokens, 16)
+    data = pages(40)
+
+    async def run():
+        async with AsyncKVStoreClient(server.address, timeout_s=10) as client:
+            assert client.transport == "shm"
+            stored = await client.put(ns, keys[:30], data[:30])
+            assert stored == 30 and stored.complete
+            assert await client.put(ns, keys[30:], data[30:], parent=keys[29]) == 10
+            assert await client.lookup(ns, tokens=tokens) == 40
+            assert (await client.route(ns, ["e"], tokens=tokens)).scores[0].prefix_pages == 40
+            out = np.zeros_like(data)
+            assert await client.get(ns, keys + ["missing"], np.zeros((41, PAGE), np.uint8)) == 40
+            assert await client.get(ns, tokens=tokens, out=out, verify=True) == 40
+            assert np.array_equal(out, data)
+            assert (await client.stats()).pages_committed == 40
+            assert await client.delete(ns, [keys[35]]) == 5
+            return out
+
+    asyncio.run(run())
+    with KVStoreClient(server.address) as sync:   # what the async client stored, the sync one reads
+        out = np.zeros((35, PAGE), np.uint8)
+        assert sync.lookup(ns, keys) == 35 and sync.get(ns, keys[:35], out) == 35
+        assert np.array_equal(out, data[:35])
+
+
+def test_many_calls_in_flight_on_one_loop_without_threads(server, ns):
+    async def run():
+        async with AsyncKVStoreClient(server.address, timeout_s=10) as client:
+            threads_before = threading.active_count()
+            chains = [[f"chain{c}-{i}" for i in range(8)] for c in range(16)]
+            results = await asyncio.gather(*(client.put(ns, chain, pages(8, seed=c))
+                                             for c, chain in enumerate(chains)))
+            assert results == [8] * 16
+            outs = [np.zeros((8, PAGE), np.uint8) for _ in chains]
+            loaded = await asyncio.gather(*(client.get(ns, chain, out) for chain, out in zip(chains, outs)))
+            lookups = await asyncio.gather(*(client.lookup(ns, chain) for chain in chains))
+            assert loaded == lookups == [8] * 16
+            assert all(np.array_equal(out, pages(8, seed=c)) for c, out in enumerate(outs))
+            assert threading.active_count() == threads_before
+
+    asyncio.run(run())
+
+
+def test_same_errors(server, ns):
+    async def run():
+        async with AsyncKVStoreClient(server.address) as client:
+            with pytest.raises(InvalidArgument, match="prefix_hashes"):
+                await client.put(ns, [1, 2], pages(2))
+            with pytest.raises(InvalidArgument):
+                await client.lookup(ns, tokens=np.ones((2, 2), np.int64))
+            with pytest.raises(errors.PageSizeMismatch):
+                await client.put(ns, ["a"], np.zeros((1, PAGE - 1), np.uint8))
+            with pytest.raises(InvalidArgument):
+                await client.get(ns, ["a"], np.zeros((1, PAGE), np.uint8), policy="soon")
+            with pytest.raises(InvalidArgument, match="keys"):   # the server's answer, rebuilt as the same class
+                await client.delete(ns, [])
+            assert await client.lookup(ns, ["a"]) == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(60)
+def test_per_call_timeout(start_server, ns):
+    server = start_server()
+
+    async def run():
+        async with AsyncKVStoreClient(server.address, timeout_s=120) as client:
+            assert await client.put(ns, ["t0"], pages(1)) == 1
+            stop(server.process.pid)
+            try:
+                with pytest.raises(errors.DeadlineExceeded, match="timeout_s"):
+                    await client.lookup(ns, ["t0"], timeout_s=0.3)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert await client.lookup(ns, ["t0"], timeout_s=30) == 1   # the late answer was dropped in step
+    asyncio.run(run())
+
+
+def stop(pid):
+    """SIGSTOP the node and wait until the kernel says it is stopped (the signal is delivered asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)
