@@ -110,3 +110,25 @@ def stop(pid):
     os.kill(pid, signal.SIGSTOP)
     while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
         time.sleep(0.01)
+
+
+def test_token_over_tls_on_another_host(start_server, tmp_path):
+    """The async client speaks grpc.aio with the sync client's credentials; where pages cannot move through
+    shared memory (transport="tcp" stands for another host), put says so while lookups work."""
+    from identities import Certificates, Tokens
+
+    certs, tokens = Certificates(tmp_path), Tokens(tmp_path)
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.tls_cert": certs.server_cert,
+                         "auth.tls_key": certs.server_key})
+    with KVStoreClient(node.address, token=tokens.alice, tls_ca=certs.ca, transport="tcp") as sync:
+        assert sync.put(Namespace(model="tls", page_bytes=PAGE), ["k0"], pages(1)) == 1
+
+    async def run():
+        ns = Namespace(model="tls", page_bytes=PAGE)
+        async with AsyncKVStoreClient(node.address, token=tokens.alice, tls_ca=certs.ca, transport="tcp") as alice:
+            assert await alice.lookup(ns, ["k0"]) == 1
+            with pytest.raises(errors.TransportUnavailable, match="KVStoreClient"):
+                await alice.put(ns, ["k1"], pages(1))
+        async with AsyncKVStoreClient(node.address, token=tokens.bob, tls_ca=certs.ca, transport="tcp") as bob:
+            assert await bob.lookup(ns, ["k0"]) == 0     # another tenant's page is not there for bob
+    asyncio.run(run())

@@ -38,6 +38,7 @@ from kvstore_client import checksums, errors, framing
 from kvstore_client.arguments import check_verify, engine_id_list, keys_or_tokens, page_keys, prefetch_policy
 from kvstore_client.buffers import page_segments
 from kvstore_client.channel import LocalChannel
+from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.pipeline import LEASE_MARGIN_S, PutResult, check_loaded, stored_pages
 from kvstore_client.proto import pb
@@ -124,9 +125,10 @@ class AsyncLocalChannel:
 class AsyncGrpcChannel:
     """kvstore.v1 over grpc.aio; errors mapped by errors.error_from_rpc, as in the sync client."""
 
-    def __init__(self, target: str):
-        self._channel = grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                                   ("grpc.use_local_subchannel_pool", 1)])
+    def __init__(self, target: str, credentials: Credentials):
+        self._metadata = credentials.metadata
+        self._channel = credentials.aio_channel(target, [("grpc.max_receive_message_length", 64 << 20),
+                                                         ("grpc.use_local_subchannel_pool", 1)])
         self._stubs = {name: self._channel.unary_unary(f"/kvstore.v1.KVStore/{name}",
                                                        request_serializer=request_cls.SerializeToString,
                                                        response_deserializer=response_cls.FromString)
@@ -135,7 +137,7 @@ class AsyncGrpcChannel:
 
     async def call(self, name: str, request: Any, timeout_s: float) -> Any:
         try:
-            return await self._stubs[name](request, timeout=timeout_s)
+            return await self._stubs[name](request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise errors.error_from_rpc(exc) from None
 
@@ -165,8 +167,9 @@ class _Connection:
         self.namespace_ids: dict[Namespace, int] = {}
 
     @classmethod
-    async def open(cls, target: str, timeout_s: float, transport: str, client_name: str) -> "_Connection":
-        grpc_channel = AsyncGrpcChannel(target)
+    async def open(cls, target: str, timeout_s: float, transport: str, client_name: str,
+                   credentials: Credentials) -> "_Connection":
+        grpc_channel = AsyncGrpcChannel(target, credentials)
         conn = None
         try:
             hello = await grpc_channel.call("Hello", pb.HelloRequest(client_name=client_name), timeout_s)
@@ -196,13 +199,17 @@ class _Connection:
 
 
 class AsyncKVStoreClient:
-    def __init__(self, target: str, *, timeout_s: float = 5.0, transport: str = "auto", client_name: str = ""):
-        """Nothing is sent until the first call (or `await client.connect()`, or `async with`)."""
+    def __init__(self, target: str, *, timeout_s: float = 5.0, transport: str = "auto", client_name: str = "",
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
+        """Nothing is sent until the first call (or `await client.connect()`, or `async with`). `token` and
+        the TLS files as KVStoreClient's (credentials.py; each one None is read from its KVSTORE_* variable)."""
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if transport not in ("auto", "shm", "tcp", "rdma"):
             raise errors.InvalidArgument(f"transport must be auto, shm, tcp or rdma, got {transport!r}")
         self._target, self._timeout_s, self._transport, self._client_name = target, timeout_s, transport, client_name
+        self._credentials = Credentials.resolve(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._conn: _Connection | None = None
         self._opening = asyncio.Lock()
         self._closed = False
@@ -343,7 +350,8 @@ class AsyncKVStoreClient:
             if stale is not None:
                 log.info("the connection to %s was lost; opening it again", self._target)
                 await stale.close()
-            self._conn = await _Connection.open(self._target, self._timeout_s, self._transport, self._client_name)
+            self._conn = await _Connection.open(self._target, self._timeout_s, self._transport, self._client_name,
+                                                self._credentials)
             return self._conn
 
     async def _in_namespace(self, conn: _Connection, namespace: Namespace,

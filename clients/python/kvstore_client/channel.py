@@ -137,13 +137,15 @@ class GrpcChannel:
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return self._stubs[name](request, timeout=timeout_s or seconds_left(self.timeout_s), metadata=self._metadata)
+            return self._stubs[name](request, timeout=timeout_s or seconds_left(self.timeout_s),
+                                     metadata=self._metadata)
         except grpc.RpcError as exc:
             raise errors.error_from_rpc(exc) from None
 
     def submit(self, name: str, request: Any) -> GrpcCall:
         """Send the call now and return at once; result() waits. No order between submitted calls."""
-        return GrpcCall(self._stubs[name].future(request, timeout=seconds_left(self.timeout_s), metadata=self._metadata))
+        return GrpcCall(self._stubs[name].future(request, timeout=seconds_left(self.timeout_s),
+                                                 metadata=self._metadata))
 
     def post(self, name: str, request: Any) -> None:
         future = self._stubs[name].future(request, timeout=self.timeout_s, metadata=self._metadata)

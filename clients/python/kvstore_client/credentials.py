@@ -16,6 +16,9 @@ import os
 from typing import Any, Mapping
 
 import grpc
+import grpc.aio
+
+from kvstore_client.errors import InvalidArgument
 
 ENV = {"token": "KVSTORE_TOKEN", "tls_ca": "KVSTORE_TLS_CA", "tls_cert": "KVSTORE_TLS_CERT",
        "tls_key": "KVSTORE_TLS_KEY"}
@@ -36,9 +39,9 @@ class Credentials:
                   for name, variable in ENV.items()}
         credentials = cls(**values)
         if bool(credentials.tls_cert) != bool(credentials.tls_key):
-            raise ValueError("tls_cert and tls_key go together (a client certificate and its key), or neither")
+            raise InvalidArgument("tls_cert and tls_key go together (a client certificate and its key), or neither")
         if credentials.tls_cert and not credentials.tls_ca:
-            raise ValueError("tls_cert needs tls_ca: the CA that signed the node's certificate")
+            raise InvalidArgument("tls_cert needs tls_ca: the CA that signed the node's certificate")
         return credentials
 
     @property
@@ -48,9 +51,18 @@ class Credentials:
     def channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.Channel:
         if not self.tls_ca:
             return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, self._ssl(), options=options)
+
+    def aio_channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        """The same channel for asyncio (async_client.py)."""
+        if not self.tls_ca:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, self._ssl(), options=options)
+
+    def _ssl(self) -> grpc.ChannelCredentials:
         files = [_read(path, name) if path else None for path, name in
                  ((self.tls_ca, "tls_ca"), (self.tls_key, "tls_key"), (self.tls_cert, "tls_cert"))]
-        return grpc.secure_channel(target, grpc.ssl_channel_credentials(*files), options=options)
+        return grpc.ssl_channel_credentials(*files)
 
 
 def _read(path: str, name: str) -> bytes:
@@ -58,4 +70,4 @@ def _read(path: str, name: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise ValueError(f"cannot read {name} {path}: {exc.strerror}") from None
+        raise InvalidArgument(f"cannot read {name} {path}: {exc.strerror}") from None
