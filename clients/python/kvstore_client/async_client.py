@@ -34,13 +34,13 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import grpc
 import grpc.aio
 
-from kvstore_client import checksums, errors, framing
+from kvstore_client import errors, framing
 from kvstore_client.arguments import check_verify, engine_id_list, keys_or_tokens, page_keys, prefetch_policy
 from kvstore_client.buffers import page_segments
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
-from kvstore_client.pipeline import LEASE_MARGIN_S, PutResult, check_loaded, stored_pages
+from kvstore_client.pipeline import LEASE_MARGIN_S, PutResult, check_loaded, commit_checksums, stored_pages
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import ShmDataPath
 
@@ -387,11 +387,11 @@ async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: byt
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
         pages = [(reserved.first_index + i, reserved.offsets[i], segments[i]) for i in indices]
-        conn.data.put(reserved.lease_id, reserved.data_token, pages, page_bytes)
-        sums = [checksums.of_page(segments[i]) for i in indices] if verify else []
-        committed = await control.call("Commit", pb.CommitRequest(lease_id=reserved.lease_id,
-                                                                  indices=[p[0] for p in pages], checksums=sums,
-                                                                  durable=durable), timeout_s)
+        written = conn.data.put(reserved.lease_id, reserved.data_token, pages, page_bytes)
+        sums, from_writer = commit_checksums(written, [segments[i] for i in indices], verify)
+        committed = await control.call("Commit", pb.CommitRequest(
+            lease_id=reserved.lease_id, indices=[p[0] for p in pages], checksums=sums, durable=durable,
+            checksums_from_writer=from_writer), timeout_s)
     except BaseException:
         control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
         raise

@@ -99,18 +99,23 @@ class PutBatch:
         first = reserved.first_index
         pages = [(first + i, reserved.offsets[i], self.segments[start + i]) for i in indices]
         written = data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
-        # verify: the node hashes the slots and compares (end to end); else a checksum taken while
-        # copying is the writer's word for the slot, and the node records it without reading back.
-        from_writer = written is not None and not self.verify
-        if self.verify:
-            sums = written if written is not None else [checksums.of_page(self.segments[start + i]) for i in indices]
-        else:
-            sums = written or []
+        sums, from_writer = commit_checksums(written, [self.segments[start + i] for i in indices], self.verify)
         if after is not None:
             after.result()
         return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=[p[0] for p in pages],
                                                          checksums=sums, durable=self.durable,
                                                          checksums_from_writer=from_writer))
+
+
+def commit_checksums(written: list[int] | None, segments: list[list[Segment]], verify: bool) -> tuple[list[int], bool]:
+    """A Commit's checksums, and whether they are the writer's word for the slots (from the copy itself).
+
+    verify: the node hashes the slots and compares (end to end); else a checksum taken while
+    copying is the writer's word for the slot, and the node records it without reading back.
+    """
+    if verify:
+        return (written if written is not None else [checksums.of_page(page) for page in segments]), False
+    return written or [], written is not None
 
 
 class PutResult(int):
