@@ -21,7 +21,8 @@ Without a GPU (no cupy, or no device) it prints why and exits 2. Needs cupy and 
 the SDK imports its generated protobuf modules, so the protobuf runtime must be at least the version
 in clients/python/kvstore_client/proto/kvstore_pb2.py (carry a wheel where the image's is older).
 Working set: --pages pages of a Llama-3-8B-like layer stack (32 layers, 8 KV heads, head dim 128,
-fp16, 16 tokens a page: 2 MiB a page; 512 MiB at the default 256 pages), arena 2x that.
+fp16, 16 tokens a page: 2 MiB a page; 512 MiB at the default 256 pages), arena 2x that. CPU
+placement: not pinned (the copies are the GPU's DMA engines and SMs; the CPU only launches).
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
 #!/bin/sh
 # On a GPU machine, from the repository root: the GPU tests (tests/gpu), then the device script.
 #   bench/gpu_check.sh [results_dir]        (default bench/results)
-# Wheels in .whl/ (protobuf newer than the image's, and lmdb, grpcio-health-checking,
-# grpcio-reflection for the tests that start a node) are installed first when present.
+# Wheels in .whl/ are installed first when present: the SDK's generated modules need protobuf at
+# least the version they name, and the tests that start a node need lmdb, grpcio-health-checking
+# and grpcio-reflection (with the grpcio they pin). Fetch them on a machine with pip for the
+# device's Python (3.12) and carry .whl, e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     protobuf==7.35.1 lmdb==3.0.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
 set -u
 py=${PYTHON:-python3}      # the device image's python3 holds torch and cupy
 out=${1:-bench/results}

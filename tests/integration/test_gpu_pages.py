@@ -105,3 +105,13 @@ def test_the_arena_is_registered_once_and_again_after_the_node_restarts(start_se
         assert pages.get_to_gpu(ns, ["after"], target.cache, "sglang_page_first", [0]) == 1
         assert torch.equal(target.logical(0).view(torch.uint8), case.logical(4).view(torch.uint8))
     assert not device.registered
+
+
+def test_without_cupy_the_default_device_says_what_is_missing(client):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("cupy is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(errors.InvalidArgument, match="need cupy"):
+        GpuPages(client)
