@@ -9,10 +9,20 @@ hash, though, so this index rebuilds our key chain for every block,
 `key = page_hash(tokens, key_of(parent))` (kvstore_client.keys, SGLang's chain), and keeps
 both: (engine, engine hash) -> key to apply removals, and key -> engines to route.
 
-A block whose parent was never announced (the subscriber joined late and had no replay)
-cannot get a key and is counted in `orphans`; so are its descendants. A block whose hash
-also depends on more than tokens (LoRA, multimodal inputs, cache salt) is skipped: a
-token-only key would claim a prefix the engine cannot reuse for a plain request.
+Route must never credit an engine with a prefix it cannot reuse, so a block is indexed only
+when its key is certain; every other block is counted as unattributable, per engine
+(Stats.engines and the kvstore_engine_* metrics), never guessed at:
+- its parent was never announced (the subscriber joined late and had no replay): no key,
+  for it and its descendants (`orphans`, a part of `unattributable`);
+- its hash depends on more than tokens (LoRA, multimodal inputs, cache salt, extra keys): a
+  token-only key would claim a prefix the engine cannot reuse for a plain request;
+- its tokens are pairs (SGLang's EAGLE bigram pages): the page is keyed by token pairs the
+  plain chain does not hash;
+- its block size is not the one the engine announced first (Route refuses a namespace whose
+  page size differs from an engine's: their keys would never meet).
+Known limit: SGLang 0.5.23 publishes a request with an `extra_key` (and no LoRA or salt)
+exactly as a plain one (same hashes, no field names it), so no subscriber can tell them
+apart; such blocks are credited to the plain prefix.
 
 Thread-safe: one subscriber thread per engine writes, Route reads.
 """
@@ -44,6 +54,7 @@ class Stored:
     block_size: int
     medium: str | None = None
     plain: bool = True          # False when the engine's hash covers more than tokens (LoRA, mm, salt)
+    # token_ids may hold pairs (SGLang EAGLE bigram pages): such a block is never keyed
     group_idx: int | None = None
 
 
@@ -64,13 +75,16 @@ Event = Stored | Removed | Cleared
 
 @dataclasses.dataclass
 class EngineCounters:
+    seen: int = 0              # blocks announced by BlockStored
     stored: int = 0            # blocks indexed
     removed: int = 0
-    orphans: int = 0           # parent never announced: no key
-    skipped: int = 0           # not token-only, another KV group, or a medium not in memory
+    unattributable: int = 0    # no certain key (see the module docstring); never credited
+    orphans: int = 0           # of those: parent never announced
+    not_in_memory: int = 0     # on disk or in an external store, or of another KV group
     dropped_full: int = 0      # refused because events.blocks_max was reached
     batches: int = 0
     gaps: int = 0              # sequence numbers the subscriber never received
+    block_tokens: int = 0      # the block size the engine announced first
 
 
 class EngineIndex:
@@ -105,6 +119,18 @@ class EngineIndex:
         with self._lock:
             self.counters.setdefault(engine_id, EngineCounters()).gaps += missed
 
+    def snapshot(self) -> list[tuple[str, int, EngineCounters]]:
+        """(engine id, pages indexed now, a copy of its counters) of every engine heard from."""
+        with self._lock:
+            return [(engine, sum(map(len, self._blocks.get(engine, {}).values())), dataclasses.replace(counters))
+                    for engine, counters in sorted(self.counters.items())]
+
+    def block_tokens(self, engine_id: str) -> int:
+        """Tokens per block the engine announces (0: none heard yet)."""
+        with self._lock:
+            counters = self.counters.get(engine_id)
+            return counters.block_tokens if counters is not None else 0
+
     def holders(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> dict[str, list[str | None]]:
         """For each engine, the best place (GPU over HOST) it holds each key, or None."""
         with self._lock:
@@ -123,13 +149,20 @@ class EngineIndex:
     def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:
         place = MEDIUMS.get(event.medium)
         count = len(event.block_hashes)
-        if place is None or not event.plain or event.group_idx not in (None, 0):
-            counters.skipped += count
+        counters.seen += count
+        if place is None or event.group_idx not in (None, 0):
+            counters.not_in_memory += count
             return
         if event.block_size <= 0 or len(event.token_ids) != count * event.block_size:
             log.warning("engine %s sent BlockStored with %d tokens for %d blocks of %d; ignored",
                         engine_id, len(event.token_ids), count, event.block_size)
-            counters.skipped += count
+            counters.unattributable += count
+            return
+        if not counters.block_tokens:
+            counters.block_tokens = event.block_size
+        if (not event.plain or event.block_size != counters.block_tokens
+                or not all(isinstance(token, int) for token in event.token_ids)):
+            counters.unattributable += count
             return
         blocks = self._blocks.setdefault(engine_id, {}).setdefault(place, {})
         if event.parent_block_hash is None:
@@ -138,6 +171,7 @@ class EngineIndex:
             prior = self._key_of(engine_id, event.parent_block_hash)
             if prior is None:
                 counters.orphans += count
+                counters.unattributable += count
                 return
         size = event.block_size
         for i, block_hash in enumerate(event.block_hashes):

@@ -80,3 +80,16 @@ def check_engine_ids(engine_ids: Sequence[str], engines_max: int) -> list[str]:
     if not all(engine_ids):
         raise errors.InvalidArgument("engine_ids holds an empty id")
     return list(engine_ids)
+
+
+def check_block_tokens(page_tokens: int, block_tokens: Mapping[str, int]) -> None:
+    """Refuse to score engines whose blocks hold another number of tokens than the namespace's pages:
+    their keys never meet ours, so they would score 0 however much of the prefix they hold."""
+    if not page_tokens:
+        return
+    for engine_id, tokens in block_tokens.items():
+        if tokens and tokens != page_tokens:
+            raise errors.InvalidArgument(
+                f"engine {engine_id!r} announces {tokens}-token blocks but this namespace's pages hold "
+                f"{page_tokens} tokens: Route cannot compare them; open the namespace with page_tokens={tokens} "
+                "or run the engine with the namespace's page size")

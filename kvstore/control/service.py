@@ -209,8 +209,15 @@ class KVStoreService:
                 tier=pb.NVME, capacity_bytes=nvme[0], used_bytes=nvme[1], pages=dram["nvme_pages"],
                 hits=c.nvme_hits, evictions=c.nvme_evictions, bytes_in=c.demoted_bytes,
                 bytes_out=c.promoted_bytes, corrupt_pages=c.corrupt_pages))
+        engines = [pb.EngineStats(
+            engine_id=engine, pages=pages, blocks_seen=e.seen, blocks_stored=e.stored, blocks_removed=e.removed,
+            blocks_unattributable=e.unattributable, blocks_not_in_memory=e.not_in_memory,
+            blocks_dropped=e.dropped_full, batches=e.batches, batches_missed=e.gaps, block_tokens=e.block_tokens)
+            for engine, pages, e in self.engines.snapshot()]
+        if engines:
+            tiers.append(pb.TierStats(tier=pb.ENGINE, pages=sum(e.pages for e in engines)))
         return pb.StatsResponse(
-            tiers=tiers, namespaces=namespaces, namespaces_total=total, leases_open=dram["leases_open"],
+            engines=engines, tiers=tiers, namespaces=namespaces, namespaces_total=total, leases_open=dram["leases_open"],
             leases_expired=c.leases_expired, pages_committed=c.pages_committed,
             checksum_failures=c.checksum_failures, write_queue_drops=c.write_queue_drops,
             recovered_pages=c.recovered_pages, nvme_write_errors=c.nvme_write_errors,
@@ -257,6 +264,7 @@ class KVStoreService:
         namespace = self.store.namespace(request.namespace_id)
         keys = checks.lookup_keys(namespace, request, self.limits)
         engine_ids = route.check_engine_ids(request.engine_ids, self.config.route.engines_max)
+        route.check_block_tokens(namespace.page_tokens, {e: self.engines.block_tokens(e) for e in engine_ids})
         store_tiers = self.store.tiers(request.namespace_id, keys)
         weights = self.config.route
         scores = route.score_engines(

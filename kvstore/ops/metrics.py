@@ -41,7 +41,7 @@ from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
 
-GAUGE_FIELDS = frozenset({"capacity_bytes", "used_bytes", "pages", "leases_open"})
+GAUGE_FIELDS = frozenset({"capacity_bytes", "used_bytes", "pages", "leases_open", "block_tokens"})
 # A local-channel round trip is tens of microseconds; a batched gRPC call about a millisecond.
 LATENCY_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
                      100e-3, 250e-3, 1.0, 2.5)
@@ -171,6 +171,8 @@ class StatsCollector(Collector):
         families: dict[str, Metric] = {}
         for tier in stats.tiers:
             _add_fields(families, tier, "kvstore_tier_", {"tier": pb.Tier.Name(tier.tier).lower()})
+        for engine in stats.engines:
+            _add_fields(families, engine, "kvstore_engine_", {"engine_id": engine.engine_id})
         for ns in stats.namespaces:
             labels = {"namespace_id": f"{ns.namespace_id:016x}", "model": ns.model, "tenant": ns.tenant}
             _add(families, "kvstore_namespace_pages", "pages", labels, ns.pages)

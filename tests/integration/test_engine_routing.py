@@ -1,4 +1,5 @@
-"""vLLM's own hashing and ZMQ publisher feed a real server's ENGINE tier; Route scores follow what each engine published.
+"""vLLM's own hashing and ZMQ publisher (and SGLang's, for its bigram pages) feed a real server's ENGINE tier;
+Route scores follow what each engine published, never crediting what it cannot attribute.
 
 Each fake engine is vLLM's ZmqEventPublisher (PUB + replay ROUTER) publishing KVEventBatches
 built from vLLM's event classes, with block hashes from vLLM's prefix-cache hashing
@@ -8,7 +9,9 @@ call publish() is absent: it needs a GPU model runner.
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -16,7 +19,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core import kv_cache_utils
 
-from kvstore_client import KVStoreClient, Namespace, prefix_hashes
+from kvstore_client import KVStoreClient, Namespace, errors, prefix_hashes
+from kvstore_client.proto import pb
 
 BLOCK = 16
 PAGE_BYTES = 4096
@@ -140,9 +144,101 @@ def test_subscriber_joining_late_catches_up_through_replay(start_server, engines
 
 
 def test_route_refuses_bad_requests(client):
-    from kvstore_client import errors
-
     with pytest.raises(errors.InvalidArgument, match="engine_ids is empty"):
         client.route(NS, [], tokens=list(range(BLOCK)))
     with pytest.raises(errors.InvalidArgument, match="not both|empty"):
         client.route(NS, ["e1"], keys=[])
+
+
+def sglang_events():
+    """SGLang 0.5.23's own event classes and ZMQ publisher."""
+    from sglang_harness import import_sglang
+
+    import_sglang()
+    from sglang.srt.disaggregation import kv_events
+
+    return kv_events
+
+
+def test_blocks_route_cannot_attribute_are_counted_and_never_credited(start_server, tmp_path):
+    """LoRA and salted blocks (vLLM), EAGLE bigram pages (SGLang) and a second block size are not
+    credited to the plain prefix; Stats and the metrics count them per engine as unattributable."""
+    sg = sglang_events()
+    vllm_engine = FakeEngine(tmp_path, "v")
+    sglang_publisher = sg.ZmqEventPublisher(attn_dp_rank=0, endpoint=f"ipc://{tmp_path}/s-pub", buffer_steps=100)
+    try:
+        server = start_server({"events.engine_ids": "v,s",
+                               "events.endpoints": f"{vllm_engine.endpoint},ipc://{tmp_path}/s-pub"})
+        rng = np.random.default_rng(9)
+        tokens = rng.integers(0, 32000, 4 * BLOCK).tolist()
+        hashes = vllm_engine.block_hashes(tokens)
+        with KVStoreClient(server.address, timeout_s=10) as client:
+            # vLLM: the plain prompt's first page, then the same tokens under a LoRA adapter and a salt.
+            vllm_engine.publish(BlockStored(block_hashes=hashes[:1], parent_block_hash=None,
+                                            token_ids=tokens[:BLOCK], block_size=BLOCK, lora_id=None, medium="GPU",
+                                            lora_name=None))
+            vllm_engine.publish(
+                BlockStored(block_hashes=[101, 102], parent_block_hash=None, token_ids=tokens[:2 * BLOCK],
+                            block_size=BLOCK, lora_id=3, medium="GPU", lora_name="sql-adapter"),
+                BlockStored(block_hashes=[201, 202, 203, 204], parent_block_hash=None, token_ids=tokens,
+                            block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None,
+                            extra_keys=[("salt-of-tenant-a",), None, None, None]))
+            # SGLang: an EAGLE (bigram) page and a plain page with 32 tokens per block.
+            pairs = [(tokens[j], tokens[j + 1]) for j in range(BLOCK)]
+            published = 0
+            deadline = time.monotonic() + 20
+            while True:
+                sglang_publisher.publish(sg.KVEventBatch(ts=time.time(), events=[
+                    sg.BlockStored(block_hashes=[301 + published], parent_block_hash=None, token_ids=pairs,
+                                   block_size=BLOCK, lora_id=None, medium="GPU")]))
+                published += 1
+                engines = {e.engine_id: e for e in client.stats().engines}
+                if "s" in engines and "v" in engines and engines["v"].blocks_seen == 7:
+                    break
+                assert time.monotonic() < deadline, f"events not seen: {engines}"
+                time.sleep(0.1)
+            sglang_publisher.publish(sg.KVEventBatch(ts=time.time(), events=[
+                sg.BlockStored(block_hashes=[401], parent_block_hash=None, token_ids=tokens[:2 * BLOCK],
+                               block_size=2 * BLOCK, lora_id=None, medium="GPU")]))
+
+            _, s = routed(client, tokens, ["v", "s"], lambda s: s["v"].engine_gpu_pages == 1)
+            assert (s["v"].prefix_pages, s["v"].engine_gpu_pages) == (1, 1)    # only the plain page
+            assert (s["s"].prefix_pages, s["s"].engine_gpu_pages) == (0, 0)
+
+            deadline = time.monotonic() + 20
+            while (engines := {e.engine_id: e for e in client.stats().engines})["s"].blocks_seen < published + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            v, s_ = engines["v"], engines["s"]
+            assert (v.blocks_seen, v.blocks_stored, v.blocks_unattributable, v.pages) == (7, 1, 6, 1)
+            assert (s_.blocks_stored, s_.blocks_unattributable, s_.block_tokens) == (0, published + 1, BLOCK)
+            engine_tier = [t for t in client.stats().tiers if t.tier == pb.ENGINE]
+            assert engine_tier and engine_tier[0].pages == 1
+
+            port = json.loads(server.ready_file.read_text())["metrics_port"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                metrics = response.read().decode()
+            assert 'kvstore_engine_blocks_unattributable_total{engine_id="v"} 6.0' in metrics
+            assert 'kvstore_engine_pages{engine_id="v"} 1.0' in metrics
+    finally:
+        sglang_publisher.shutdown()
+        vllm_engine.close()
+
+
+def test_route_refuses_a_namespace_whose_page_size_is_not_the_engines(start_server, tmp_path):
+    engine = FakeEngine(tmp_path, "e")
+    try:
+        server = start_server({"events.engine_ids": "e", "events.endpoints": engine.endpoint})
+        tokens = list(range(2 * BLOCK))
+        with KVStoreClient(server.address, timeout_s=10) as client:
+            deadline = time.monotonic() + 20
+            while not any(e.block_tokens for e in client.stats().engines):
+                engine.prefill(tokens)
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            wide = Namespace(model="route-test", page_bytes=PAGE_BYTES, page_tokens=2 * BLOCK)
+            with pytest.raises(errors.InvalidArgument, match=f"announces {BLOCK}-token blocks"):
+                client.route(wide, ["e"], tokens=tokens)
+            assert client.route(NS, ["e"], tokens=tokens).scores[0].engine_gpu_pages == 2
+    finally:
+        engine.close()

@@ -38,20 +38,34 @@ def test_removed_and_cleared_forget_blocks():
 def test_block_with_unknown_parent_is_an_orphan():
     index = EngineIndex(blocks_max=100)
     index.apply("e1", [stored([13, 14], 999, 2)])
-    assert index.counters["e1"].orphans == 2 and len(index) == 0
+    assert index.counters["e1"].orphans == 2 and index.counters["e1"].unattributable == 2 and len(index) == 0
 
 
-def test_blocks_whose_hash_covers_more_than_tokens_are_skipped():
+def test_blocks_whose_hash_covers_more_than_tokens_are_counted_never_indexed():
     index = EngineIndex(blocks_max=100)
     index.apply("e1", [stored([11], None, 0, plain=False), stored([31], None, 0, medium="DISK"),
                        stored([41], None, 0, group_idx=1)])
-    assert index.counters["e1"].skipped == 3 and len(index) == 0
+    counters = index.counters["e1"]
+    assert (counters.seen, counters.unattributable, counters.not_in_memory) == (3, 1, 2) and len(index) == 0
+
+
+def test_bigram_pages_and_a_second_block_size_are_unattributable():
+    index = EngineIndex(blocks_max=100)
+    index.apply("e1", [stored([11], None, 0)])
+    assert index.block_tokens("e1") == BLOCK
+    pairs = [[t, t + 1] for t in range(BLOCK)]
+    index.apply("e1", [Stored(block_hashes=[12], parent_block_hash=11, token_ids=pairs, block_size=BLOCK),
+                       Stored(block_hashes=[13], parent_block_hash=11, token_ids=list(range(2 * BLOCK)),
+                              block_size=2 * BLOCK)])
+    counters = index.counters["e1"]
+    assert (counters.seen, counters.stored, counters.unattributable) == (3, 1, 2) and len(index) == 1
+    assert [(engine, pages, c.unattributable) for engine, pages, c in index.snapshot()] == [("e1", 1, 2)]
 
 
 def test_token_count_must_match_blocks():
     index = EngineIndex(blocks_max=100)
     index.apply("e1", [Stored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[1, 2, 3], block_size=BLOCK)])
-    assert len(index) == 0 and index.counters["e1"].skipped == 2
+    assert len(index) == 0 and index.counters["e1"].unattributable == 2
 
 
 def test_index_is_bounded():

@@ -395,7 +395,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes")
+    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes", "engines")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +409,7 @@ class StatsResponse(_message.Message):
     SCRUB_PAGES_CHECKED_FIELD_NUMBER: _ClassVar[int]
     SCRUB_PAGES_BAD_FIELD_NUMBER: _ClassVar[int]
     SCRUB_PASSES_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     leases_open: int
@@ -422,7 +423,34 @@ class StatsResponse(_message.Message):
     scrub_pages_checked: int
     scrub_pages_bad: int
     scrub_passes: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., scrub_pages_checked: _Optional[int] = ..., scrub_pages_bad: _Optional[int] = ..., scrub_passes: _Optional[int] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., scrub_pages_checked: _Optional[int] = ..., scrub_pages_bad: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ...) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("engine_id", "pages", "blocks_seen", "blocks_stored", "blocks_removed", "blocks_unattributable", "blocks_not_in_memory", "blocks_dropped", "batches", "batches_missed", "block_tokens")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_UNATTRIBUTABLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_NOT_IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_MISSED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    pages: int
+    blocks_seen: int
+    blocks_stored: int
+    blocks_removed: int
+    blocks_unattributable: int
+    blocks_not_in_memory: int
+    blocks_dropped: int
+    batches: int
+    batches_missed: int
+    block_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., pages: _Optional[int] = ..., blocks_seen: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., blocks_unattributable: _Optional[int] = ..., blocks_not_in_memory: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., batches: _Optional[int] = ..., batches_missed: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class ScrubRequest(_message.Message):
     __slots__ = ()
