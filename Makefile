@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ENGINES := $(VENV)/.engines
 
-.PHONY: install run quickstart test crash bench bench-tcp proto clean
+.PHONY: install run quickstart test crash bench bench-hot-path bench-tcp proto clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,16 @@ quickstart: $(STAMP)
 bench: $(STAMP) $(NATIVE)
 	mkdir -p bench/results
 	$(BIN)/python bench/shm_throughput.py --json bench/results/shm_throughput.json
+
+# Put/get next to memmove and Mooncake Store's shared-memory path, lookups, prefix hashing
+# (bench/hot_path.py). Mooncake is a peer in the comparison only; without it the bench says so and goes on.
+MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+bench-hot-path: $(STAMP) $(NATIVE)
+	mkdir -p bench/results
+	-dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 libnuma1
+	-$(BIN)/pip install --quiet --disable-pip-version-check $(MOONCAKE)
+	$(BIN)/python bench/hot_path.py --json bench/results/hot_path.json
 
 bench-tcp: $(STAMP)
 	mkdir -p bench/results

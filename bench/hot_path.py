@@ -1,0 +1,237 @@
+"""The hot paths side by side in one process and one run: memmove, kvstore put/get, Mooncake Store's
+shared-memory zero-copy path, long-prompt lookups and prefix hashing.
+
+    python bench/hot_path.py [--working-set-mib 1024] [--json bench/results/hot_path.json]
+    make bench-hot-path      (installs the Mooncake peer first: pip mooncake-transfer-engine-non-cuda,
+                              apt libibverbs1 librdmacm1 libnuma1)
+
+Placement: this process (the client, and Mooncake's dummy client) runs on CPU 0; the kvstore node,
+and Mooncake's master and real client, on CPU 1 (sched_setaffinity / taskset). Each page size moves
+a working set of distinct pages (default 1 GiB, larger than every cache) from one page-aligned
+buffer into the store, then back into another; memmove copies the same pages between the same
+buffers. Each kvstore call is its own chain of `batch` pages (4 KiB: 1024, 64 KiB and 1 MiB: 128,
+4 MiB: 32); Mooncake gets the same batches. Medians of --repeats. The whole run happens in a
+private network namespace when Mooncake runs (its servers bind every interface); without
+mooncake-transfer-engine-non-cuda it says why and runs the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+import _mooncake_peer
+from _server import ServerProcess
+from kvstore_client import KVStoreClient, Namespace, keys as kv_keys, native
+
+PAGE_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+BATCH_PAGES = {4 << 10: 1024, 64 << 10: 128, 1 << 20: 128, 4 << 20: 32}
+LOOKUP_PAGES = (1024, 8192, 32768)
+PAGE_TOKENS = 16
+
+
+def page_aligned(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start:start + nbytes]
+
+
+def memmove_gbps(src: int, dst: int, nbytes: int, page_bytes: int) -> float:
+    started = time.perf_counter()
+    for offset in range(0, nbytes, page_bytes):
+        ctypes.memmove(dst + offset, src + offset, page_bytes)
+    return nbytes / (time.perf_counter() - started) / 1e9
+
+
+def kvstore_round(client: KVStoreClient, src: np.ndarray, dst: np.ndarray, page_bytes: int, run: int) -> tuple:
+    pages, batch = src.nbytes // page_bytes, BATCH_PAGES[page_bytes]
+    ns = Namespace(model="hot-path", page_bytes=page_bytes)
+    source, out = src.reshape(pages, page_bytes), dst.reshape(pages, page_bytes)
+    keys = [f"r{run}-{i}" for i in range(pages)]
+    started = time.perf_counter()
+    for start in range(0, pages, batch):
+        assert client.put(ns, keys[start:start + batch], source[start:start + batch]) == min(batch, pages - start)
+    put_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for start in range(0, pages, batch):
+        assert client.get(ns, keys[start:start + batch], out[start:start + batch]) == min(batch, pages - start)
+    get_s = time.perf_counter() - started
+    assert np.array_equal(source[::max(1, pages // 7)], out[::max(1, pages // 7)])
+    for start in range(0, pages, batch):
+        client.delete(ns, keys[start:start + 1])
+    return src.nbytes / put_s / 1e9, src.nbytes / get_s / 1e9, pages / put_s, pages / get_s
+
+
+def mooncake_round(peer, src: int, dst: int, nbytes: int, page_bytes: int, run: int) -> tuple:
+    pages, batch = nbytes // page_bytes, BATCH_PAGES[page_bytes]
+    keys = [f"r{run}-p{page_bytes}-{i}" for i in range(pages)]
+    stored = loaded = 0
+    started = time.perf_counter()
+    for start in range(0, pages, batch):
+        part = range(start, min(start + batch, pages))
+        stored += peer.put(keys[start:start + batch], [src + i * page_bytes for i in part], page_bytes)
+    put_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for start in range(0, pages, batch):
+        part = range(start, min(start + batch, pages))
+        loaded += peer.get(keys[start:start + batch], [dst + i * page_bytes for i in part], page_bytes)
+    get_s = time.perf_counter() - started
+    peer.remove(keys)
+    return nbytes / put_s / 1e9, nbytes / get_s / 1e9, pages - stored, pages - loaded
+
+
+def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
+    working_set = args.working_set_mib << 20
+    src, dst = page_aligned(working_set), page_aligned(working_set)
+    src[:] = np.random.default_rng(0).integers(0, 255, working_set, dtype=np.uint8)
+    dst[:] = 1   # faulted in before timing
+    rows = {p: {"page_bytes": p, "pages": working_set // p, "batch_pages": BATCH_PAGES[p]} for p in page_sizes}
+    server = ServerProcess(f"dram.arena_bytes={working_set + (256 << 20)}", "dram.slab_bytes=4MiB", cpus="1")
+    try:
+        with KVStoreClient(server.address) as client:
+            for p in page_sizes:
+                memmove, put, get, put_pps, get_pps = [], [], [], [], []
+                for run in range(args.repeats):
+                    memmove.append(memmove_gbps(src.ctypes.data, dst.ctypes.data, working_set, p))
+                    a, b, c, d = kvstore_round(client, src, dst, p, run)
+                    put.append(a), get.append(b), put_pps.append(c), get_pps.append(d)
+                rows[p].update(memmove_gbps=statistics.median(memmove), put_gbps=statistics.median(put),
+                               get_gbps=statistics.median(get), put_pages_per_s=statistics.median(put_pps),
+                               get_pages_per_s=statistics.median(get_pps))
+    finally:
+        server.stop()
+    if mooncake_reason:
+        return list(rows.values())
+    peer = _mooncake_peer.MooncakePeer(segment_bytes=working_set + (working_set >> 1) + (256 << 20),
+                                       pool_bytes=2 * working_set + (64 << 20), cpus="1")
+    try:
+        pool_src, pool_dst = peer.pool_buffer(working_set), peer.pool_buffer(working_set)
+        ctypes.memmove(pool_src, src.ctypes.data, working_set)   # the same pages, where Mooncake reads them
+        ctypes.memset(pool_dst, 1, working_set)
+        for p in page_sizes:
+            put, get, failed = [], [], 0
+            for run in range(args.repeats):
+                a, b, put_failed, get_failed = mooncake_round(peer, pool_src, pool_dst, working_set, p, run)
+                put.append(a), get.append(b)
+                failed += put_failed + get_failed
+            rows[p].update(mooncake_put_gbps=statistics.median(put), mooncake_get_gbps=statistics.median(get),
+                           mooncake_failed_pages=failed)
+    finally:
+        peer.stop()
+    return list(rows.values())
+
+
+def lookups(args) -> list[dict]:
+    """Latency of one SDK lookup of n pages, all present, by keys and by tokens (hashed in the SDK)."""
+    most = max(LOOKUP_PAGES)
+    tokens = np.random.default_rng(1).integers(0, 128_000, most * PAGE_TOKENS).astype(np.uint32)
+    ns = Namespace(model="lookup", page_bytes=4096, page_tokens=PAGE_TOKENS)
+    keys = kv_keys.prefix_hashes(tokens, PAGE_TOKENS)
+    server = ServerProcess(f"dram.arena_bytes={most * 4096 + (64 << 20)}", cpus="1")
+    rows = []
+    try:
+        with KVStoreClient(server.address) as client:
+            page = np.zeros((1024, 4096), dtype=np.uint8)
+            for start in range(0, most, 1024):
+                parent = keys[start - 1] if start else None
+                assert client.put(ns, keys[start:start + 1024], page, parent=parent) == 1024
+            for n in LOOKUP_PAGES:
+                row = {"pages": n}
+                for how, call in (("keys", lambda: client.lookup(ns, keys=keys[:n])),
+                                  ("tokens", lambda: client.lookup(ns, tokens=tokens[:n * PAGE_TOKENS]))):
+                    times = []
+                    for _ in range(args.lookup_repeats):
+                        started = time.perf_counter()
+                        assert call() == n
+                        times.append(time.perf_counter() - started)
+                    row[f"{how}_ms_median"] = statistics.median(times) * 1e3
+                    row[f"{how}_ms_min"] = min(times) * 1e3
+                rows.append(row)
+    finally:
+        server.stop()
+    return rows
+
+
+def hashing(args) -> dict:
+    """prefix_hashes of a 128k-token prompt (16-token pages), Mtok/s, best of --lookup-repeats."""
+    tokens = np.random.default_rng(2).integers(0, 128_000, 131072).astype(np.uint32)
+    cases = {"native_numpy_uint32": (kv_keys.prefix_hashes, tokens),
+             "native_numpy_int64": (kv_keys.prefix_hashes, tokens.astype(np.int64)),
+             "native_list": (kv_keys.prefix_hashes, tokens.tolist()),
+             "python_numpy_uint32": (kv_keys.prefix_hashes_python, tokens)}
+    if not native.available():
+        cases = {"python_numpy_uint32": cases["python_numpy_uint32"]}
+    result = {}
+    for name, (chain, data) in cases.items():
+        best = min(_timed(chain, data) for _ in range(args.lookup_repeats // 3 or 1))
+        result[name + "_mtok_s"] = len(tokens) / best / 1e6
+    return result
+
+
+def _timed(chain, data) -> float:
+    started = time.perf_counter()
+    chain(data, PAGE_TOKENS)
+    return time.perf_counter() - started
+
+
+def print_tables(report: dict) -> None:
+    print(f"\nhot path, working set {report['working_set_mib']} MiB of distinct pages, {report['placement']}, "
+          f"median of {report['repeats']}; kvstore_native: {report['native']}; Mooncake: {report['mooncake']}")
+    head = (f"{'page':>7} {'memmove':>8} {'put':>6} {'put/mm':>7} {'get':>6} {'get/mm':>7} "
+            f"{'mc put':>7} {'mc get':>7} {'put/mc':>7} {'get/mc':>7} {'put pg/s':>9} {'get pg/s':>9}")
+    print(head + "   (GB/s unless said)")
+    for r in report["throughput"]:
+        mm = r["memmove_gbps"]
+        mc_put, mc_get = r.get("mooncake_put_gbps"), r.get("mooncake_get_gbps")
+        mc = (f"{mc_put:>7.2f} {mc_get:>7.2f} {r['put_gbps'] / mc_put:>7.2f} {r['get_gbps'] / mc_get:>7.2f}"
+              if mc_put else f"{'-':>7} {'-':>7} {'-':>7} {'-':>7}")
+        print(f"{r['page_bytes'] >> 10:>5}Ki {mm:>8.2f} {r['put_gbps']:>6.2f} {r['put_gbps'] / mm:>7.2f} "
+              f"{r['get_gbps']:>6.2f} {r['get_gbps'] / mm:>7.2f} {mc} {r['put_pages_per_s']:>9.0f} "
+              f"{r['get_pages_per_s']:>9.0f}")
+    print(f"\nlookup of n present pages in one SDK call (ms, median / min of {report['lookup_repeats']})")
+    for r in report["lookup"]:
+        print(f"{r['pages']:>7} pages   by keys {r['keys_ms_median']:7.2f} / {r['keys_ms_min']:6.2f}   "
+              f"by tokens {r['tokens_ms_median']:7.2f} / {r['tokens_ms_min']:6.2f}")
+    print("\nprefix_hashes of 128k tokens, 16-token pages (Mtok/s, best): " +
+          ", ".join(f"{k.removesuffix('_mtok_s')} {v:.1f}" for k, v in report["prefix_hashes"].items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--working-set-mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lookup-repeats", type=int, default=30)
+    parser.add_argument("--page-sizes", default=",".join(str(p) for p in PAGE_SIZES))
+    parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake peer")
+    parser.add_argument("--json", help="write the report here too")
+    args = parser.parse_args()
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    unknown = set(page_sizes) - set(BATCH_PAGES)
+    if unknown:
+        parser.error(f"page sizes must be among {sorted(BATCH_PAGES)}, not {sorted(unknown)}")
+    os.sched_setaffinity(0, {0})
+    reason = "skipped (--no-mooncake)" if args.no_mooncake else _mooncake_peer.unavailable_reason()
+    if not reason:
+        _mooncake_peer.private_network()
+    print(f"Mooncake peer: {'runs (dummy client over shared memory, MC_STORE_MEMCPY=1)' if not reason else reason}")
+    report = {"bench": "hot_path", "working_set_mib": args.working_set_mib, "repeats": args.repeats,
+              "lookup_repeats": args.lookup_repeats, "native": native.available() or native.missing_reason,
+              "mooncake": reason or "dummy client, shared memory",
+              "placement": "client on CPU 0, kvstore node and Mooncake servers on CPU 1"}
+    report["prefix_hashes"] = hashing(args)
+    report["lookup"] = lookups(args)
+    report["throughput"] = throughput(args, page_sizes, reason)
+    print_tables(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
