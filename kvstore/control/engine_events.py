@@ -18,7 +18,8 @@ from kvstore.control.engine_index import Cleared, Event, Removed, Stored
 # Field order of the array_like layout, for the fields we read.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 _REMOVED_FIELDS = ("block_hashes", "medium")
-# Fields that make an engine's block hash depend on more than the tokens.
+# Fields that make an engine's block hash depend on more than the tokens (vLLM lists extra_keys
+# per block, None for a block that has none).
 _NOT_PLAIN = ("lora_id", "lora_name", "extra_keys", "cache_salt")
 
 
@@ -56,7 +57,8 @@ def _event(raw: Any) -> Event:
             return Stored(
                 block_hashes=_hashes(fields["block_hashes"]), parent_block_hash=fields.get("parent_block_hash"),
                 token_ids=fields["token_ids"], block_size=int(fields["block_size"]), medium=fields.get("medium"),
-                plain=not any(fields.get(name) for name in _NOT_PLAIN), group_idx=fields.get("group_idx"))
+                plain=not any(_present(fields.get(name)) for name in _NOT_PLAIN), group_idx=fields.get("group_idx"),
+                lookahead=fields.get("lookahead_token_ids"))
         if tag == "BlockRemoved":
             return Removed(block_hashes=_hashes(fields["block_hashes"]), medium=fields.get("medium"),
                            group_idx=fields.get("group_idx"))
@@ -65,6 +67,12 @@ def _event(raw: Any) -> Event:
     except (KeyError, TypeError, ValueError) as exc:
         raise EventDecodeError(f"{tag} is missing or mistypes a field: {exc!r}") from None
     raise EventDecodeError(f"unknown event type {tag!r}")
+
+
+def _present(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(item is not None and item != [] for item in value)
+    return bool(value)
 
 
 def _hashes(values: Any) -> list:

@@ -20,6 +20,10 @@ when its key is certain; every other block is counted as unattributable, per eng
   plain chain does not hash;
 - its block size is not the one the engine announced first (Route refuses a namespace whose
   page size differs from an engine's: their keys would never meet).
+A block hashed with lookahead tokens (vLLM's num_hash_lookahead_tokens: the drafter's KV at
+its last position depends on the next L tokens, published as lookahead_token_ids) is keyed by
+its own tokens, and Route credits it only where the request goes on with those L tokens: the
+engine also holds the next page (whose key fixes them), or the request's tokens show them.
 Known limit: SGLang 0.5.23 publishes a request with an `extra_key` (and no LoRA or salt)
 exactly as a plain one (same hashes, no field names it), so no subscriber can tell them
 apart; such blocks are credited to the plain prefix.
@@ -56,6 +60,7 @@ class Stored:
     plain: bool = True          # False when the engine's hash covers more than tokens (LoRA, mm, salt)
     # token_ids may hold pairs (SGLang EAGLE bigram pages): such a block is never keyed
     group_idx: int | None = None
+    lookahead: Sequence[Sequence[int]] | None = None   # per block: tokens after it its hash covers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,8 @@ class EngineIndex:
         self._blocks: dict[str, dict[str, dict[Hashable, str]]] = {}
         # our key (bytes) -> engine -> place -> engine blocks naming that key there (usually 1)
         self._holders: dict[bytes, dict[str, dict[str, int]]] = {}
+        # (engine, our key) -> tokens after the page its block's hash covers (lookahead hashing)
+        self._lookahead: dict[tuple[str, bytes], tuple[int, ...]] = {}
         self._count = 0
         self.counters: dict[str, EngineCounters] = {}
 
@@ -131,8 +138,13 @@ class EngineIndex:
             counters = self.counters.get(engine_id)
             return counters.block_tokens if counters is not None else 0
 
-    def holders(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> dict[str, list[str | None]]:
-        """For each engine, the best place (GPU over HOST) it holds each key, or None."""
+    def holders(self, keys: Sequence[bytes], engine_ids: Sequence[str], tokens: Sequence[int] | None = None,
+                page_tokens: int = 0) -> dict[str, list[str | None]]:
+        """For each engine, the best place (GPU over HOST) it holds each key, or None.
+
+        A page the engine hashed with lookahead tokens counts only where the request goes on
+        with them: the engine holds the next page too, or `tokens` (the request's, pages of
+        `page_tokens`) show them; a Route by keys alone cannot tell, so it does not count."""
         with self._lock:
             result: dict[str, list[str | None]] = {engine: [None] * len(keys) for engine in engine_ids}
             for position, key in enumerate(keys):
@@ -142,6 +154,16 @@ class EngineIndex:
                 for engine, places in holding.items():
                     if engine in result:
                         result[engine][position] = GPU if GPU in places else HOST
+            if self._lookahead:
+                for engine, places in result.items():
+                    for position, key in enumerate(keys):
+                        following = position + 1 < len(keys) and places[position + 1] is not None
+                        wanted = self._lookahead.get((engine, key))
+                        if places[position] is None or wanted is None or following:
+                            continue
+                        start = (position + 1) * page_tokens
+                        if tokens is None or not page_tokens or tuple(tokens[start:start + len(wanted)]) != wanted:
+                            places[position] = None
             return result
 
     # -- with the lock held -------------------------------------------------------------
@@ -183,6 +205,8 @@ class EngineIndex:
                 counters.dropped_full += count - i
                 return
             blocks[block_hash] = key
+            if event.lookahead is not None and i < len(event.lookahead) and event.lookahead[i]:
+                self._lookahead[(engine_id, encode_key(key))] = tuple(event.lookahead[i])
             places = self._holders.setdefault(encode_key(key), {}).setdefault(engine_id, {})
             places[place] = places.get(place, 0) + 1
             self._count += 1
@@ -221,6 +245,7 @@ class EngineIndex:
             del places[place]
         if not places:
             del holding[engine_id]
+            self._lookahead.pop((engine_id, key), None)
             if not holding:
                 del self._holders[key]
         self._count -= 1

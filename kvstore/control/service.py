@@ -268,7 +268,8 @@ class KVStoreService:
         store_tiers = self.store.tiers(request.namespace_id, keys)
         weights = self.config.route
         scores = route.score_engines(
-            engine_ids, store_tiers, self.engines.holders(keys, engine_ids), len(keys),
+            engine_ids, store_tiers,
+            self.engines.holders(keys, engine_ids, list(request.tokens) or None, namespace.page_tokens), len(keys),
             route.Weights(weights.weight_engine_gpu, weights.weight_engine_host, weights.weight_dram, weights.weight_nvme))
         return pb.RouteResponse(scores=scores, best_engine_id=route.best_engine(scores))
 

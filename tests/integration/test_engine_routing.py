@@ -242,3 +242,27 @@ def test_route_refuses_a_namespace_whose_page_size_is_not_the_engines(start_serv
             assert client.route(NS, ["e"], tokens=tokens).scores[0].engine_gpu_pages == 2
     finally:
         engine.close()
+
+
+def test_plain_vllm_blocks_with_per_block_extra_keys_and_lookahead_hashing(start_server, tmp_path):
+    """What vLLM publishes with --num-hash-lookahead-tokens (EAGLE drafters): extra_keys per block
+    (None: a plain block) and the tokens after each block its hash covers. The last page is credited
+    only to a request that goes on with those tokens."""
+    engine = FakeEngine(tmp_path, "la")
+    try:
+        server = start_server({"events.engine_ids": "la", "events.endpoints": engine.endpoint})
+        rng = np.random.default_rng(10)
+        tokens = rng.integers(0, 32000, 4 * BLOCK).tolist()
+        hashes = engine.block_hashes(tokens)[:3]
+        lookahead = [tokens[(b + 1) * BLOCK:(b + 1) * BLOCK + 1] for b in range(3)]
+        with KVStoreClient(server.address, timeout_s=10) as client:
+            engine.publish(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens[:3 * BLOCK],
+                                       block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None,
+                                       extra_keys=[None, None, None], lookahead_token_ids=lookahead))
+            _, s = routed(client, tokens, ["la"], lambda s: s["la"].engine_gpu_pages == 3)
+            assert s["la"].prefix_pages == 3
+            turned = tokens[:3 * BLOCK] + [(tokens[3 * BLOCK] + 1) % 32000] + tokens[3 * BLOCK + 1:]
+            assert client.route(NS, ["la"], tokens=turned).scores[0].engine_gpu_pages == 2
+            assert client.route(NS, ["la"], tokens=tokens[:3 * BLOCK]).scores[0].engine_gpu_pages == 2
+    finally:
+        engine.close()

@@ -87,3 +87,15 @@ def test_same_key_under_two_engine_hashes_is_counted_twice():
     index.apply("e1", [stored([11], None, 0), stored([12], None, 0)])
     index.apply("e1", [Removed(block_hashes=[11], medium="GPU")])
     assert index.holders(KEYS[:1], ["e1"])["e1"] == [GPU]
+
+
+def test_a_lookahead_block_counts_only_where_the_request_goes_on_with_its_tokens():
+    index = EngineIndex(blocks_max=100)
+    lookahead = [TOKENS[(b + 1) * BLOCK:(b + 1) * BLOCK + 2] for b in range(3)]
+    index.apply("e1", [Stored(block_hashes=[11, 12, 13], parent_block_hash=None, token_ids=TOKENS[:3 * BLOCK],
+                              block_size=BLOCK, lookahead=lookahead)])
+    # The engine holds pages 0-2; page 2's drafter KV assumed the two tokens after it.
+    assert index.holders(KEYS, ["e1"], TOKENS, BLOCK)["e1"] == [GPU] * 3 + [None] * 3
+    other = TOKENS[:3 * BLOCK] + [7, 7] + TOKENS[3 * BLOCK + 2:]
+    assert index.holders(KEYS[:3] + [b"x"], ["e1"], other, BLOCK)["e1"] == [GPU, GPU, None, None]
+    assert index.holders(KEYS[:3], ["e1"])["e1"] == [GPU, GPU, None]   # by keys alone: cannot tell

@@ -60,3 +60,12 @@ def test_array_like_events_of_the_earlier_layout_decode():
 def test_malformed_payloads_are_refused_with_a_reason(payload, why):
     with pytest.raises(EventDecodeError, match=why):
         decode_batch(payload)
+
+
+def test_per_block_extra_keys_that_are_all_none_are_plain_and_lookahead_tokens_are_read():
+    """vLLM lists extra_keys per block (None for a plain block) and, with lookahead hashing, the
+    tokens after each block its hash covers."""
+    _, events = decode_batch(encode(KVEventBatch(ts=0.0, events=[BlockStored(
+        block_hashes=[1, 2], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=2, lora_id=None,
+        medium="GPU", lora_name=None, extra_keys=[None, None], lookahead_token_ids=[[3], [5]])])))
+    assert events[0].plain is True and events[0].lookahead == [[3], [5]]
