@@ -94,7 +94,7 @@ class Node:
             self.grpc, self.grpc_port = create_server(grpc_service, config.server.grpc_address,
                                                       config.server.grpc_workers, self.auth)
             if config.tcp.enabled:
-                self.tcp = _tcp_server(config, SlotGrants(self.store))
+                self.tcp = _tcp_server(config, SlotGrants(self.store, self.auth))
                 self.tcp.start()
                 self.service.tcp_endpoint = f"{config.tcp.advertise_host or self.tcp.settings.host}:{self.tcp.port}"
             if config.rdma.enabled:
@@ -218,7 +218,8 @@ def _tcp_server(config: Config, resolver: SlotGrants) -> TcpServer:
     return TcpServer(TcpSettings(
         host=host, port=int(port), body_bytes_max=limits.page_bytes_max, connections_max=config.tcp.connections_max,
         idle_timeout_s=config.tcp.idle_timeout_s, write_buffer_high_bytes=config.tcp.write_buffer_high_bytes,
-        write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion), resolver)
+        write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion,
+        hello_required=config.auth.enabled), resolver)
 
 
 def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Config, auth: Authenticator) -> LocalServer:

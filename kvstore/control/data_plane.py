@@ -4,26 +4,39 @@ Transports (kvstore/transport/) know nothing of leases or tiers; they are given 
 SlotResolver. A grant holds its slot (neither freed nor reused) until finish_transfer, or
 cut_transfer when a write stopped part-way, which ends the lease so the torn page is never
 visible. The checks and the holding are the store's; this module only shapes them.
+
+A connection that showed a data ticket (its HELLO) gets its own SlotGrants, bound to that
+identity: a lease of another tenant is answered as an unknown one, before any slot is held.
 """
 
 from __future__ import annotations
 
+from kvstore.config import AuthConfig
+from kvstore.control import tenancy
+from kvstore.control.identity import TRUSTED, Authenticator, Identity
 from kvstore.control.leases import READ, WRITE
 from kvstore.control.store import PageStore
 from kvstore.transport.slots import Grant
 
 
 class SlotGrants:
-    def __init__(self, store: PageStore):
+    def __init__(self, store: PageStore, auth: Authenticator | None = None, identity: Identity = TRUSTED):
         self._store = store
+        self._auth = auth or Authenticator(AuthConfig())
+        self._identity = identity
+
+    def bind(self, ticket: bytes) -> "SlotGrants":
+        return SlotGrants(self._store, self._auth, self._auth.ticket_identity(ticket))
 
     def resolve_write(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
         """The arena bytes of an uncommitted reserved slot."""
+        self._own(lease_id)
         lease, offset = self._store.begin_transfer(lease_id, token, WRITE, slot, nbytes)
         return Grant(lease, slot, self._store.arena.view[offset:offset + nbytes], lease.deadline, True)
 
     def resolve_read(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
         """The arena bytes of the slot-th page pinned by a read lease."""
+        self._own(lease_id)
         lease, offset = self._store.begin_transfer(lease_id, token, READ, slot, nbytes)
         return Grant(lease, slot, self._store.arena.view[offset:offset + nbytes], lease.deadline, False)
 
@@ -32,3 +45,7 @@ class SlotGrants:
 
     def cut_transfer(self, grant: Grant) -> None:
         self._store.cut_transfer(grant.lease, grant.slot)
+
+    def _own(self, lease_id: int) -> None:
+        if not self._identity.admin:
+            tenancy.own_lease(self._store, lease_id, self._identity)

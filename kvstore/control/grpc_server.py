@@ -41,7 +41,10 @@ def _unary(service: KVStoreService, auth: Authenticator, name: str,
                 request = request_cls.FromString(raw)
             except DecodeError as exc:
                 raise errors.MalformedRequest(f"{name}: request is not a valid {request_cls.__name__}: {exc}") from None
-            return service.handle(name, request, Caller(identity))
+            response = service.handle(name, request, Caller(identity))
+            if name == "Hello":
+                response.data_ticket = auth.ticket(identity)
+            return response
         except errors.KVStoreError as exc:
             context.set_trailing_metadata(((errors.ERROR_CODE_METADATA_KEY, str(exc.code)),))
             context.abort(exc.status, str(exc))

@@ -2,8 +2,10 @@
 
 gRPC: a bearer token in the call's metadata (`authorization: Bearer <token>`), a client
 certificate (mutual TLS: its common name is the tenant), or both, which must agree. Local
-socket: the peer's uid (SO_PEERCRED), mapped by auth.local_uids. TCP data plane: the token,
-in the connection's first frame.
+socket: the peer's uid (SO_PEERCRED), mapped by auth.local_uids. TCP data plane: in the
+connection's first frame, the data ticket a gRPC Hello handed out, the identity
+sealed (HMAC) by this node process, valid for TICKET_TTL_S, so a bearer token never crosses
+the plaintext data plane and a client certificate's identity carries over too.
 
 The token file holds SHA-256 digests of tokens, never tokens, one per line:
 
@@ -25,6 +27,8 @@ import datetime
 import hashlib
 import hmac
 import logging
+import secrets
+import struct
 import threading
 import time
 from typing import Iterable, Sequence
@@ -37,6 +41,11 @@ log = logging.getLogger(__name__)
 TENANT = "tenant"
 ADMIN = "admin"
 BEARER = "bearer "
+TENANT_BYTES_MAX = 255
+# A data ticket (Hello's data_ticket) opens TCP data connections for this long after it was issued.
+TICKET_TTL_S = 300.0
+_TICKET_HEAD = struct.Struct("<BdB")   # admin flag, expiry (time.time()), tenant length
+_TICKET_MAC_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +95,8 @@ def read_token_file(path: str) -> list[TokenEntry]:
         if len(fields) not in (3, 4):
             raise ValueError(f"{where}: expected '<sha256 hex> <tenant> <tenant|admin> [expires]', got {len(fields)} fields")
         digest_hex, tenant, role = fields[:3]
+        if len(tenant.encode()) > TENANT_BYTES_MAX:
+            raise ValueError(f"{where}: a tenant name is at most {TENANT_BYTES_MAX} bytes")
         try:
             digest = bytes.fromhex(digest_hex)
         except ValueError:
@@ -161,6 +172,35 @@ class Authenticator:
         self.local_uids = _uid_map(config.local_uids)
         self.refusals: dict[tuple[str, str], int] = {}    # (plane, error class) -> calls refused
         self._refusals_lock = threading.Lock()
+        self._ticket_key = secrets.token_bytes(32)          # this process's; tickets die with it
+
+    def ticket(self, identity: Identity, now: float | None = None) -> bytes:
+        """The identity sealed for the TCP data plane: it opens connections for TICKET_TTL_S."""
+        if not self.enabled:
+            return b""
+        tenant = identity.tenant.encode()
+        body = _TICKET_HEAD.pack(identity.admin, (time.time() if now is None else now) + TICKET_TTL_S,
+                                 len(tenant)) + tenant
+        return body + hmac.new(self._ticket_key, body, hashlib.sha256).digest()[:_TICKET_MAC_BYTES]
+
+    def ticket_identity(self, ticket: bytes, now: float | None = None) -> Identity:
+        """The identity a TCP connection's HELLO shows; Unauthenticated (counted) when it is not one this node sealed."""
+        if not self.enabled:
+            return TRUSTED
+        body, mac = ticket[:-_TICKET_MAC_BYTES], ticket[-_TICKET_MAC_BYTES:]
+        expected = hmac.new(self._ticket_key, body, hashlib.sha256).digest()[:_TICKET_MAC_BYTES]
+        try:
+            if len(ticket) < _TICKET_HEAD.size + _TICKET_MAC_BYTES or not hmac.compare_digest(mac, expected):
+                raise errors.Unauthenticated(
+                    "the data ticket is not one this node issued (or the node restarted): send the data_ticket of "
+                    "a Hello to this node in the connection's first frame")
+            admin, expires_at, _ = _TICKET_HEAD.unpack_from(body)
+            if (time.time() if now is None else now) >= expires_at:
+                raise errors.Unauthenticated("the data ticket has expired: call Hello again for a fresh one")
+        except errors.KVStoreError as exc:
+            self.refused("tcp", exc)
+            raise
+        return Identity(body[_TICKET_HEAD.size:].decode(), ADMIN if admin else TENANT)
 
     def reload(self) -> None:
         """SIGHUP: reread the token file; a bad file is reported and the table in force kept."""
@@ -201,7 +241,7 @@ class Authenticator:
         return identity
 
     def token_identity(self, token: str) -> Identity:
-        """The identity of a bearer token alone (TCP data plane hello, metrics scrapes); the caller counts refusals."""
+        """The identity of a bearer token alone (metrics scrapes); the caller counts refusals."""
         if not self.enabled:
             return TRUSTED
         return self.tokens.resolve(token)

@@ -18,6 +18,10 @@ the gRPC server.
   above write_buffer_high_bytes (queued GET answers are references into the arena, not
   copies), and a connection still holding a grant at its lease's deadline is aborted, so a
   client that stops reading holds nothing past its lease.
+- Identity: with hello_required (authentication on), a connection's first frame must be a
+  HELLO showing a data ticket; the resolver bound to that identity (SlotResolver.bind)
+  resolves every later frame, so a lease of another tenant reads as unknown. Any other
+  first frame is answered UNAUTHENTICATED and the connection closed.
 - Connections are bounded: beyond connections_max a new one is closed at once, and one
   that has sent no frame for idle_timeout_s (and moves no page) is closed, so idle or
   half-open peers cannot hold every place.
@@ -40,7 +44,7 @@ import uvloop
 from kvstore.invariants import stop_node
 from kvstore.transport.slots import Grant, SlotResolver
 from kvstore_client import errors
-from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Op, Request, RequestReader,
+from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Hello, Op, Request, RequestReader,
                                         encode_error, encode_response)
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,7 @@ class TcpSettings:
     write_buffer_high_bytes: int     # pause reading a connection above this much queued output
     write_buffer_low_bytes: int
     congestion: str = ""             # TCP_CONGESTION for accepted sockets; "" = system default
+    hello_required: bool = False     # serve no frame before a HELLO with a data ticket
 
 
 class TcpServer:
@@ -177,6 +182,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._last_frame = 0.0                     # loop.time() of the last frame received
         self._closed = False
+        self._greeted = False                      # a HELLO bound _resolver to the peer's identity
 
     # -- asyncio callbacks -------------------------------------------------------------
 
@@ -213,7 +219,16 @@ class _Connection(asyncio.BufferedProtocol):
         if event is None:
             return
         self._last_frame = self._server._loop.time()
+        if isinstance(event, Hello):
+            self._hello(event.ticket)
+            return
         if isinstance(event, Request):
+            if not self._greeted and self._server.settings.hello_required:
+                self._refuse(event.op, errors.Unauthenticated(
+                    "this node needs the connection's first frame to be a HELLO with the data_ticket of a gRPC "
+                    "Hello (pass token= or TLS files to KVStoreClient)"))
+                self._transport.close()
+                return
             if event.op == Op.PUT:
                 self._start_put(event)
             else:
@@ -255,6 +270,17 @@ class _Connection(asyncio.BufferedProtocol):
             self._transport.abort()
 
     # -- frames ------------------------------------------------------------------------
+
+    def _hello(self, ticket: bytes) -> None:
+        try:
+            self._resolver = self._server._resolver.bind(ticket)
+        except errors.KVStoreError as exc:
+            log.info("tcp peer=%s refused at HELLO: %s", self._peer, exc)
+            self._refuse(Op.HELLO, exc)
+            self._transport.close()
+            return
+        self._greeted = True
+        self._write([encode_response(0, Op.HELLO, 0)])
 
     def _start_put(self, request: Request) -> None:
         try:

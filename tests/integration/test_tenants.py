@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -228,3 +229,43 @@ def test_hello_offers_a_tenant_no_region_of_every_tenants_pages(start_server, to
                          "testing.hbm_on_host": "true"})
     assert not channel(node, tokens.alice).call("Hello", pb.HelloRequest()).HasField("hbm")
     assert channel(node, tokens.ops).call("Hello", pb.HelloRequest()).HasField("hbm")
+
+
+def tcp_path(node, hello, ticket=None):
+    from kvstore_client.tcp_transport import TcpDataPath
+    return TcpDataPath(hello.tcp_endpoint, 5.0, "", hello.data_ticket if ticket is None else ticket)
+
+
+def test_tcp_frames_are_bound_to_the_tenant_of_the_connection(node, tokens):
+    from kvstore_client.tcp_framing import RESPONSE, Op, decode_response, encode_request
+
+    alice, bob = channel(node, tokens.alice), channel(node, tokens.bob)
+    alice_hello, bob_hello = alice.call("Hello", pb.HelloRequest()), bob.call("Hello", pb.HelloRequest())
+    assert alice_hello.data_ticket and alice_hello.data_ticket != bob_hello.data_ticket
+    ns_id = alice.call("OpenNamespace", pb.OpenNamespaceRequest(spec=NS.to_proto())).namespace_id
+    write = alice.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[b"t0"], page_bytes=PAGE))
+    data = pages(1)
+    segment = [(data.ctypes.data, PAGE)]
+    # alice's data token replayed on bob's connection: an unknown lease, nothing written
+    with pytest.raises(errors.LeaseNotFound, match="is unknown"):
+        tcp_path(node, bob_hello).put(write.lease_id, write.data_token, [(0, 0, segment)], PAGE)
+    tcp_path(node, alice_hello).put(write.lease_id, write.data_token, [(0, 0, segment)], PAGE)
+    alice.call("Commit", pb.CommitRequest(lease_id=write.lease_id))
+    read = alice.call("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=[b"t0"]))
+    out = np.zeros_like(data)
+    with pytest.raises(errors.LeaseNotFound, match="is unknown"):
+        tcp_path(node, bob_hello).get(read.lease_id, read.data_token, [(0, 0, [(out.ctypes.data, PAGE)])], PAGE)
+    assert not out.any()
+    tcp_path(node, alice_hello).get(read.lease_id, read.data_token, [(0, 0, [(out.ctypes.data, PAGE)])], PAGE)
+    assert np.array_equal(out, data)
+    # a forged ticket, and a connection whose first frame is not a HELLO
+    forged = bytearray(alice_hello.data_ticket)
+    forged[-1] ^= 1
+    with pytest.raises(errors.Unauthenticated, match="not one this node issued"):
+        tcp_path(node, alice_hello, bytes(forged))
+    host, port = alice_hello.tcp_endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(encode_request(Op.GET, read.lease_id, read.data_token, 0, PAGE))
+        status, _, length = decode_response(sock.recv(RESPONSE.size, socket.MSG_WAITALL))
+        assert status == pb.UNAUTHENTICATED and b"first frame to be a HELLO" in sock.recv(length, socket.MSG_WAITALL)
+        assert sock.recv(1) == b""   # closed

@@ -9,6 +9,11 @@ A client moves page bytes between its buffers and leased arena slots. The contro
                followed by `length` page bytes (GET answered 0), or by a UTF-8 error text
                (status = an ErrorCode), or by nothing (PUT answered 0)
 
+On a node with authentication, a connection's first frame is a HELLO whose body is the
+data ticket of a gRPC Hello (the caller's identity, sealed by the node); no other frame is
+served before it, and each frame's lease must then be of that identity's tenant, so a data
+token replayed on another tenant's connection is refused as an unknown lease.
+
 `slot` is the lease-wide key index for a write lease (as in Commit) and the position in
 the AcquireResponse for a read lease. Requests on one connection are answered in order,
 so a client pipelines them. A frame in error is answered and the connection goes on (a
@@ -31,6 +36,7 @@ REQUEST = struct.Struct("<BBHIQ16sII")
 RESPONSE = struct.Struct("<BBHI")
 VERSION = 1
 TOKEN_BYTES = 16
+TICKET_BYTES_MAX = 512          # a HELLO's body
 ERROR_TEXT_BYTES_MAX = 1024
 SKIP_CHUNK_BYTES = 64 << 10     # scratch that a skipped PUT body is read through, piece by piece
 
@@ -38,6 +44,7 @@ SKIP_CHUNK_BYTES = 64 << 10     # scratch that a skipped PUT body is read throug
 class Op(enum.IntEnum):
     PUT = 1   # client -> slot of a write lease
     GET = 2   # slot of a read lease -> client
+    HELLO = 3  # client -> node: the data ticket, the connection's first frame (answered 0 or an error)
 
 
 class FrameError(ValueError):
@@ -58,12 +65,20 @@ def encode_request(op: Op, lease_id: int, token: bytes, slot: int, length: int) 
     return REQUEST.pack(op, VERSION, 0, length, lease_id, token, slot, 0)
 
 
+def encode_hello(ticket: bytes) -> bytes:
+    if len(ticket) > TICKET_BYTES_MAX:
+        raise ValueError(f"a data ticket has at most {TICKET_BYTES_MAX} bytes, got {len(ticket)}")
+    return REQUEST.pack(Op.HELLO, VERSION, 0, len(ticket), 0, bytes(TOKEN_BYTES), 0, 0) + ticket
+
+
 def decode_request(header: bytes | bytearray | memoryview, body_bytes_max: int) -> Request:
     op, version, _, length, lease_id, token, slot, _ = REQUEST.unpack(header)
     if version != VERSION:
         raise FrameError(f"data-plane frame version {version}; this server speaks {VERSION}")
-    if op not in (Op.PUT, Op.GET):
+    if op not in (Op.PUT, Op.GET, Op.HELLO):
         raise FrameError(f"unknown data-plane op {op}")
+    if op == Op.HELLO and length > TICKET_BYTES_MAX:
+        raise FrameError(f"a HELLO of {length} bytes exceeds {TICKET_BYTES_MAX}")
     if length > body_bytes_max:
         raise FrameError(f"a frame of {length} bytes exceeds the largest page ({body_bytes_max})")
     return Request(Op(op), length, lease_id, token, slot)
@@ -81,7 +96,7 @@ def encode_error(op: int, code: int, text: str) -> bytes:
 def decode_response(header: bytes | bytearray | memoryview) -> tuple[int, int, int]:
     """(status, op, length) of a response header."""
     status, op, _, length = RESPONSE.unpack(header)
-    if op not in (Op.PUT, Op.GET) and not status:  # op 0: the error that closes an unreadable stream
+    if op not in (Op.PUT, Op.GET, Op.HELLO) and not status:  # op 0: the error that closes an unreadable stream
         raise FrameError(f"response for unknown op {op}")
     return status, op, length
 
@@ -89,6 +104,10 @@ def decode_response(header: bytes | bytearray | memoryview) -> tuple[int, int, i
 class Event(enum.Enum):
     BODY_DONE = 1       # the accepted PUT body is all in its slot
     BODY_SKIPPED = 2    # the refused PUT body was read and dropped
+
+
+class Hello(NamedTuple):
+    ticket: bytes       # a HELLO's whole body
 
 
 class RequestReader:
@@ -106,6 +125,7 @@ class RequestReader:
         self._filled = 0
         self._target: memoryview | None = None
         self._remaining = 0
+        self._hello = False                 # the body being read is a HELLO's, into _target
 
     @property
     def mid_body(self) -> bool:
@@ -119,7 +139,7 @@ class RequestReader:
             return self._target[self._filled:]
         return self._scratch[:min(self._remaining, len(self._scratch))]
 
-    def received(self, nbytes: int) -> Request | Event | None:
+    def received(self, nbytes: int) -> Request | Event | Hello | None:
         """Account for nbytes written into buffer(); returns what they completed, if anything.
 
         After a PUT Request, call accept_body(view) or skip_body() before buffer() again.
@@ -130,6 +150,11 @@ class RequestReader:
                 return None
             self._filled = 0
             request = decode_request(self._header, self._body_bytes_max)
+            if request.op == Op.HELLO:
+                if not request.length:
+                    return Hello(b"")
+                self._state, self._target, self._hello = self._BODY, memoryview(bytearray(request.length)), True
+                return None
             if request.op == Op.PUT and request.length:
                 self._state = self._SKIP  # until accept_body says where the bytes go
                 self._remaining = request.length
@@ -138,8 +163,9 @@ class RequestReader:
             self._filled += nbytes
             if self._filled < len(self._target):
                 return None
+            hello, ticket = self._hello, bytes(self._target)
             self._reset()
-            return Event.BODY_DONE
+            return Hello(ticket) if hello else Event.BODY_DONE
         self._remaining -= nbytes
         if self._remaining:
             return None
@@ -155,4 +181,4 @@ class RequestReader:
         assert self._state == self._SKIP, "skip_body follows a PUT header"
 
     def _reset(self) -> None:
-        self._state, self._target, self._filled, self._remaining = self._HEADER, None, 0, 0
+        self._state, self._target, self._filled, self._remaining, self._hello = self._HEADER, None, 0, 0, False

@@ -19,7 +19,7 @@ from kvstore_client import errors
 from kvstore_client.buffers import Segment
 from kvstore_client.channel import peer_open
 from kvstore_client.data_path import NETWORK_SHAPE, Page
-from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_request
+from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_hello, encode_request
 
 IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
@@ -50,7 +50,8 @@ class TcpDataPath:
     rdma_qp_num = 0
     shape = NETWORK_SHAPE
 
-    def __init__(self, endpoint: str, timeout_s: float, congestion: str = ""):
+    def __init__(self, endpoint: str, timeout_s: float, congestion: str = "", ticket: bytes = b""):
+        """`ticket`: Hello's data_ticket; when the node handed one out, it opens the connection (its HELLO)."""
         host, _, port = endpoint.rpartition(":")
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -69,6 +70,8 @@ class TcpDataPath:
         self._header = bytearray(RESPONSE.size)
         self._broken: errors.KVStoreError | None = None
         self._lock = threading.Lock()   # one batch of frames at a time: answers come back in order
+        if ticket:
+            self._hello(ticket)
 
     def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         """Write each page into its slot; raises the first refusal after every answer is read."""
@@ -120,6 +123,13 @@ class TcpDataPath:
             first_error = first_error or error
         if first_error is not None:
             raise first_error
+
+    def _hello(self, ticket: bytes) -> None:
+        self._io(lambda: self._sock.sendall(encode_hello(ticket)))
+        refusal = self._io(lambda: self._answer(Op.HELLO, None))
+        if refusal is not None:
+            self._sock.close()
+            raise refusal
 
     def _check(self) -> None:
         if self._broken is not None:
