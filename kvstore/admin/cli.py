@@ -7,6 +7,10 @@
     kvstore delete -n NS --keys K ...   remove pages and every page that extends them
     kvstore drain [--wait]              stop taking leases, finish open ones, exit
     kvstore bench                       quick put/get throughput against memcpy
+    kvstore token --tenant T [--admin]  a new bearer token, and its line for auth.tokens_file
+
+On a node with authentication the commands send KVSTORE_TOKEN (and KVSTORE_TLS_* files):
+a tenant's token shows that tenant's namespaces only; scrub needs an admin's.
 
 Tables for people; `--json` for scripts. Exit status: 0 done, 1 the node answered with
 an error or cannot be reached, 2 bad arguments.
@@ -15,7 +19,9 @@ an error or cannot be reached, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -30,6 +36,7 @@ from kvstore import __version__
 from kvstore.admin import bench, render
 from kvstore_client import errors
 from kvstore_client.channel import GrpcChannel
+from kvstore_client.credentials import Credentials
 from kvstore_client.keys import encode_key
 from kvstore_client.proto import pb
 
@@ -52,8 +59,9 @@ class RemoteNode:
     def __init__(self, target: str, timeout_s: float):
         self.target = target
         self.timeout_s = timeout_s
-        self.control = GrpcChannel(target, timeout_s)
-        self._channel = grpc.insecure_channel(target)
+        credentials = Credentials.resolve()
+        self.control = GrpcChannel(target, timeout_s, credentials)
+        self._channel = credentials.channel(target, [])
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def call(self, method: str, request: Any) -> Any:
@@ -310,7 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--page-bytes", type=int, default=1 << 20)
     quick.add_argument("--rounds", type=int, default=3)
     quick.set_defaults(run=cmd_bench)
+    token = commands.add_parser("token", help="a new bearer token (stdout line 1) and its auth.tokens_file line (2)")
+    token.add_argument("--tenant", required=True)
+    token.add_argument("--admin", action="store_true", help="the admin role (every tenant, scrub, metrics)")
+    token.set_defaults(run=cmd_token)
     return parser
+
+
+def cmd_token(node: RemoteNode, args: argparse.Namespace) -> None:
+    """Only the digest goes in the node's file; the token itself is shown once, here."""
+    if not args.tenant or any(c.isspace() or c == "#" for c in args.tenant):
+        raise UsageError("--tenant must be a non-empty name without spaces or '#'")
+    token = secrets.token_urlsafe(32)
+    role = "admin" if args.admin else "tenant"
+    sys.stdout.write(f"{token}\n{hashlib.sha256(token.encode()).hexdigest()} {args.tenant} {role}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

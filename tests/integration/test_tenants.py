@@ -269,3 +269,34 @@ def test_tcp_frames_are_bound_to_the_tenant_of_the_connection(node, tokens):
         status, _, length = decode_response(sock.recv(RESPONSE.size, socket.MSG_WAITALL))
         assert status == pb.UNAUTHENTICATED and b"first frame to be a HELLO" in sock.recv(length, socket.MSG_WAITALL)
         assert sock.recv(1) == b""   # closed
+
+
+def kvstore_cli(node, *args, token=""):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["KVSTORE_TOKEN"] = token
+    target = node.address if node is not None else "127.0.0.1:1"   # `token` reaches no node
+    return subprocess.run([sys.executable, "-m", "kvstore.admin.cli", "--target", target, "--json", *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_the_cli_shows_a_tenant_only_its_own_and_mints_tokens(start_server, tokens):
+    minted = kvstore_cli(None, "token", "--tenant", "carol")
+    token, line = minted.stdout.splitlines()
+    tokens.lines.append(line + "\n")
+    tokens.write()
+    node = start_server({"auth.tokens_file": str(tokens.path)})
+    stored(node, tokens)
+    with KVStoreClient(node.address, token=token) as carol:
+        assert carol.put(NS, ["c0"], pages(1)) == 1
+    own = kvstore_cli(node, "namespaces", token=token)
+    assert own.returncode == 0, own.stderr
+    assert [row["tenant"] for row in json.loads(own.stdout)] == ["carol"]
+    everyone = kvstore_cli(node, "namespaces", token=tokens.ops)
+    assert sorted(row["tenant"] for row in json.loads(everyone.stdout)) == ["alice", "carol"]
+    refused = kvstore_cli(node, "scrub", token=token)
+    assert refused.returncode == 1 and "PermissionDenied: Scrub needs the admin role" in refused.stderr
+    anonymous = kvstore_cli(node, "namespaces")
+    assert anonymous.returncode == 1 and "Unauthenticated" in anonymous.stderr
