@@ -17,7 +17,9 @@ The lease rules are the pipeline's (pipeline.py): a get copies under a read leas
 LeaseNotFound if the copy outlasted it; a put reserves, copies, then commits, and aborts on
 failure. After a node restart the client maps the new arena; the old registration is dropped
 (its mapping is kept until then) and the new one made on first use. The device calls are behind
-gpu_device.Device; one device copy runs at a time per GpuPages.
+gpu_device.Device; one device copy runs at a time per GpuPages. The kernel runs on cupy's current
+stream and is synchronized before a call returns; the engine must have finished writing the blocks
+it puts (and must not read the blocks it loads) before the call.
 """
 
 from __future__ import annotations
