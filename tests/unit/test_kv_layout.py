@@ -32,7 +32,7 @@ def test_gather_matches_plain_copy(case_name, page_format):
     plan = kv_layout.plan(case.shape, fmt, case.cache)
     blocks = rng.permutation(BLOCKS)[:4].astype(np.int64)
     arena, addrs = _arena(len(blocks), plan.page_bytes, rng, misalign=0)
-    kv_layout.copy_reference(plan, addrs, blocks, to_cache=False)
+    kv_layout.reference_cache_to_pages(plan, addrs, blocks)
     for addr, block in zip(addrs.tolist(), blocks.tolist()):
         got = arena[addr - arena.ctypes.data:addr - arena.ctypes.data + plan.page_bytes].tobytes()
         assert got == page_bytes(case.logical(block), fmt)
@@ -47,7 +47,7 @@ def test_scatter_matches_plain_copy_and_touches_only_its_blocks(case_name, page_
     blocks = rng.permutation(BLOCKS)[:3].astype(np.int64)
     before = {b: case.logical(b).clone() for b in range(BLOCKS)}
     arena, addrs = _arena(len(blocks), plan.page_bytes, rng, misalign=0)
-    kv_layout.copy_reference(plan, addrs, blocks, to_cache=True)
+    kv_layout.reference_pages_to_cache(plan, addrs, blocks)
     for b in range(BLOCKS):
         if b in blocks.tolist():
             addr = int(addrs[blocks.tolist().index(b)]) - arena.ctypes.data
@@ -65,9 +65,9 @@ def test_round_trip_through_unaligned_pages_uses_byte_words():
     assert plan.word_bytes(addrs - 1) >= 2
     original = arena.copy()
     blocks = np.array([5, 0], dtype=np.int64)
-    kv_layout.copy_reference(plan, addrs, blocks, to_cache=True)
+    kv_layout.reference_pages_to_cache(plan, addrs, blocks)
     arena[:] = 0
-    kv_layout.copy_reference(plan, addrs, blocks, to_cache=False)
+    kv_layout.reference_cache_to_pages(plan, addrs, blocks)
     for addr in addrs.tolist():
         at = addr - arena.ctypes.data
         assert arena[at:at + plan.page_bytes].tobytes() == original[at:at + plan.page_bytes].tobytes()
@@ -92,7 +92,7 @@ def test_mismatched_shapes_and_blocks_are_refused_with_their_names():
         kv_layout.plan(wrong, kv_layout.PAGE_FORMATS["lmcache"], case.cache)
     plan = kv_layout.plan(case.shape, kv_layout.PAGE_FORMATS["lmcache"], case.cache)
     with pytest.raises(errors.InvalidArgument, match="block ids must be in"):
-        kv_layout.copy_reference(plan, np.zeros(1, np.uint64), np.array([case.cache.blocks], np.int64), to_cache=True)
+        kv_layout.reference_pages_to_cache(plan, np.zeros(1, np.uint64), np.array([case.cache.blocks], np.int64))
     with pytest.raises(errors.InvalidArgument, match="dim last"):
         kv_layout.PageFormat(("dim", "kv", "layer", "token", "head"))
     with pytest.raises(errors.InvalidArgument, match="kv must be 1"):

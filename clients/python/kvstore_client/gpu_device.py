@@ -7,7 +7,7 @@ registration or a handle is made and dropped) is the same with either implementa
   with cudaIpcOpenMemHandle; a plan runs as one launch of the gather/scatter kernel
   (native/kv_layout.cu, compiled by NVRTC on first use) on the current stream, then synchronizes.
 - HostDevice: the CPU. Registration is the identity; an "IPC handle" names a host file mapped
-  shared; a plan runs through kv_layout.copy_reference. It moves real bytes between the arena and
+  shared; a plan runs through kv_layout's CPU reference. It moves real bytes between the arena and
   CPU tensors laid out as an engine's cache, which is how the protocol above is tested without a GPU.
 """
 
@@ -144,7 +144,7 @@ class HostDevice:
         self.opened.pop(address).close()
 
     def pages_to_cache(self, plan: kv_layout.CopyPlan, page_addrs: np.ndarray, block_ids: np.ndarray) -> None:
-        kv_layout.copy_reference(plan, page_addrs, block_ids, to_cache=True)
+        kv_layout.reference_pages_to_cache(plan, page_addrs, block_ids)
 
     def cache_to_pages(self, plan: kv_layout.CopyPlan, page_addrs: np.ndarray, block_ids: np.ndarray) -> None:
-        kv_layout.copy_reference(plan, page_addrs, block_ids, to_cache=False)
+        kv_layout.reference_cache_to_pages(plan, page_addrs, block_ids)

@@ -7,8 +7,9 @@ layers; LMCache's are layer-major; a vLLM block keeps each token's K and V side 
 CacheLayout says where a block of the engine's cache is: one [blocks, tokens, heads, dim] view per
 (kv, layer), any strides, dim contiguous, built from the engine's own tensors (the functions
 below). `plan` joins the two into a CopyPlan: the numbers the gather/scatter kernel
-(native/kv_layout.cu) takes, one launch per call; `copy_reference` runs the same plan on the CPU
-(host addresses) and is what the kernel is tested against.
+(native/kv_layout.cu) takes, one launch per call; `reference_pages_to_cache` and
+`reference_cache_to_pages` run the same plan on the CPU (host addresses), and are what the kernel
+is tested against.
 """
 
 from __future__ import annotations
@@ -237,8 +238,18 @@ def plan(shape: PageShape, page_format: PageFormat, cache: CacheLayout) -> CopyP
                     cache_blocks=cache.blocks, cache_device=cache.device)
 
 
-def copy_reference(p: CopyPlan, page_addrs: np.ndarray, block_ids: np.ndarray, to_cache: bool) -> None:
-    """Run the plan on the CPU over host addresses, slab by slab, as the kernel does on the GPU."""
+def reference_pages_to_cache(p: CopyPlan, page_addrs: np.ndarray, block_ids: np.ndarray) -> None:
+    """The gather kernel's work on the CPU, over host addresses: each page into its block."""
+    _copy_slabs(p, page_addrs, block_ids, to_cache=True)
+
+
+def reference_cache_to_pages(p: CopyPlan, page_addrs: np.ndarray, block_ids: np.ndarray) -> None:
+    """The scatter kernel's work on the CPU, over host addresses: each block out into its page."""
+    _copy_slabs(p, page_addrs, block_ids, to_cache=False)
+
+
+def _copy_slabs(p: CopyPlan, page_addrs: np.ndarray, block_ids: np.ndarray, to_cache: bool) -> None:
+    """Slab by slab, as native/kv_layout.cu's copy_slab does."""
     p.check_blocks(block_ids)
     for page, (page_addr, block) in enumerate(zip(page_addrs.tolist(), block_ids.tolist())):
         for k in range(p.kv):
