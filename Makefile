@@ -11,7 +11,7 @@ ENGINES := $(VENV)/.engines
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python tests/pip_install.py -e "./clients/python[fast]" -e ".[test,events,demo]"
+	$(BIN)/python tests/pip_install.py -e "./clients/python[fast,cluster]" -e ".[test,events,demo,cluster]"
 	touch $@
 
 # vLLM's own KV-event classes and publisher for the event tests: vllm without its CUDA

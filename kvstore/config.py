@@ -209,6 +209,16 @@ class AuthConfig:
     def remote(self) -> bool:
         """A caller on another host can prove who it is (a token, or a client certificate)."""
         return bool(self.tokens_file or self.tls_client_ca)
+class ClusterConfig:
+    """Membership in a cluster of nodes on etcd (kvstore/cluster/); no endpoints = a node alone."""
+    endpoints: tuple[str, ...] = ()         # etcd client URLs, e.g. http://10.0.0.1:2379
+    name: str = "kvstore"                   # the cluster: nodes and clients of one name form one pool
+    node_id: str = ""                       # unique in the cluster; "" = the host name
+    host_id: str = ""                       # nodes with the client's host id offer it shared memory; "" = machine id
+    required: bool = True                   # etcd unreachable at start: exit (true) or serve alone and retry (false)
+    lease_ttl_s: int = 10                   # a dead node leaves the membership this long after its last renewal
+    ramp_s: float = 60.0                    # a new node's placement weight grows to full over this long
+    etcd_timeout_s: float = 3.0             # each etcd call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +247,7 @@ class Config:
     scrub: ScrubConfig = ScrubConfig()
     hbm: HbmConfig = HbmConfig()
     auth: AuthConfig = AuthConfig()
+    cluster: ClusterConfig = ClusterConfig()
     testing: TestingConfig = TestingConfig()
 
     @property
@@ -421,6 +432,7 @@ def _validate(config: Config) -> None:
         ("hbm.device", config.hbm.device >= 0, "must be a CUDA device index"),
     ]
     checks += _events_checks(config.events) + _route_checks(config.route) + _auth_checks(config)
+    checks += _cluster_checks(config.cluster)
     for dotted, ok, why in checks:
         if not ok:
             raise ConfigError(f"{dotted}: {why}")
@@ -489,6 +501,17 @@ def _uid_entry(entry: str) -> bool:
     return len(parts) in (2, 3) and parts[0].isdigit() and bool(parts[1]) and parts[2:] in ([], ["admin"])
 
 
+def _cluster_checks(cluster: ClusterConfig) -> list[tuple[str, bool, str]]:
+    return [
+        ("cluster.name", bool(re.fullmatch(r"[A-Za-z0-9_.-]+", cluster.name)), "must be letters, digits, _ . or -"),
+        ("cluster.node_id", re.fullmatch(r"[A-Za-z0-9_.-]*", cluster.node_id) is not None,
+         "must be letters, digits, _ . or - (or empty for the host name)"),
+        ("cluster.lease_ttl_s", 2 <= cluster.lease_ttl_s <= 3600, "must be 2 to 3600 (etcd's lease granularity)"),
+        ("cluster.ramp_s", cluster.ramp_s >= 0, "must not be negative (0 = full weight at once)"),
+        ("cluster.etcd_timeout_s", cluster.etcd_timeout_s > 0, "must be positive"),
+    ]
+
+
 def _is_hex(text: str) -> bool:
     try:
         bytes.fromhex(text)
@@ -507,7 +530,7 @@ _SECTION_TYPES: dict[str, type] = {
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
     "events": EventsConfig, "route": RouteConfig, "scrub": ScrubConfig, "hbm": HbmConfig,
-    "auth": AuthConfig, "testing": TestingConfig,
+    "auth": AuthConfig, "cluster": ClusterConfig, "testing": TestingConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

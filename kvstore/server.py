@@ -22,6 +22,7 @@ import threading
 import time
 
 from kvstore import __version__, config as config_module, failpoints
+from kvstore.cluster.registration import ClusterError, Registration
 from kvstore.config import Config, ConfigError
 from kvstore.control.event_subscriber import EventSubscriber
 from kvstore.control import recovery
@@ -262,6 +263,19 @@ def _write_ready_file(path: str, node: Node) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
+def _join_cluster(config: Config) -> Registration:
+    """Claim this node's id in etcd; ClusterError unless it may serve alone (cluster.required = false)."""
+    registration = Registration(config.cluster, config.dram.arena_bytes)
+    try:
+        registration.claim()
+    except ClusterError as exc:
+        if config.cluster.required or "already registered" in str(exc):
+            registration.leave()
+            raise
+        registration.start_alone(str(exc))
+    return registration
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     shortcuts = {"server.grpc_address": args.grpc_address, "dram.arena_bytes": args.arena_bytes,
@@ -281,10 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     log.info("effective configuration %s", json.dumps(config_module.as_dict(config), sort_keys=True))
     started = time.monotonic()
     notifier = Notifier(config.systemd)
+    registration = None
+    if config.cluster.endpoints:
+        try:
+            registration = _join_cluster(config)
+        except ClusterError as exc:
+            log.error("cannot start: %s", exc)
+            return 1
     try:
         node = Node(config)
     except (OSError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
+        if registration is not None:
+            registration.leave()
         return 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -296,10 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving version=%s grpc=%s shm_socket=%s metrics_port=%d arena_bytes=%d startup_s=%.3f",
              __version__, node.grpc_address, node.local.path if node.local else "-", node.metrics_port,
              config.dram.arena_bytes, time.monotonic() - started)
-    notifier.ready(node.status())
-    serve_until_stopped(stop, notifier, node.problem, node.status)
+    status = node.status
+    if registration is not None:
+        registration.serve(node.grpc_address, node.service.tcp_endpoint, node.rdma is not None)
+        status = lambda: f"{node.status()} {registration.describe()}"  # noqa: E731
+    notifier.ready(status())
+    serve_until_stopped(stop, notifier, node.problem, status)
     notifier.stopping(f"draining open_leases={node.service.open_leases()}")
+    if registration is not None:
+        registration.drain()
     node.drain_and_stop()
+    if registration is not None:
+        registration.leave()
     notifier.close()
     return 0
 

@@ -1,0 +1,205 @@
+"""KVStoreCluster: one pool of KV pages across the kvstore nodes registered in etcd.
+
+    with KVStoreCluster("etcd://10.0.0.1:2379/prod") as cluster:
+        cluster.put(ns, keys, pages)            # keys: a chain from its first page
+        loaded = cluster.get(ns, keys, out)
+
+Membership comes from etcd (membership.py) and placement is computed here without asking
+anyone (placement.py): each chain segment of `segment_pages` pages lives on one node, the
+first segment on `first_replicas` nodes. Every call asks all the nodes it needs at once, in
+one round. Each node is reached over its best data plane: shared memory when it runs on
+this host (same host id), else TCP (RDMA where the node offers it and `transport` asks).
+
+A lost node costs misses, not errors: get and lookup count its pages as absent, put stops
+counting at its segment. A node that stops renewing its etcd lease leaves the view within
+one lease TTL and its segments are placed on the others. Errors a caller can act on (bad
+input, a full node) are raised as in KVStoreClient.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+from kvstore_client import errors, placement
+from kvstore_client.buffers import page_segments
+from kvstore_client.client import KVStoreClient
+from kvstore_client.keys import Key, Namespace, encode_keys
+from kvstore_client.membership import Member, MembershipView, local_host_id
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a lost or leaving node answers with: the call on it reads as a miss.
+NODE_LOST = (errors.Unavailable, errors.DeadlineExceeded, errors.Draining, errors.TransportUnavailable)
+
+
+def parse_cluster_url(url: str) -> tuple[list[str], str]:
+    """'etcd://h1:2379,h2:2379/prod' -> (['h1:2379', 'h2:2379'], 'prod')."""
+    parts = urlsplit(url)
+    cluster = parts.path.strip("/")
+    if parts.scheme != "etcd" or not parts.netloc or not cluster or "/" in cluster:
+        raise ValueError(f"cluster URL {url!r} must look like etcd://host:2379[,host:2379]/<cluster>")
+    return parts.netloc.split(","), cluster
+
+
+class KVStoreCluster:
+    def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", segment_pages: int = 16,
+                 first_replicas: int = 3, client_name: str = "", members_wait_s: float = 5.0):
+        """`transport`: "auto" (shm on this host, else TCP) or "tcp" (never shared memory)."""
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+        if segment_pages <= 0 or first_replicas <= 0:
+            raise ValueError("segment_pages and first_replicas must be positive")
+        endpoints, self.cluster = parse_cluster_url(url)
+        self.segment_pages = segment_pages
+        self.first_replicas = first_replicas
+        self._timeout_s = timeout_s
+        self._transport = transport
+        self._client_name = client_name
+        self._host_id = local_host_id()
+        self._lock = threading.Lock()
+        self._nodes: dict[str, tuple[Member, KVStoreClient]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvstore-cluster")
+        self._view = MembershipView(endpoints, self.cluster, timeout_s=min(timeout_s, 3.0))
+        if not self._view.wait_listed(members_wait_s):
+            log.warning("no membership from etcd at %s after %.1fs: every call misses until it answers",
+                        ",".join(endpoints), members_wait_s)
+
+    # -- public API -------------------------------------------------------------------
+
+    def members(self) -> list[Member]:
+        return sorted(self._view.members(), key=lambda m: m.node_id)
+
+    @property
+    def etcd_lost(self) -> bool:
+        return bool(self._view.etcd_lost_since)
+
+    def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any) -> int:
+        """Store a chain's pages (keys from its first page); returns how many leading pages are stored."""
+        raw = encode_keys(keys)
+        pages, keepalive = page_segments(buffers, len(raw), namespace.page_bytes, writable=False)
+
+        def put_segment(segment: placement.Segment, node_id: str) -> int:
+            return self._node(node_id).put(namespace, raw[segment.start:segment.stop], pages[segment.start:segment.stop])
+
+        calls = [(segment, node_id) for segment in self._plan(raw) for node_id in segment.nodes]
+        counts = self._fan_out([(lambda s=s, n=n: put_segment(s, n)) for s, n in calls], miss=0)
+        stored_by_segment: dict[int, int] = {}
+        for (segment, _), count in zip(calls, counts):    # a replicated segment is stored if any replica has it
+            stored_by_segment[segment.start] = max(stored_by_segment.get(segment.start, 0), count)
+        del keepalive
+        return _leading(self._plan(raw), stored_by_segment)
+
+    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any) -> int:
+        """Copy the chain's leading stored pages into `out`; returns how many were loaded."""
+        raw = encode_keys(keys)
+        pages, keepalive = page_segments(out, len(raw), namespace.page_bytes, writable=True)
+        segments = self._plan(raw)
+
+        def get_segment(segment: placement.Segment) -> int:
+            node = self._node(_reader(segment))
+            return node.get(namespace, raw[segment.start:segment.stop], pages[segment.start:segment.stop])
+
+        counts = self._fan_out([(lambda s=s: get_segment(s)) for s in segments if s.nodes], miss=0)
+        del keepalive
+        return _leading(segments, {s.start: c for s, c in zip([s for s in segments if s.nodes], counts)})
+
+    def lookup(self, namespace: Namespace, keys: Sequence[Key]) -> int:
+        """How many leading pages of the chain are stored in the cluster: one parallel round."""
+        raw = encode_keys(keys)
+        segments = [s for s in self._plan(raw) if s.nodes]
+        counts = self._fan_out([(lambda s=s: self._node(_reader(s)).lookup(namespace, keys=raw[s.start:s.stop]))
+                                for s in segments], miss=0)
+        return _leading(self._plan(raw), {s.start: c for s, c in zip(segments, counts)})
+
+    def delete(self, namespace: Namespace, keys: Sequence[Key]) -> int:
+        """Remove the chain's pages on every node that holds them; returns pages removed."""
+        raw = encode_keys(keys)
+        calls = [(segment, node_id) for segment in self._plan(raw) for node_id in segment.nodes]
+        counts = self._fan_out([(lambda s=s, n=n: self._node(n).delete(namespace, raw[s.start:s.stop]))
+                                for s, n in calls], miss=0)
+        return sum(counts)
+
+    def stats(self) -> dict[str, Any]:
+        """Each reachable member's StatsResponse, by node id (a lost node is left out)."""
+        members = self.members()
+        answers = self._fan_out([(lambda m=m: self._node(m.node_id).stats()) for m in members], miss=None)
+        return {m.node_id: a for m, a in zip(members, answers) if a is not None}
+
+    def close(self) -> None:
+        self._view.close()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            nodes, self._nodes = self._nodes, {}
+        for _, client in nodes.values():
+            client.close()
+
+    def __enter__(self) -> "KVStoreCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- placement and nodes ----------------------------------------------------------
+
+    def _plan(self, raw: list[bytes]) -> list[placement.Segment]:
+        weights = placement.placeable(self._view.members(), time.time())
+        return placement.plan(raw, weights, self.segment_pages, self.first_replicas)
+
+    def _fan_out(self, calls: list[Callable[[], T]], miss: Any) -> list[Any]:
+        """Run the calls at once; a call on a lost node answers `miss`."""
+        futures = [self._pool.submit(call) for call in calls]
+        results = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except NODE_LOST as exc:
+                log.info("a node did not answer (%s: %s): counted as a miss", type(exc).__name__, exc)
+                results.append(miss)
+        return results
+
+    def _node(self, node_id: str) -> KVStoreClient:
+        """The client of a member, opened on first use (and again when its record changed)."""
+        member = next((m for m in self._view.members() if m.node_id == node_id), None)
+        if member is None:
+            raise errors.Unavailable(f"node {node_id} left the cluster")
+        with self._lock:
+            known = self._nodes.get(node_id)
+            if known is not None and known[0].grpc_address == member.grpc_address:
+                return known[1]
+        transport = "auto" if self._transport == "auto" and member.host_id == self._host_id else "tcp"
+        client = KVStoreClient(member.grpc_address, timeout_s=self._timeout_s, transport=transport,
+                               control="local" if transport == "auto" else "grpc", client_name=self._client_name)
+        with self._lock:
+            known = self._nodes.get(node_id)
+            if known is not None and known[0].grpc_address == member.grpc_address:
+                stale, client = client, known[1]      # another call opened it meanwhile
+            else:
+                stale = known[1] if known is not None else None
+                self._nodes[node_id] = (member, client)
+        if stale is not None:
+            stale.close()
+        return client
+
+
+def _reader(segment: placement.Segment) -> str:
+    """The replica one read goes to: any of them, so a shared prefix's reads spread."""
+    return segment.nodes[0] if len(segment.nodes) == 1 else random.choice(segment.nodes)
+
+
+def _leading(segments: list[placement.Segment], counts: dict[int, int]) -> int:
+    """Leading pages present: whole segments in order, then the first partial one."""
+    total = 0
+    for segment in segments:
+        count = counts.get(segment.start, 0)
+        total += count
+        if count < segment.stop - segment.start:
+            break
+    return total

@@ -1,0 +1,170 @@
+"""This node's record in etcd: claimed under a lease at start-up, kept alive, marked draining.
+
+    registration = Registration(config.cluster, capacity_bytes)
+    registration.claim()                 # ClusterError: etcd unreachable, or the id is taken
+    ...node starts...
+    registration.serve(grpc_address, tcp_endpoint)
+    ...SIGTERM...
+    registration.drain(); ...drain...; registration.leave()
+
+The claim is one etcd transaction, "create the key if it does not exist", so two nodes
+started with the same node_id cannot both hold it: the second is refused. A thread renews
+the lease every third of its TTL. When etcd stops answering the node keeps serving (its
+clients place pages by the membership they last saw), logs it once and reports it in
+`describe()` (the systemd status and the health log line); when etcd answers again and
+the lease expired meanwhile, the node claims its id again with a new lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from kvstore.config import ClusterConfig
+from kvstore_client.etcd import EtcdSession, EtcdUnavailable
+from kvstore_client.membership import Member, local_host_id, node_key
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(Exception):
+    """The node cannot join its cluster; the message says why and which setting to look at."""
+
+
+class Registration:
+    def __init__(self, config: ClusterConfig, capacity_bytes: int):
+        self.config = config
+        self.node_id = config.node_id or socket.gethostname()
+        self._key = node_key(config.name, self.node_id)
+        self._member = Member(node_id=self.node_id, host_id=config.host_id or local_host_id(), state="joining",
+                              capacity_bytes=capacity_bytes, ramp_s=config.ramp_s)
+        self._session = EtcdSession(config.endpoints, config.etcd_timeout_s)
+        self._lock = threading.Lock()
+        self._lease_id = 0                    # 0: not holding the id (etcd lost at start, or the lease expired)
+        self.etcd_lost_since = 0.0            # monotonic; 0 while etcd answers
+        self._stop = threading.Event()
+        self._keeper = threading.Thread(target=self._keep_alive, name="cluster-lease", daemon=True)
+
+    # -- the life of the record ---------------------------------------------------------
+
+    def claim(self) -> None:
+        """Take this node's id in etcd; ClusterError if etcd does not answer or another node holds the id."""
+        try:
+            self._session.call(self._claim)
+        except EtcdUnavailable as exc:
+            raise ClusterError(f"cannot join cluster {self.config.name!r}: {exc} (cluster.endpoints)") from None
+        log.info("cluster %s: claimed node id %s at etcd %s (lease ttl %ds)", self.config.name, self.node_id,
+                 self._session.endpoint, self.config.lease_ttl_s)
+
+    def start_alone(self, problem: str) -> None:
+        """etcd was unreachable and cluster.required is false: serve alone, keep trying to join."""
+        self.etcd_lost_since = time.monotonic()
+        log.warning("%s; serving alone (cluster.required = false) and trying to join every %.1fs",
+                    problem, self._renew_interval_s)
+
+    def serve(self, grpc_address: str, tcp_endpoint: str, rdma: bool) -> None:
+        self._update(grpc_address=grpc_address, tcp_endpoint=tcp_endpoint, rdma=rdma, state="serving",
+                     serving_since=time.time())
+        self._keeper.start()
+
+    def drain(self) -> None:
+        self._update(state="draining")
+
+    def leave(self) -> None:
+        """Delete the record (revoke the lease) and stop; bounded by etcd_timeout_s."""
+        self._stop.set()
+        if self._keeper.is_alive():
+            self._keeper.join(self.config.etcd_timeout_s * 2)
+        lease_id, self._lease_id = self._lease_id, 0
+        if lease_id:
+            try:
+                self._session.call(lambda client: client.revoke_lease(lease_id))
+                log.info("cluster %s: left (node id %s released)", self.config.name, self.node_id)
+            except Exception as exc:   # the lease then expires on its own within its TTL
+                log.warning("cluster %s: could not release node id %s (%s); it expires in %ds",
+                            self.config.name, self.node_id, exc, self.config.lease_ttl_s)
+        self._session.close()
+
+    def describe(self) -> str:
+        if self.etcd_lost_since:
+            return (f"cluster={self.config.name} node={self.node_id} etcd=lost "
+                    f"for_s={time.monotonic() - self.etcd_lost_since:.0f} (serving the membership last seen)")
+        return f"cluster={self.config.name} node={self.node_id} state={self._member.state} etcd=ok"
+
+    # -- etcd -----------------------------------------------------------------------------
+
+    @property
+    def _renew_interval_s(self) -> float:
+        return self.config.lease_ttl_s / 3
+
+    async def _claim(self, client: Any) -> None:
+        lease = await client.lease(self.config.lease_ttl_s)
+        tx = client.transactions
+        created, responses = await client.transaction(
+            compare=[tx.create(self._key) == 0],
+            success=[tx.put(self._key, self._member.encode(), lease.id)],
+            failure=[tx.get(self._key)])
+        if not created:
+            await client.revoke_lease(lease.id)
+            holder = _holder(responses)
+            raise ClusterError(f"node id {self.node_id!r} is already registered in cluster {self.config.name!r}"
+                               f"{holder}: give each node its own cluster.node_id")
+        self._lease_id = lease.id
+
+    def _update(self, **changes: Any) -> None:
+        with self._lock:
+            self._member = dataclasses.replace(self._member, **changes)
+            member = self._member
+        if not self._lease_id:
+            return
+        try:
+            self._session.call(lambda client: client.put(self._key, member.encode(), lease=self._lease_id))
+        except EtcdUnavailable as exc:
+            self._lost(exc)
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self._renew_interval_s):
+            try:
+                if self._lease_id:
+                    reply = self._session.call(lambda client: client.refresh_lease(self._lease_id))
+                    if reply is None or reply.TTL <= 0:
+                        log.warning("cluster %s: the lease of node id %s expired while etcd was out of reach; "
+                                    "claiming it again", self.config.name, self.node_id)
+                        self._lease_id = 0
+                if not self._lease_id:
+                    self._session.call(self._claim)
+                    with self._lock:
+                        member = self._member
+                    self._session.call(lambda client: client.put(self._key, member.encode(), lease=self._lease_id))
+                if self.etcd_lost_since:
+                    log.info("cluster %s: etcd at %s answers again after %.1fs; node id %s registered",
+                             self.config.name, self._session.endpoint, time.monotonic() - self.etcd_lost_since,
+                             self.node_id)
+                    self.etcd_lost_since = 0.0
+            except EtcdUnavailable as exc:
+                self._lost(exc)
+            except ClusterError as exc:   # another node took the id while this one was cut off
+                if not self.etcd_lost_since:
+                    self.etcd_lost_since = time.monotonic()
+                log.error("cluster %s: %s; serving alone until it is free", self.config.name, exc)
+            except Exception:   # the keeper must outlive a library bug; the next pass tries again
+                log.exception("cluster %s: renewing the lease failed", self.config.name)
+
+    def _lost(self, exc: Exception) -> None:
+        if not self.etcd_lost_since:
+            self.etcd_lost_since = time.monotonic()
+            log.warning("cluster %s: %s; serving on with the membership last seen (the node leaves it "
+                        "for clients after %ds)", self.config.name, exc, self.config.lease_ttl_s)
+
+
+def _holder(responses: list[Any]) -> str:
+    try:
+        value = responses[0][0][0]
+        member = Member.decode(value)
+        return f" by the node at {member.grpc_address or 'an address not yet published'}"
+    except (IndexError, TypeError, ValueError):
+        return ""

@@ -1,0 +1,116 @@
+"""Cluster test parts: a real etcd (the `etcd` binary, data in a temp dir) and kvstore nodes registered in it.
+
+Test modules import the fixtures by name (`from cluster_parts import etcd, start_node`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import ServerProcess  # tests/conftest.py: a real kvstore-server child
+from kvstore_client.cluster import KVStoreCluster
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdProcess:
+    """One etcd member on 127.0.0.1; restartable on the same ports and data dir."""
+
+    def __init__(self, workdir: Path):
+        if shutil.which("etcd") is None:
+            raise RuntimeError("etcd is not installed: apt-get install etcd-server (.ci/run does)")
+        self.workdir = workdir
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.log_path = workdir / "etcd.log"
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        client_url, peer_url = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        args = ["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
+                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                "--initial-cluster", f"test={peer_url}", "--log-level", "warn"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as answer:
+                    if b"true" in answer.read():
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not start:\n{self.log_path.read_text(errors='replace')}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> Iterator[EtcdProcess]:
+    server = EtcdProcess(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.kill()
+
+
+def node_settings(etcd: EtcdProcess, node_id: str, cluster: str, **extra: object) -> dict[str, object]:
+    return {"cluster.endpoints": f"http://{etcd.endpoint}", "cluster.name": cluster, "cluster.node_id": node_id,
+            "cluster.lease_ttl_s": 2, "cluster.ramp_s": 0, "cluster.etcd_timeout_s": 1, **extra}
+
+
+@pytest.fixture
+def start_node(tmp_path: Path, etcd: EtcdProcess) -> Iterator:
+    """Factory: start_node("a", cluster="c1") -> a ServerProcess registered in the module's etcd."""
+    started: list[ServerProcess] = []
+
+    def start(node_id: str, cluster: str, **extra: object) -> ServerProcess:
+        workdir = tmp_path / f"node-{node_id}-{len(started)}"
+        workdir.mkdir()
+        node = ServerProcess(workdir, node_settings(etcd, node_id, cluster, **extra))
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+def wait_members(cluster: KVStoreCluster, serving: set[str], timeout_s: float = 15.0) -> None:
+    """Until the client's view holds exactly these serving nodes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {m.node_id for m in cluster.members() if m.state == "serving"}
+        if seen == serving:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"membership {seen} never became {serving}")
+        time.sleep(0.05)
+
+
+def server_args(*settings: str) -> list[str]:
+    """kvstore-server's command line for a node run by hand, with small pools and no NVMe."""
+    import sys
+    args = [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0"]
+    for item in ("dram.arena_bytes=8MiB", "dram.slab_bytes=4MiB", "nvme.enabled=false",
+                 "ops.metrics_address=127.0.0.1:0", *settings):
+        args += ["--set", item]
+    return args

@@ -1,0 +1,132 @@
+"""Three real nodes in a real etcd, as one pool: any client gets what any other put; a killed node costs only misses."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cluster_parts import etcd, start_node, wait_members  # noqa: F401
+from kvstore_client import errors
+from kvstore_client.cluster import KVStoreCluster
+from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
+from kvstore_client.placement import placeable, plan
+
+PAGE_BYTES = 4096
+NS = Namespace(model="cluster-test", page_bytes=PAGE_BYTES, page_tokens=4)
+
+
+def chain(seed: int, pages: int) -> tuple[list[bytes], np.ndarray]:
+    tokens = random.Random(seed).choices(range(32000), k=4 * pages)
+    data = np.random.default_rng(seed).integers(0, 255, (pages, PAGE_BYTES), dtype=np.uint8)
+    return prefix_hashes(tokens, page_tokens=4), data
+
+
+@pytest.fixture
+def three_nodes(start_node, request):
+    """Three nodes in a cluster of the test's own (a SIGKILLed node's id stays taken for a lease TTL)."""
+    cluster = request.node.name.removeprefix("test_")[:40]
+    return cluster, {name: start_node(name, cluster=cluster) for name in ("n1", "n2", "n3")}
+
+
+def test_pages_put_through_one_client_are_got_through_another(three_nodes, etcd):
+    cluster, three_nodes = three_nodes
+    url = f"etcd://{etcd.endpoint}/{cluster}"
+    with KVStoreCluster(url, segment_pages=4, first_replicas=2) as writer, \
+            KVStoreCluster(url, transport="tcp", segment_pages=4, first_replicas=2) as reader:
+        wait_members(writer, set(three_nodes))
+        wait_members(reader, set(three_nodes))
+        chains = [chain(seed, 24) for seed in range(6)]
+        for keys, data in chains:
+            assert writer.put(NS, keys, data) == 24
+        for keys, data in chains:
+            assert reader.lookup(NS, keys) == 24
+            out = np.zeros_like(data)
+            assert reader.get(NS, keys, out) == 24
+            assert np.array_equal(out, data)
+        assert all(client.transport == "tcp" for _, client in reader._nodes.values())
+        holding = {node: sum(t.pages for t in answer.tiers) for node, answer in reader.stats().items()}
+        assert set(holding) == set(three_nodes) and all(holding.values())   # spread over every node
+        keys, data = chains[0]
+        assert reader.delete(NS, keys) >= 24
+        assert writer.lookup(NS, keys) == 0
+
+
+def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etcd):
+    cluster, three_nodes = three_nodes
+    url = f"etcd://{etcd.endpoint}/{cluster}"
+    chains = [chain(100 + seed, 12) for seed in range(24)]
+    with KVStoreCluster(url, segment_pages=4, first_replicas=1) as loader:
+        wait_members(loader, set(three_nodes))
+        for keys, data in chains:
+            assert loader.put(NS, keys, data) == 12
+        weights = placeable(loader.members(), time.time())
+        # What survives n3: each chain up to its first segment placed on n3.
+        survives = [next((s.start for s in plan(encode_keys(keys), weights, 4, 1) if s.nodes == ("n3",)), 12) for keys, _ in chains]
+    assert 0 < sum(survives) < 12 * len(chains)
+
+    failures: list[BaseException] = []
+    outcomes: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def work(worker: int) -> None:
+        with KVStoreCluster(url, segment_pages=4, first_replicas=1, transport="tcp" if worker % 2 else "auto") as c:
+            rng = random.Random(worker)
+            while not stop.is_set():
+                index = rng.randrange(len(chains))
+                keys, data = chains[index]
+                out = np.zeros_like(data)
+                try:
+                    loaded = c.get(NS, keys, out)
+                    assert np.array_equal(out[:loaded], data[:loaded])
+                    outcomes.append((index, loaded))
+                    c.put(NS, *chain(10_000 + rng.randrange(10**6), 8))
+                except errors.Unavailable:
+                    pass              # the one typed error a lost node may cost
+                except BaseException as exc:   # anything else fails the test
+                    failures.append(exc)
+                    return
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for w in workers:
+        w.start()
+    time.sleep(1.0)
+    three_nodes["n3"].kill()                    # SIGKILL, under load
+    time.sleep(4.0)                             # past the 2 s lease: n3 leaves every view
+    stop.set()
+    for w in workers:
+        w.join(60)
+    assert not failures, failures
+    with KVStoreCluster(url, segment_pages=4, first_replicas=1) as after:
+        wait_members(after, {"n1", "n2"})
+        for (keys, data), kept in zip(chains, survives):
+            out = np.zeros_like(data)
+            assert after.get(NS, keys, out) == kept          # n3's pages are misses; nothing else is lost
+            assert np.array_equal(out[:kept], data[:kept])
+        # New writes land on the two that remain.
+        keys, data = chain(7, 12)
+        assert after.put(NS, keys, data) == 12 and after.get(NS, keys, np.zeros_like(data)) == 12
+    assert len(outcomes) > 20
+
+
+def test_a_new_node_takes_load_gradually(start_node, etcd):
+    for name in ("r1", "r2"):
+        start_node(name, cluster="p2")
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/p2") as cluster:
+        wait_members(cluster, {"r1", "r2"})
+        start_node("r3", cluster="p2", **{"cluster.ramp_s": 6})
+        wait_members(cluster, {"r1", "r2", "r3"})
+        keys = [random.Random(i).randbytes(16) for i in range(3000)]
+
+        def share() -> float:
+            weights = placeable(cluster.members(), time.time())
+            return sum(plan([k], weights, 1, 1)[0].nodes == ("r3",) for k in keys) / len(keys)
+
+        early = share()
+        time.sleep(6.5)
+        late = share()
+    assert early < 0.2           # near RAMP_FLOOR's share at first
+    assert 0.25 < late < 0.42    # then its full third

@@ -1,0 +1,64 @@
+"""Rendezvous placement of chain segments: about 1/N moves on a membership change, weights and ramps hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore_client.membership import Member
+from kvstore_client.placement import RAMP_FLOOR, placeable, plan, rank, weight
+
+KEYS = [random.Random(i).randbytes(32) for i in range(4000)]
+
+
+def members(count: int, **fields) -> list[Member]:
+    return [Member(node_id=f"node-{i}", host_id="h", state="serving", capacity_bytes=1 << 30, **fields)
+            for i in range(count)]
+
+
+def owners(weights: dict[str, float]) -> list[str]:
+    return [rank(k, weights, 1)[0] for k in KEYS]
+
+
+def test_a_join_moves_about_one_nth_and_only_to_the_new_node():
+    before = owners(placeable(members(10), 0))
+    after = owners(placeable(members(11), 0))
+    moved = [(a, b) for a, b in zip(before, after) if a != b]
+    assert all(b == "node-10" for _, b in moved)
+    assert 0.6 / 11 < len(moved) / len(KEYS) < 1.4 / 11
+
+
+def test_a_leave_moves_only_the_leaving_nodes_segments():
+    before = owners(placeable(members(10), 0))
+    after = owners(placeable(members(10)[:-1], 0))
+    assert all(a == "node-9" for a, b in zip(before, after) if a != b)
+
+
+def test_weight_follows_capacity():
+    big = Member(node_id="big", host_id="h", state="serving", capacity_bytes=3 << 30)
+    small = Member(node_id="small", host_id="h", state="serving", capacity_bytes=1 << 30)
+    share = owners(placeable([big, small], 0)).count("big") / len(KEYS)
+    assert 0.7 < share < 0.8
+
+
+def test_ramp_grows_from_the_floor_to_full():
+    node = members(1, serving_since=1000.0, ramp_s=100.0)[0]
+    assert weight(node, 1000.0) == pytest.approx(RAMP_FLOOR)
+    assert weight(node, 1050.0) == pytest.approx(0.5)
+    assert weight(node, 5000.0) == pytest.approx(1.0)
+
+
+def test_only_serving_members_take_pages():
+    group = members(3)
+    group[1] = Member(node_id="node-1", host_id="h", state="draining", capacity_bytes=1 << 30)
+    assert set(placeable(group, 0)) == {"node-0", "node-2"}
+
+
+def test_plan_replicates_the_first_segment_only():
+    weights = placeable(members(5), 0)
+    segments = plan(KEYS[:40], weights, 16, 3)
+    assert [(s.start, s.stop) for s in segments] == [(0, 16), (16, 32), (32, 40)]
+    assert len(segments[0].nodes) == 3 and len(set(segments[0].nodes)) == 3
+    assert all(len(s.nodes) == 1 for s in segments[1:])
+    assert plan(KEYS[:5], {}, 16, 3)[0].nodes == ()
