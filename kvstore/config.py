@@ -209,6 +209,9 @@ class AuthConfig:
     def remote(self) -> bool:
         """A caller on another host can prove who it is (a token, or a client certificate)."""
         return bool(self.tokens_file or self.tls_client_ca)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """Membership in a cluster of nodes on etcd (kvstore/cluster/); no endpoints = a node alone."""
     endpoints: tuple[str, ...] = ()         # etcd client URLs, e.g. http://10.0.0.1:2379

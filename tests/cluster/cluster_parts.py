@@ -114,3 +114,11 @@ def server_args(*settings: str) -> list[str]:
                  "ops.metrics_address=127.0.0.1:0", *settings):
         args += ["--set", item]
     return args
+
+
+def wait_logged(node: ServerProcess, text: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in node.log():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} never logged:\n{node.log()[-3000:]}")
+        time.sleep(0.05)

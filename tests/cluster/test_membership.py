@@ -7,7 +7,8 @@ import time
 
 import numpy as np
 
-from cluster_parts import EtcdProcess, etcd, free_port, node_settings, server_args, start_node, wait_members  # noqa: F401
+from cluster_parts import (EtcdProcess, etcd, free_port, node_settings, server_args, start_node,  # noqa: F401
+                           wait_logged, wait_members)
 from conftest import ServerProcess
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, prefix_hashes
@@ -44,7 +45,7 @@ def test_node_allowed_to_serve_alone_joins_once_etcd_answers(tmp_path):
         late.start()
         with KVStoreCluster(f"etcd://{late.endpoint}/m2", timeout_s=5) as cluster:
             wait_members(cluster, {"alone"})
-        assert "answers again" in node.log()
+        wait_logged(node, "answers again")
     finally:
         node.kill()
         late.kill()
@@ -74,10 +75,8 @@ def test_etcd_lost_while_serving_nodes_serve_on_and_rejoin(tmp_path):
                 assert "serving on with the membership last seen" in node.log()
             own.start()                                  # same ports and data: the nodes renew or claim again
             wait_members(cluster, {"x", "y"})
-            deadline = time.monotonic() + 15
-            while not all("answers again" in node.log() for node in nodes):
-                assert time.monotonic() < deadline, [node.log()[-2000:] for node in nodes]
-                time.sleep(0.1)
+            for node in nodes:
+                wait_logged(node, "answers again")
             assert cluster.get(ns, keys, out) == 64
     finally:
         for node in nodes:
