@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from importlib.metadata import version
 
 import pytest
@@ -176,3 +177,99 @@ def test_bad_plugin_settings_fail_naming_the_key(server, loop, settings, message
     cpu = LocalCPUBackend(config, make_metadata(), dst_device="cpu")
     with pytest.raises(ValueError, match=message):
         CreateConnector("plugin://kvstore", loop, cpu, config, make_metadata(), plugin_name="kvstore")
+
+
+def fs_control(loop, path):
+    """LMCache's own fs connector on the same CPU path: the control for LMCache's contracts."""
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
+                                               remote_serde="naive", remote_url=f"fs://host:0/{path}",
+                                               lmcache_instance_id="kvstore-test-fs")
+    metadata = make_metadata()
+    cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
+    return RemoteBackend(config, metadata, loop, cpu, dst_device="cpu")
+
+
+def scribble(cpu, seed):
+    """Fill the CPU buffer LMCache's next allocation gets with new bytes, as serving requests does."""
+    obj = cpu.allocate(cpu.metadata.get_shapes(), cpu.metadata.get_dtypes())
+    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(seed)).to(obj.tensor.dtype))
+    obj.ref_count_down()
+
+
+def test_health_monitor_probe_recovers_like_the_fs_connector(server, loop, tmp_path):
+    """LMCache's RemoteBackendHealthCheck puts fresh bytes under one probe key and reads them back after a
+    failure; kvstore kept the first write, so the check failed forever. It passes again and again, as on fs."""
+    from lmcache.v1.health_monitor.checks.remote_backend_check import RemoteBackendHealthCheck
+
+    engine = Engine(make_config(server), loop)
+    for backend in (fs_control(loop, tmp_path), engine.remote):
+        check = RemoteBackendHealthCheck(backend)
+        for probe in range(3):
+            scribble(backend.local_cpu_backend, seed=probe)   # the probe's buffer holds other bytes each time
+            check.failure_time = time.time() - 3600    # a read failure long enough ago: recovery is tried
+            assert check.check(), f"health check of {backend.remote_url} did not recover"
+            assert check.failure_time is None
+
+
+def test_a_key_put_again_holds_the_new_bytes(server, loop, tmp_path):
+    engine = Engine(make_config(server), loop)
+    control = fs_control(loop, tmp_path)
+    for backend in (control, engine.remote):
+        key = engine.key(0x6000)
+        first, second = engine.chunk(seed=50), engine.chunk(seed=51)
+        expected = raw(second)
+        for obj in (first, second):
+            backend.submit_put_task(key, obj).result(10)
+        assert raw(backend.get_blocking(key)) == expected, backend.remote_url
+
+
+def test_the_adapter_claims_only_kvstore_urls(server, loop):
+    """With a second third-party plugin configured, LMCache builds each plugin's connector from its own
+    adapter whatever order the plugins load in (it is a set: the order follows the hash seed)."""
+    from lmcache.v1.storage_backend.connector import ConnectorManager
+    from lmcache_other_plugin import OtherConnector
+
+    from kvstore_client.adapters.lmcache import KVStoreConnectorAdapter
+
+    adapter = KVStoreConnectorAdapter()
+    assert adapter.can_parse("plugin://kvstore") and adapter.can_parse("plugin://kvstore.main")
+    assert adapter.can_parse(f"kvstore://{server.address}")
+    assert not adapter.can_parse("plugin://other") and not adapter.can_parse("plugin://kvstorex")
+    config = make_config(server, plugin="kvstore.main", class_name="KVStoreConnectorAdapter")
+    config.remote_storage_plugins = ["kvstore.main", "other"]
+    config.extra_config.update({"remote_storage_plugin.other.module_path": "lmcache_other_plugin",
+                                "remote_storage_plugin.other.class_name": "OtherConnector"})
+    cpu = LocalCPUBackend(config, make_metadata(), dst_device="cpu")
+    for name, expected in (("other", OtherConnector), ("kvstore.main", KVStoreConnector)):
+        manager = ConnectorManager(f"plugin://{name}", loop, cpu, config, make_metadata(), plugin_name=name)
+        for order in (list(manager.adapters), list(reversed(manager.adapters))):
+            manager.adapters = order
+            assert isinstance(manager.create_connector(), expected)
+
+
+def test_two_instances_of_the_connector_class_stop_lmcache_saying_why(server, loop):
+    """LMCache's dynamic path cannot say which of two plugins naming the connector class it builds; a
+    warning it swallows left the engine without a store. Now LMCache's start-up fails, naming the fix."""
+    from lmcache.v1.exceptions import IrrecoverableException
+
+    config = make_config(server, plugin="kvstore.a")
+    config.remote_storage_plugins = ["kvstore.a", "kvstore.b"]
+    config.extra_config.update({f"remote_storage_plugin.kvstore.b.{k}": v for k, v in {
+        "module_path": "kvstore_client.adapters.lmcache", "class_name": "KVStoreConnector",
+        "target": server.address}.items()})
+    with pytest.raises(IrrecoverableException, match="KVStoreConnectorAdapter"):
+        Engine(config, loop, plugin="kvstore.b")
+
+
+def test_two_instances_through_the_adapter_each_reach_their_own_node(start_server, loop):
+    first, second = start_server(), start_server()
+    config = make_config(first, plugin="kvstore.a", class_name="KVStoreConnectorAdapter")
+    config.remote_storage_plugins = ["kvstore.a", "kvstore.b"]
+    config.extra_config.update({f"remote_storage_plugin.kvstore.b.{k}": v for k, v in {
+        "module_path": "kvstore_client.adapters.lmcache", "class_name": "KVStoreConnectorAdapter",
+        "target": second.address}.items()})
+    a, b = Engine(config, loop, plugin="kvstore.a"), Engine(config, loop, plugin="kvstore.b")
+    a.put([a.key(0x7000)], [a.chunk(seed=60)])
+    assert a.leading([a.key(0x7000)]) == 1 and b.leading([b.key(0x7000)]) == 0
+    b.put([b.key(0x7001)], [b.chunk(seed=61)])
+    assert b.leading([b.key(0x7001)]) == 1 and a.leading([a.key(0x7001)]) == 0

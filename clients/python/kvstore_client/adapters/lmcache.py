@@ -10,11 +10,24 @@ Load it through LMCache's remote_storage_plugins (no change to LMCache):
       # optional: .timeout_s, .control ("local" | "grpc"), .tenant
 
 (class_name KVStoreConnectorAdapter does the same through LMCache's adapter path, which
-also hands over the plugin's name, so several kvstore plugins can be configured at once.)
+also hands over the plugin's name, so several kvstore plugins can be configured at once:
+name them "kvstore.<instance>". The adapter claims only `plugin://kvstore` and
+`plugin://kvstore.<instance>` URLs, never another plugin's, and `remote_url:
+kvstore://host:port` with remote_storage_plugins naming it. Two plugins given the connector
+class itself cannot be told apart, since LMCache's dynamic path does not say which one it
+builds: that stops LMCache's start-up with an error naming the fix, never a swallowed warning.)
+
+LMCache's contract for a put is that of a file or a Redis SET: a key put again holds the
+new bytes (its health monitor puts fresh bytes under one probe key and reads them back).
+kvstore keeps the first write of a key, so a put whose leading chunks are stored already
+deletes them (and the chunks after them, which could no longer be reached) and writes again.
 
 Each LMCache chunk is one kvstore page: LMCache's own RemoteMetadata header (length,
 shapes, dtypes, format) followed by the chunk's bytes, padded to a full chunk, so a
-partial last chunk (save_unfull_chunk) loads back with its true shape. The bytes move
+partial last chunk (save_unfull_chunk) loads back with its true shape, and a chunk put in
+another format than the engine's (a KV_T2D object, say) comes back as the object that was
+put, rebuilt from its header as LMCache's fs and redis connectors do: `contains` and `get`
+never disagree. The bytes move
 with one copy each way between LMCache's CPU buffer (MemoryObj.byte_array) and a slot of
 the server's shared-memory arena.
 
@@ -32,7 +45,10 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, List, Optional
 
+import numpy as np
+
 from lmcache.utils import CacheEngineKey
+from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
@@ -49,7 +65,9 @@ IO_THREADS = 2                               # blocking client calls run here, o
 
 class KVStoreConnector(RemoteConnector):
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any,
-                 plugin_name: Optional[str] = None):
+                 plugin_name: Optional[str] = None, target: Optional[str] = None):
+        """`plugin_name`: the remote_storage_plugins entry (found in the config when None); `target`: the
+        node's address from a kvstore:// URL, in place of the plugin's .target setting."""
         metadata = getattr(local_cpu_backend, "metadata", None)
         if metadata is None:
             raise ValueError("the kvstore connector needs LMCache's local CPU backend (max_local_cpu_size > 0): "
@@ -63,6 +81,8 @@ class KVStoreConnector(RemoteConnector):
         prefix = f"remote_storage_plugin.{self.plugin_name}."
         ours = {k: v for k, v in (config.extra_config or {}).items()
                 if k.startswith(prefix) and k[len(prefix):] not in PLUGIN_KEYS}
+        if target is not None:
+            ours[prefix + "target"] = target
         self.settings = AdapterSettings.from_mapping(ours, prefix, f"LMCache plugin {self.plugin_name!r}")
         self.chunk_tokens = metadata.chunk_size
         self.page_bytes = self.remote_metadata_bytes + self.full_chunk_size_bytes
@@ -148,21 +168,31 @@ class KVStoreConnector(RemoteConnector):
                 chunk = self._chunk(obj, headers[i]) if leading else None
                 if chunk is None:
                     obj.ref_count_down()
-                results.append(chunk)
+                results.append(chunk)   # _chunk released obj if it answered with a rebuilt object
         return results + [None] * (len(keys) - len(results))
 
     def _chunk(self, obj: MemoryObj, header: bytearray) -> Optional[MemoryObj]:
-        """The loaded chunk with its stored shape, or None if it was stored in another format."""
+        """The loaded chunk as it was put: in the engine's format, `obj` with the stored length; else a
+        new object of the stored shapes, dtypes and format holding its bytes (None if the CPU buffer is full)."""
         meta = RemoteMetadata.deserialize(header)
-        if meta.fmt != self.meta_fmt or list(meta.dtypes) != list(self.meta_dtypes):
-            log.warning("kvstore chunk stored as %s %s, this engine uses %s %s: treated as a miss",
-                        meta.fmt, meta.dtypes, self.meta_fmt, self.meta_dtypes)
+        if meta.fmt == self.meta_fmt and list(meta.dtypes) == list(self.meta_dtypes):
+            try:
+                return self.reshape_partial_chunk(obj, meta.length)
+            except ValueError:
+                pass    # the engine's format with another shape: rebuilt below like any other
+        rebuilt = self.local_cpu_backend.allocate(list(meta.shapes), list(meta.dtypes), meta.fmt)
+        if rebuilt is None:
+            log.warning("no room in LMCache's CPU buffer for a kvstore chunk stored as %s %s: treated as a miss",
+                        meta.fmt, list(meta.shapes))
             return None
-        try:
-            return self.reshape_partial_chunk(obj, meta.length)
-        except ValueError as exc:
-            log.warning("kvstore chunk has a bad length: %s: treated as a miss", exc)
+        if len(rebuilt.byte_array) != meta.length:
+            rebuilt.ref_count_down()
+            log.warning("kvstore chunk header says %d bytes for %s %s: treated as a miss",
+                        meta.length, meta.fmt, list(meta.shapes))
             return None
+        np.copyto(np.frombuffer(rebuilt.byte_array, np.uint8), np.frombuffer(obj.byte_array, np.uint8)[:meta.length])
+        obj.ref_count_down()
+        return rebuilt
 
     # -- writes -----------------------------------------------------------------------
 
@@ -183,9 +213,12 @@ class KVStoreConnector(RemoteConnector):
         for namespace, group in self._groups(keys):
             pages = [self._page(obj) for obj in memory_objs[offset:offset + len(group)]]
             offset += len(group)
-            stored = self._clients.get().put(namespace, [_page_key(k) for k in group], pages)
+            client, page_keys = self._clients.get(), [_page_key(k) for k in group]
+            if client.lookup(namespace, page_keys[:1]):   # a put again: the new bytes replace the stored ones
+                client.delete(namespace, page_keys[:1])
+            stored = client.put(namespace, page_keys, pages)
             if stored < len(group):
-                log.debug("kvstore stored %d of %d chunks (no space or a prefix is gone)", stored, len(group))
+                log.debug("kvstore stored %d of %d chunks: %s", stored, len(group), stored.reason)
                 break
 
     def _page(self, obj: MemoryObj) -> list:
@@ -242,12 +275,16 @@ class KVStoreConnector(RemoteConnector):
         if namespace is None:
             layers, _, _, heads, head_dim = self._kv_shape
             tags = "".join(f";{k}={v}" for k, v in key.tags or ())
+            # LMCache's worker id is a rank in the world where it can be (it names the TP shard); any
+            # other pair (its own tests use worker 123 of 3) is kept apart by the layout instead.
+            rank = 0 <= key.worker_id < key.world_size
+            worker = "" if rank else f";worker={key.worker_id}/{key.world_size}"
             namespace = Namespace(
                 model=key.model_name, page_bytes=self.page_bytes, page_tokens=self.chunk_tokens,
                 tenant=self.settings.tenant, kv_dtype=str(key.dtype).removeprefix("torch."),
                 num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
-                tp_rank=key.worker_id, tp_size=key.world_size,
-                layout=f"lmcache:{self.meta_fmt.name}{tags}")
+                tp_rank=key.worker_id if rank else 0, tp_size=key.world_size if rank else 1,
+                layout=f"lmcache:{self.meta_fmt.name}{worker}{tags}")
             self._namespaces[identity] = namespace
         return namespace
 
@@ -259,9 +296,17 @@ class KVStoreConnectorAdapter(ConnectorAdapter):
         super().__init__("kvstore://")
 
     def can_parse(self, url: str) -> bool:
-        return url.startswith(self.schema) or url.startswith("plugin://")
+        """kvstore://host:port, plugin://kvstore and plugin://kvstore.<instance>: never another plugin's URL."""
+        if url.startswith(self.schema):
+            return True
+        return url.startswith("plugin://") and _is_kvstore_plugin(url.removeprefix("plugin://"))
 
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        if context.url.startswith(self.schema):   # remote_url: kvstore://host:port[/ignored]
+            target = context.url.removeprefix(self.schema).split("/", 1)[0]
+            name = context.plugin_name or _plugin_name(context.config, type(self))
+            return KVStoreConnector(context.loop, context.local_cpu_backend, context.config, plugin_name=name,
+                                    target=target)
         name = context.plugin_name or context.url.removeprefix("plugin://")
         return KVStoreConnector(context.loop, context.local_cpu_backend, context.config, plugin_name=name)
 
@@ -281,13 +326,25 @@ def _leading_count(objs: List[Optional[MemoryObj]]) -> int:
     return next((i for i, obj in enumerate(objs) if obj is None), len(objs))
 
 
+def _is_kvstore_plugin(name: str) -> bool:
+    return name == "kvstore" or name.startswith("kvstore.")
+
+
 def _plugin_name(config: Any, cls: type) -> str:
-    """The remote_storage_plugins entry that names this class (LMCache's dynamic path does not pass it)."""
+    """The remote_storage_plugins entry that names this class (LMCache's dynamic path does not pass it).
+
+    Several entries naming it cannot be told apart: LMCache would build one of them for each. That is
+    an IrrecoverableException, the one error LMCache's RemoteBackend lets through to the user.
+    """
     extra = config.extra_config or {}
     names = [name for name in (config.remote_storage_plugins or [])
              if extra.get(f"remote_storage_plugin.{name}.module_path") == cls.__module__
              and extra.get(f"remote_storage_plugin.{name}.class_name") == cls.__name__]
-    if len(names) != 1:
-        raise ValueError(f"{len(names)} remote_storage_plugins name {cls.__module__}.{cls.__name__} "
-                         f"({names}); with several, use class_name KVStoreConnectorAdapter")
+    if len(names) > 1:
+        raise IrrecoverableException(
+            f"{len(names)} remote_storage_plugins ({', '.join(sorted(names))}) name {cls.__module__}.{cls.__name__}, "
+            "and LMCache does not say which one it is building: name them kvstore.<instance> with class_name "
+            "KVStoreConnectorAdapter")
+    if not names:
+        raise ValueError(f"no remote_storage_plugins entry names {cls.__module__}.{cls.__name__}")
     return names[0]
