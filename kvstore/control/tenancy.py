@@ -6,7 +6,8 @@ digest of its whole spec, each tenant's pages live in a key space of their own: 
 tenant's pages simply do not exist for a caller. A namespace id or lease id of another
 tenant is answered exactly as an unknown one (NamespaceNotFound, LeaseNotFound, the same
 message, raised on the same path), so a probe learns nothing about what exists. Methods
-that touch every tenant (Scrub) need the admin role; an admin may name any tenant.
+that touch every tenant (Scrub) or expose the whole arena (RdmaConnect, like the shm fd) need
+the admin role; an admin may name any tenant.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from kvstore_client.proto import pb
 # Methods whose request names a namespace by id, and those that name leases.
 _BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route"})
 _ADMIN_ONLY = frozenset({"Scrub"})
+# Planes whose region is the whole arena (every tenant's pages): an RDMA rkey, like the shm fd, is
+# handed to admins only; a tenant's client moves its pages over TCP, where each frame is checked.
+_WHOLE_ARENA = frozenset({"RdmaConnect"})
 
 
 def admit(store: PageStore, method: str, request: Any, identity: Identity) -> None:
@@ -38,6 +42,9 @@ def admit(store: PageStore, method: str, request: Any, identity: Identity) -> No
         return
     if method in _ADMIN_ONLY:
         raise errors.PermissionDenied(f"{method} needs the admin role; the caller's token is a tenant's")
+    if method in _WHOLE_ARENA:
+        raise errors.PermissionDenied(f"{method} would expose the whole arena, every tenant's pages: only admin "
+                                      "identities connect; use the TCP data plane")
     if method in _BY_NAMESPACE:
         own_namespace(store, request.namespace_id, identity)
     elif method in ("Commit", "Abort"):

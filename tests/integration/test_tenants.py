@@ -300,3 +300,31 @@ def test_the_cli_shows_a_tenant_only_its_own_and_mints_tokens(start_server, toke
     assert refused.returncode == 1 and "PermissionDenied: Scrub needs the admin role" in refused.stderr
     anonymous = kvstore_cli(node, "namespaces")
     assert anonymous.returncode == 1 and "Unauthenticated" in anonymous.stderr
+
+
+def test_a_tenant_can_change_no_committed_page_of_another(start_server, tokens):
+    """Committed pages are read-only to tenants: no tenant maps the arena (shm fd, RDMA region), and
+    the TCP data plane writes only uncommitted slots of the connection's own write leases."""
+    import os
+    from kvstore_client.channel import LocalChannel
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice"})
+    data = pages(2, seed=5)
+    with KVStoreClient(node.address, token=tokens.bob) as bob:
+        assert bob.put(NS, ["b0", "b1"], data) == 2
+    hello = channel(node, tokens.alice).call("Hello", pb.HelloRequest())
+    local = LocalChannel(hello.shm_socket, 5.0)
+    with pytest.raises(errors.PermissionDenied, match="mapped only by an admin identity"):
+        local.map_arena_fd()
+    local.close()
+    with pytest.raises(errors.PermissionDenied, match="whole arena"):
+        channel(node, tokens.alice).call("RdmaConnect", pb.RdmaConnectRequest())
+    with KVStoreClient(node.address, token=tokens.bob) as bob:
+        ns_id = bob._namespace_id(NS)
+        read = bob._grpc.call("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=[b"b0"]))
+        junk = np.full(PAGE, 7, np.uint8)
+        # bob's own read lease cannot write the page either
+        with pytest.raises(errors.SlotNotInLease):
+            tcp_path(node, hello=bob._conn.hello).put(read.lease_id, read.data_token,
+                                                      [(0, 0, [(junk.ctypes.data, PAGE)])], PAGE)
+        out = np.zeros_like(data)
+        assert bob.get(NS, ["b0", "b1"], out) == 2 and np.array_equal(out, data)
