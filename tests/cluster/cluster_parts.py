@@ -29,18 +29,19 @@ def free_port() -> int:
 class EtcdProcess:
     """One etcd member on 127.0.0.1; restartable on the same ports and data dir."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, host: str = "127.0.0.1"):
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd is not installed: apt-get install etcd-server (.ci/run does)")
         self.workdir = workdir
+        self.host = host
         self.client_port, self.peer_port = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.endpoint = f"{host}:{self.client_port}"
         self.log_path = workdir / "etcd.log"
         self.process: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
-        client_url, peer_url = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        client_url, peer_url = f"http://{self.endpoint}", f"http://{self.host}:{self.peer_port}"
         args = ["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,

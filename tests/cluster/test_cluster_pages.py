@@ -35,8 +35,8 @@ def three_nodes(start_node, request):
 def test_pages_put_through_one_client_are_got_through_another(three_nodes, etcd):
     cluster, three_nodes = three_nodes
     url = f"etcd://{etcd.endpoint}/{cluster}"
-    with KVStoreCluster(url, segment_pages=4, first_replicas=2) as writer, \
-            KVStoreCluster(url, transport="tcp", segment_pages=4, first_replicas=2) as reader:
+    with KVStoreCluster(url, segment_pages=4, replicas=2) as writer, \
+            KVStoreCluster(url, transport="tcp", segment_pages=4, replicas=2) as reader:
         wait_members(writer, set(three_nodes))
         wait_members(reader, set(three_nodes))
         chains = [chain(seed, 24) for seed in range(6)]
@@ -59,7 +59,7 @@ def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etc
     cluster, three_nodes = three_nodes
     url = f"etcd://{etcd.endpoint}/{cluster}"
     chains = [chain(100 + seed, 12) for seed in range(24)]
-    with KVStoreCluster(url, segment_pages=4, first_replicas=1) as loader:
+    with KVStoreCluster(url, segment_pages=4, replicas=1) as loader:
         wait_members(loader, set(three_nodes))
         for keys, data in chains:
             assert loader.put(NS, keys, data) == 12
@@ -73,7 +73,7 @@ def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etc
     stop = threading.Event()
 
     def work(worker: int) -> None:
-        with KVStoreCluster(url, segment_pages=4, first_replicas=1, transport="tcp" if worker % 2 else "auto") as c:
+        with KVStoreCluster(url, segment_pages=4, replicas=1, transport="tcp" if worker % 2 else "auto") as c:
             rng = random.Random(worker)
             while not stop.is_set():
                 index = rng.randrange(len(chains))
@@ -100,7 +100,7 @@ def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etc
     for w in workers:
         w.join(60)
     assert not failures, failures
-    with KVStoreCluster(url, segment_pages=4, first_replicas=1) as after:
+    with KVStoreCluster(url, segment_pages=4, replicas=1) as after:
         wait_members(after, {"n1", "n2"})
         for (keys, data), kept in zip(chains, survives):
             out = np.zeros_like(data)

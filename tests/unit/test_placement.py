@@ -55,10 +55,11 @@ def test_only_serving_members_take_pages():
     assert set(placeable(group, 0)) == {"node-0", "node-2"}
 
 
-def test_plan_replicates_the_first_segment_only():
+def test_plan_replicates_the_leading_segments_only():
     weights = placeable(members(5), 0)
-    segments = plan(KEYS[:40], weights, 16, 3)
+    segments = plan(KEYS[:40], weights, 16, 3, replicated_segments=1)
     assert [(s.start, s.stop) for s in segments] == [(0, 16), (16, 32), (32, 40)]
     assert len(segments[0].nodes) == 3 and len(set(segments[0].nodes)) == 3
     assert all(len(s.nodes) == 1 for s in segments[1:])
+    assert [len(s.nodes) for s in plan(KEYS[:40], weights, 16, 3, replicated_segments=2)] == [3, 3, 1]
     assert plan(KEYS[:5], {}, 16, 3)[0].nodes == ()

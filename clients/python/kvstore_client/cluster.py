@@ -6,7 +6,7 @@
 
 Membership comes from etcd (membership.py) and placement is computed here without asking
 anyone (placement.py): each chain segment of `segment_pages` pages lives on one node, the
-first segment on `first_replicas` nodes. Every call asks all the nodes it needs at once, in
+first `replicated_segments` segments (where shared system prompts sit) on `replicas` nodes. Every call asks all the nodes it needs at once, in
 one round. Each node is reached over its best data plane: shared memory when it runs on
 this host (same host id), else TCP (RDMA where the node offers it and `transport` asks).
 
@@ -51,15 +51,16 @@ def parse_cluster_url(url: str) -> tuple[list[str], str]:
 
 class KVStoreCluster:
     def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", segment_pages: int = 16,
-                 first_replicas: int = 3, client_name: str = "", members_wait_s: float = 5.0):
+                 replicas: int = 3, replicated_segments: int = 2, client_name: str = "", members_wait_s: float = 5.0):
         """`transport`: "auto" (shm on this host, else TCP) or "tcp" (never shared memory)."""
         if transport not in ("auto", "tcp"):
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
-        if segment_pages <= 0 or first_replicas <= 0:
-            raise ValueError("segment_pages and first_replicas must be positive")
+        if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
+            raise ValueError("segment_pages and replicas must be positive, replicated_segments not negative")
         endpoints, self.cluster = parse_cluster_url(url)
         self.segment_pages = segment_pages
-        self.first_replicas = first_replicas
+        self.replicas = replicas
+        self.replicated_segments = replicated_segments
         self._timeout_s = timeout_s
         self._transport = transport
         self._client_name = client_name
@@ -151,7 +152,7 @@ class KVStoreCluster:
 
     def _plan(self, raw: list[bytes]) -> list[placement.Segment]:
         weights = placement.placeable(self._view.members(), time.time())
-        return placement.plan(raw, weights, self.segment_pages, self.first_replicas)
+        return placement.plan(raw, weights, self.segment_pages, self.replicas, self.replicated_segments)
 
     def _fan_out(self, calls: list[Callable[[], T]], miss: Any) -> list[Any]:
         """Run the calls at once; a call on a lost node answers `miss`."""

@@ -3,10 +3,12 @@
 The unit of placement is a chain segment: pages [i*K, (i+1)*K) of a prefix chain go to
 the node that scores highest for the segment's first key (its prefix hash names the
 whole prefix up to there). A conversation of P pages touches ceil(P/K) nodes, all asked
-at once in one round. The first segment is where prefixes shared by many conversations
-(system prompts, RAG documents) sit, so it is written to the R highest-scoring nodes and
-each read goes to one of them: a shared prefix loads R nodes instead of one.
-bench/placement_sim.py compares this with per-page and per-conversation placement.
+at once in one round. The first S segments are where prefixes shared by many
+conversations (system prompts, RAG documents) sit, so each is written to the R
+highest-scoring nodes and each read goes to one of them: a shared prefix loads R nodes
+instead of one. bench/placement_sim.py compares this with per-page and per-conversation
+placement (100 nodes, 80% of conversations on one of 10 system prompts: K=16 asks about
+4 nodes per lookup; replicating the first two segments halves the hottest node's load).
 
 Rendezvous scoring (Schindelhauer and Schomaker's weighted form, -w / ln(u) with u the
 key's and node's hash in (0, 1)) moves only the segments the changed node wins or loses:
@@ -61,13 +63,15 @@ def placeable(members: Sequence[Member], now: float) -> dict[str, float]:
     return {m.node_id: weight(m, now) for m in members if m.state == "serving"}
 
 
-def plan(keys: Sequence[bytes], weights: dict[str, float], segment_pages: int, first_replicas: int) -> list[Segment]:
-    """The segments of one chain (keys from its first page) and the nodes of each."""
-    if segment_pages <= 0 or first_replicas <= 0:
-        raise ValueError("segment_pages and first_replicas must be positive")
+def plan(keys: Sequence[bytes], weights: dict[str, float], segment_pages: int, replicas: int,
+         replicated_segments: int = 1) -> list[Segment]:
+    """The segments of one chain (keys from its first page) and the nodes of each: the first
+    `replicated_segments` on `replicas` nodes, the others on one."""
+    if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
+        raise ValueError("segment_pages and replicas must be positive, replicated_segments not negative")
     segments = []
     for start in range(0, len(keys), segment_pages):
-        replicas = first_replicas if start == 0 else 1
-        nodes = rank(keys[start], weights, replicas) if weights else ()
+        count = replicas if start < replicated_segments * segment_pages else 1
+        nodes = rank(keys[start], weights, count) if weights else ()
         segments.append(Segment(start, min(start + segment_pages, len(keys)), nodes))
     return segments

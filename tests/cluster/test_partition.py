@@ -1,0 +1,111 @@
+"""A node cut off by the network (its own namespace, its link taken down): clients lose only its pages, it serves
+on, and it rejoins when the link comes back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster_parts import EtcdProcess, node_settings, wait_logged, wait_members
+from conftest import ServerProcess
+from kvstore_client.cluster import KVStoreCluster
+from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
+from kvstore_client.placement import placeable, plan
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                reason="network namespaces need root and iproute2")
+
+NS = Namespace(model="partition-test", page_bytes=4096, page_tokens=4)
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def netns(tmp_path):
+    """A network namespace joined to this one by a veth pair: host 10.231.x.1, namespace 10.231.x.2."""
+    tag = os.getpid() % 250
+    name, host_link, ns_link = f"kvs-part-{os.getpid()}", f"kvh{os.getpid()}", f"kvn{os.getpid()}"
+    host_ip, ns_ip = f"10.231.{tag}.1", f"10.231.{tag}.2"
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
+        ip("link", "set", ns_link, "netns", name)
+        ip("addr", "add", f"{host_ip}/30", "dev", host_link)
+        ip("link", "set", host_link, "up")
+        ip("netns", "exec", name, "ip", "addr", "add", f"{ns_ip}/30", "dev", ns_link)
+        ip("netns", "exec", name, "ip", "link", "set", ns_link, "up")
+        ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        yield name, host_link, host_ip, ns_ip
+    finally:
+        subprocess.run(["ip", "link", "del", host_link], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+class NetnsServer(ServerProcess):
+    """A kvstore-server started inside a network namespace (`ip netns exec`)."""
+
+    def __init__(self, workdir: Path, settings: dict[str, object], netns_name: str):
+        real_executable = sys.executable
+        wrapper = workdir / "python-in-netns"
+        wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {netns_name} {real_executable} "$@"\n')
+        wrapper.chmod(0o755)
+        sys.executable = str(wrapper)
+        try:
+            super().__init__(workdir, settings)
+        finally:
+            sys.executable = real_executable
+
+
+def test_partitioned_node_costs_only_its_pages_and_rejoins(tmp_path, netns):
+    name, host_link, host_ip, ns_ip = netns
+    etcd = EtcdProcess(tmp_path, host=host_ip)
+    nodes = []
+    try:
+        for node_id in ("a", "b"):
+            (tmp_path / node_id).mkdir()
+            nodes.append(ServerProcess(tmp_path / node_id, node_settings(etcd, node_id, "part")))
+        (tmp_path / "cut").mkdir()
+        remote = {"server.grpc_address": f"{ns_ip}:0", "tcp.address": f"{ns_ip}:0", "shm.enabled": "false",
+                  "cluster.host_id": "another-host", "auth.allow_unauthenticated_remote": "true"}
+        cut = NetnsServer(tmp_path / "cut", {**node_settings(etcd, "cut", "part"), **remote}, name)
+        nodes.append(cut)
+        chains = [prefix_hashes(list(range(seed, seed + 4 * 16)), page_tokens=4) for seed in range(0, 3000, 100)]
+        pages = np.random.default_rng(5).integers(0, 255, (16, 4096), dtype=np.uint8)
+        with KVStoreCluster(f"etcd://{etcd.endpoint}/part", segment_pages=4, replicas=1, timeout_s=3) as cluster:
+            wait_members(cluster, {"a", "b", "cut"})
+            assert cluster.members()[-1].grpc_address.startswith(ns_ip)
+            for keys in chains:
+                assert cluster.put(NS, keys, pages) == 16
+            weights = placeable(cluster.members(), time.time())
+            survives = [next((s.start for s in plan(encode_keys(k), weights, 4, 1) if s.nodes == ("cut",)), 16)
+                        for k in chains]
+            assert 0 < sum(survives) < 16 * len(chains)
+
+            ip("link", "set", host_link, "down")            # the partition
+            for keys, kept in zip(chains, survives):        # before and after its lease expires: misses only
+                assert cluster.lookup(NS, keys) >= kept
+            wait_members(cluster, {"a", "b"})
+            for keys, kept in zip(chains, survives):
+                out = np.zeros_like(pages)
+                assert cluster.get(NS, keys, out) == kept
+                assert np.array_equal(out[:kept], pages[:kept])
+            assert cut.process.poll() is None
+            wait_logged(cut, "serving on with the membership last seen")
+
+            ip("link", "set", host_link, "up")               # healed: the node claims its id again
+            wait_members(cluster, {"a", "b", "cut"})
+            wait_logged(cut, "answers again")
+            assert sum(cluster.lookup(NS, keys) for keys in chains) == 16 * len(chains)   # its pages are back
+    finally:
+        for node in nodes:
+            node.kill()
+        etcd.kill()
