@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     status = node.status
     if registration is not None:
         registration.serve(node.grpc_address, node.service.tcp_endpoint, node.rdma is not None)
+        if node.metrics is not None:
+            node.metrics.registry.register(registration.collector())
         status = lambda: f"{node.status()} {registration.describe()}"  # noqa: E731
     notifier.ready(status())
     serve_until_stopped(stop, notifier, node.problem, status)

@@ -8,6 +8,7 @@
     kvstore drain [--wait]              stop taking leases, finish open ones, exit
     kvstore bench                       quick put/get throughput against memcpy
     kvstore token --tenant T [--admin]  a new bearer token, and its line for auth.tokens_file
+    kvstore cluster status etcd://H:2379/C  members of a cluster: state, weight, pages, bytes, load
 
 On a node with authentication the commands send KVSTORE_TOKEN (and KVSTORE_TLS_* files):
 a tenant's token shows that tenant's namespaces only; scrub needs an admin's.
@@ -33,7 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import __version__
-from kvstore.admin import bench, render
+from kvstore.admin import bench, cluster_status, render
 from kvstore_client import errors
 from kvstore_client.channel import GrpcChannel
 from kvstore_client.credentials import Credentials
@@ -322,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--tenant", required=True)
     token.add_argument("--admin", action="store_true", help="the admin role (every tenant, scrub, metrics)")
     token.set_defaults(run=cmd_token)
+    cluster_status.add_parser(commands)
     return parser
 
 

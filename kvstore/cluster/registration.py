@@ -89,6 +89,14 @@ class Registration:
                             self.config.name, self.node_id, exc, self.config.lease_ttl_s)
         self._session.close()
 
+    def collector(self) -> "ClusterCollector":
+        """Prometheus gauges of this node's membership, for the node's /metrics."""
+        return ClusterCollector(self)
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._lease_id)
+
     def describe(self) -> str:
         if self.etcd_lost_since:
             return (f"cluster={self.config.name} node={self.node_id} etcd=lost "
@@ -168,3 +176,26 @@ def _holder(responses: list[Any]) -> str:
         return f" by the node at {member.grpc_address or 'an address not yet published'}"
     except (IndexError, TypeError, ValueError):
         return ""
+
+
+class ClusterCollector:
+    """kvstore_cluster_*: whether etcd answers and whether this node holds its id, read at scrape time."""
+
+    def __init__(self, registration: Registration):
+        self._registration = registration
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        r = self._registration
+        info = GaugeMetricFamily("kvstore_cluster_info", "This node's cluster and node id",
+                                 labels=["cluster", "node_id", "state"])
+        info.add_metric([r.config.name, r.node_id, r._member.state], 1)
+        yield info
+        yield GaugeMetricFamily("kvstore_cluster_etcd_reachable", "1 while etcd answers this node's lease renewals",
+                                value=int(not r.etcd_lost_since))
+        yield GaugeMetricFamily("kvstore_cluster_registered", "1 while this node holds its id under a live lease",
+                                value=int(r.registered))

@@ -29,7 +29,7 @@ def free_port() -> int:
 class EtcdProcess:
     """One etcd member on 127.0.0.1; restartable on the same ports and data dir."""
 
-    def __init__(self, workdir: Path, host: str = "127.0.0.1"):
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", started: bool = True):
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd is not installed: apt-get install etcd-server (.ci/run does)")
         self.workdir = workdir
@@ -38,7 +38,8 @@ class EtcdProcess:
         self.endpoint = f"{host}:{self.client_port}"
         self.log_path = workdir / "etcd.log"
         self.process: subprocess.Popen | None = None
-        self.start()
+        if started:
+            self.start()
 
     def start(self) -> None:
         client_url, peer_url = f"http://{self.endpoint}", f"http://{self.host}:{self.peer_port}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from cluster_parts import etcd, start_node, wait_members  # noqa: F401
+from kvstore.admin import cli
 from kvstore_client import errors
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
@@ -53,6 +55,24 @@ def test_pages_put_through_one_client_are_got_through_another(three_nodes, etcd)
         keys, data = chains[0]
         assert reader.delete(NS, keys) >= 24
         assert writer.lookup(NS, keys) == 0
+
+
+def test_cluster_status_lists_every_member_with_its_pages(three_nodes, etcd, capsys):
+    cluster, three_nodes = three_nodes
+    url = f"etcd://{etcd.endpoint}/{cluster}"
+    with KVStoreCluster(url, segment_pages=4) as client:
+        wait_members(client, set(three_nodes))
+        keys, data = chain(3, 40)
+        assert client.put(NS, keys, data) == 40
+    three_nodes["n2"].terminate()                # drains, then leaves: etcd forgets it
+    assert cli.main(["--json", "cluster", "status", url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["etcd_reachable"]
+    assert {m["node_id"] for m in report["members"]} == {"n1", "n3"}
+    assert all(m["state"] == "serving" and m["answers"] and m["weight_percent"] == 100 for m in report["members"])
+    assert sum(m["pages"] for m in report["members"]) > 0
+    assert cli.main(["cluster", "status", url]) == 0
+    assert "n1" in capsys.readouterr().out
 
 
 def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etcd):

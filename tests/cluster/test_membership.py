@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
+import urllib.request
 
 import numpy as np
 
@@ -12,6 +14,12 @@ from cluster_parts import (EtcdProcess, etcd, free_port, node_settings, server_a
 from conftest import ServerProcess
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, prefix_hashes
+
+
+def metrics(node: ServerProcess) -> str:
+    port = json.loads(node.ready_file.read_text())["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
 
 
 def test_second_node_with_the_same_id_refuses_to_start(start_node, etcd):
@@ -35,9 +43,7 @@ def test_unreachable_etcd_at_start_is_named():
 
 
 def test_node_allowed_to_serve_alone_joins_once_etcd_answers(tmp_path):
-    late = EtcdProcess.__new__(EtcdProcess)         # ports picked now, etcd started after the node
-    late.workdir, late.client_port, late.peer_port = tmp_path, free_port(), free_port()
-    late.endpoint, late.log_path, late.process = f"127.0.0.1:{late.client_port}", tmp_path / "etcd.log", None
+    late = EtcdProcess(tmp_path, started=False)     # ports picked now, etcd started after the node
     (tmp_path / "node").mkdir()
     node = ServerProcess(tmp_path / "node", node_settings(late, "alone", "m2", **{"cluster.required": "false"}))
     try:
@@ -72,11 +78,13 @@ def test_etcd_lost_while_serving_nodes_serve_on_and_rejoin(tmp_path):
             assert cluster.etcd_lost
             for node in nodes:
                 assert node.process.poll() is None
-                assert "serving on with the membership last seen" in node.log()
+                wait_logged(node, "serving on with the membership last seen")
+                assert "kvstore_cluster_etcd_reachable 0.0" in metrics(node)
             own.start()                                  # same ports and data: the nodes renew or claim again
             wait_members(cluster, {"x", "y"})
             for node in nodes:
                 wait_logged(node, "answers again")
+                assert "kvstore_cluster_etcd_reachable 1.0" in metrics(node)
             assert cluster.get(ns, keys, out) == 64
     finally:
         for node in nodes:
