@@ -39,11 +39,11 @@ def extra_config(server, **more):
             "kvstore_timeout_s": 10, **more}
 
 
-def storage_config(server, tp_rank=0, tp_size=1, mla=False, layout="page_first", **more):
+def storage_config(server, tp_rank=0, tp_size=1, mla=False, layout="page_first", model_name=MODEL, **more):
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
-        model_name=MODEL, extra_config=extra_config(server, **more))
+        model_name=model_name, extra_config=extra_config(server, **more))
 
 
 def create(server, pool, **config):
@@ -181,12 +181,65 @@ def test_mla_has_one_writer_and_every_rank_reads(server):
     reader = create(server, pool, tp_rank=1, tp_size=2, mla=True)
     assert writer.storage_config.is_storage_writer and not reader.storage_config.is_storage_writer
     keys = prefix_hashes(tokens(2 * PAGE, seed=6), PAGE)
-    assert reader.batch_set_v1(keys, host_indices(0, 2)) == [True, True]
-    assert reader.batch_exists(keys) == 0                        # the non-writer stored nothing
     assert writer.batch_set_v1(keys, host_indices(0, 2)) == [True, True]
     assert reader.batch_exists(keys) == 2
     assert reader.batch_get_v1(keys, host_indices(4, 2)) == [True, True]
     assert pool.page_bytes(4 * PAGE) == pool.page_bytes(0)
+
+
+def test_a_non_writer_mla_rank_answers_what_it_stored_like_the_file_backend(server, tmp_path):
+    """SGLang backs MLA pages up from the writer rank only; a backup asked of another rank answered True
+    for pages it never stored. Like the file backend it writes nothing, and answers True exactly for the
+    pages the store holds (once the writer stored them). The file backend does the same when it is a bounded
+    cache (max_size); unbounded, its non-writer ranks write the shared file themselves."""
+    pool = SGLangHostPool("page_first", pages=4, page_size=PAGE)
+    pool.fill_random(seed=7)
+    reader = create(server, pool, tp_rank=1, tp_size=2, mla=True)
+    writer = create(server, pool, tp_rank=0, tp_size=2, mla=True)
+    files = {"file_storage_path": str(tmp_path / "hicache"), "max_size": 1 << 30}   # a bounded file cache
+    file_reader = HiCacheFile(storage_config(server, tp_rank=1, tp_size=2, mla=True, **files))
+    file_writer = HiCacheFile(storage_config(server, tp_rank=0, tp_size=2, mla=True, **files))
+    assert not reader.storage_config.is_storage_writer
+    keys = prefix_hashes(tokens(2 * PAGE, seed=7), PAGE)
+    flat = [pool.get_data_page(p * PAGE, flat=True).clone() for p in range(2)]
+    assert reader.batch_set_v1(keys, host_indices(0, 2)) == [False, False]       # was [True, True]
+    assert file_reader.batch_set(keys, flat) is False
+    assert reader.batch_exists(keys) == file_reader.batch_exists(keys) == 0
+    assert writer.batch_set_v1(keys[:1], host_indices(0, 1)) == [True]
+    assert file_writer.batch_set(keys[:1], flat[:1]) is True
+    assert reader.batch_set_v1(keys, host_indices(0, 2)) == [True, False]       # what the store holds
+    assert file_reader.batch_set(keys, flat) is False and file_reader.exists(keys[0])
+    assert reader.batch_set(keys[:1], flat[:1]) is file_reader.batch_set(keys[:1], flat[:1]) is True
+
+
+def test_no_model_name_derives_one_like_the_file_backend_accepts_it(server, tmp_path):
+    pool = SGLangHostPool("page_first", pages=4, page_size=PAGE)
+    pool.fill_random(seed=8)
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(server, layout=pool.layout, model_name=None), pool)
+    backend.register_mem_pool_host(pool)
+    file_backend = HiCacheFile(storage_config(server, model_name=None,
+                                              file_storage_path=str(tmp_path / "hicache")))
+    keys = prefix_hashes(tokens(2 * PAGE, seed=8), PAGE)
+    assert backend.batch_set_v1(keys, host_indices(0, 2)) == [True, True]   # was InvalidArgument: model empty
+    assert file_backend.batch_set(keys, [pool.get_data_page(p * PAGE, flat=True) for p in range(2)]) is True
+    assert backend.batch_exists(keys) == file_backend.batch_exists(keys) == 2
+    assert backend.namespace.model
+
+
+def test_pointer_only_set_stores_the_page_where_the_file_backend_answers_false(server, tmp_path):
+    pool = SGLangHostPool("page_first", pages=4, page_size=PAGE)
+    pool.fill_random(seed=9)
+    backend = create(server, pool)
+    file_backend = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
+    key = prefix_hashes(tokens(PAGE, seed=9), PAGE)[0]
+    page = pool.get_data_page(0, flat=True).clone()
+    pointer, nbytes = page.data_ptr(), page.numel() * page.element_size()
+    assert file_backend.set(key, target_location=pointer, target_sizes=nbytes) is False
+    assert backend.set(key, target_location=pointer, target_sizes=nbytes) is True   # was AttributeError
+    out = torch.zeros_like(page)
+    assert backend.get(key, out) is out and torch.equal(out, page)
+    assert backend.set("other", target_location=pointer, target_sizes=nbytes - 1) is False   # not a page
 
 
 def test_clear_empties_only_this_backends_namespace(server):

@@ -17,9 +17,13 @@ Which pages may be shared is the Namespace's job, not a key suffix (HiCacheFile 
 "_{model}_{tp_rank}_{tp_size}" to each key): the namespace carries the model, the KV
 layout (dtype, layers, heads, head dim, tokens per page, host-pool layout) and the rank
 that wrote the page. For MLA models every TP rank holds the same KV, so the namespace
-leaves the TP rank out: one writer (SGLang's is_storage_writer) stores each page and
-every rank reads it. Keys stay SGLang's own SHA-256 hex digests, byte for byte, so the
-SDK's prefix_hashes() names the same pages.
+leaves the TP rank out: SGLang backs pages up from one writer rank (is_storage_writer) and
+every rank reads them. A backup asked of another rank writes nothing and answers, like the
+file backend, True exactly for the pages the store holds already.
+Without a model name (model_name=None, which SGLang's file and Mooncake backends accept), the
+model is UNNAMED_MODEL; the rest of the namespace (the KV layout) keeps models of other KV
+shapes apart. Keys stay SGLang's own SHA-256 hex digests, byte for byte, so the SDK's
+prefix_hashes() names the same pages.
 
 A page is stored as one page even when the host pool keeps K and V apart: its segments
 (K and V, or K and V of each layer for layer_first) are copied back to back into one
@@ -48,6 +52,9 @@ from kvstore_client.keys import Namespace
 log = logging.getLogger(__name__)
 
 SETTINGS_PREFIX = "kvstore_"
+# The model of a namespace when SGLang names none (model_name=None): the namespace's other fields (dtype,
+# layers, heads, head dim, page size, host-pool layout) still keep models of other KV shapes apart.
+UNNAMED_MODEL = "sglang-unnamed-model"
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
@@ -74,6 +81,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._address_order = _segments_in_one_buffer(mem_pool_host)
         self.namespace, self.flat_namespace = namespaces_for(
             self.storage_config, mem_pool_host, self.settings.tenant, self._address_order)
+        if not self.storage_config.model_name:
+            log.warning("SGLang gave no model name: kvstore pages go to model %r, shared with every unnamed model "
+                        "whose KV has the same shape (dtype, layers, heads, head dim, page size)", UNNAMED_MODEL)
         log.info("kvstore HiCache backend ready: model=%s layout=%s page_bytes=%d tp=%d/%d writer=%s zero_copy=%s",
                  self.namespace.model, self.namespace.layout, self.namespace.page_bytes,
                  self.namespace.tp_rank, self.namespace.tp_size, self.is_writer, self.zero_copy)
@@ -97,9 +107,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         if not self.is_writer:
-            # MLA: every rank holds the same pages and the writer rank stores them; SGLang
-            # skips backups on other ranks, and a call that gets here has nothing to add.
-            return [True] * len(keys)
+            return [i < self._stored_already(namespace, keys) for i in range(len(keys))]
         started = time.perf_counter()
         stored = self._clients.get().put(namespace, keys, self._page_segments(keys, host_indices),
                                          parent=_parent_key(extra_info))
@@ -126,7 +134,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # -- generic path (copies through a flat tensor) ----------------------------------
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
-        return self.batch_get([key], [target_location])[0]
+        return self.batch_get([key], [target_location], None if target_sizes is None else [target_sizes])[0]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
@@ -135,11 +143,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return []
         if target_locations is None or any(t is None for t in target_locations):
             raise ValueError("kvstore needs target_locations: a flat page tensor to load each page into")
-        loaded = self._clients.get().get(namespace, keys, list(target_locations))
+        loaded = self._clients.get().get(namespace, keys, _pages(target_locations, target_sizes))
         return [target if i < loaded else None for i, target in enumerate(target_locations)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
+        """Store one page: a tensor (`value`), or `target_sizes` bytes at the host pointer `target_location`."""
+        if value is None:
+            return self.batch_set([key], None, [target_location], [target_sizes])
         return self.batch_set([key], [value])
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
@@ -148,9 +159,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not keys:
             return True
         if not self.is_writer:
-            return True
-        pages = [v.contiguous() for v in values]
-        return self._clients.get().put(namespace, keys, pages) == len(keys)
+            return self._stored_already(namespace, keys) == len(keys)
+        try:
+            pages = [v.contiguous() for v in values] if values is not None else _pages(target_locations, target_sizes)
+            return self._clients.get().put(namespace, keys, pages) == len(keys)
+        except (TypeError, AttributeError, ValueError) as exc:   # the file backend answers False here too
+            log.warning("kvstore cannot store %d pages from what SGLang passed: %s", len(keys), exc)
+            return False
+
+    def _stored_already(self, namespace: Namespace, keys: List[str]) -> int:
+        """A non-writer MLA rank's backup: nothing is written (the writer rank stores these pages); the
+        leading pages the store holds already are the ones it may answer True for."""
+        return self._clients.get().lookup(namespace, keys=keys)
 
     # -- lookups and housekeeping -----------------------------------------------------
 
@@ -216,7 +236,7 @@ def _namespace(config: HiCacheStorageConfig, host_pool: Any, tenant: str, page_b
     layout = ";".join([f"sglang:{host_pool.layout}:{type(host_pool).__name__}:{order}", *shard])
     replicated = config.is_mla_model  # every TP rank holds the same KV: one copy for all
     return Namespace(
-        model=config.model_name or "",
+        model=config.model_name or UNNAMED_MODEL,
         page_bytes=page_bytes,
         page_tokens=page_tokens,
         tenant=tenant,
@@ -253,6 +273,16 @@ def _segments_in_one_buffer(host_pool: Any) -> bool:
     start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
     pointers, sizes = host_pool.get_page_buffer_meta(torch.arange(host_pool.page_size, dtype=torch.int64))
     return all(start <= p and p + n <= end for p, n in zip(pointers, sizes))
+
+
+def _pages(locations: Any, sizes: Optional[Any]) -> list:
+    """Pages as the generic get/set name them: flat tensors, or host pointers with their byte sizes."""
+    if locations is None:
+        raise ValueError("no values and no target_locations")
+    if sizes is None:
+        return list(locations)
+    return [(int(pointer), int(size)) if isinstance(pointer, int) else pointer
+            for pointer, size in zip(locations, sizes, strict=True)]
 
 
 def _parent_key(extra_info: Optional[HiCacheStorageExtraInfo]) -> str | None:
