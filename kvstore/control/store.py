@@ -353,6 +353,7 @@ class PageStore:
         the bytes: kvstore_native.copy_hash), without reading the slots back. A page is still never
         published without a checksum from its writer or from this node; the scrubber, promotion from
         NVMe and reads with verify check it later, like any page. Returns what commit() returns."""
+        failpoints.hit("commit.before_publish")   # the writer hashed the slots; nothing visible yet
         with self._lock:
             lease = self._lease(lease_id, WRITE)
             indices = self._committable(lease, indices)
