@@ -24,7 +24,7 @@ _BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route"})
 _ADMIN_ONLY = frozenset({"Scrub"})
 # Planes whose region is the whole arena (every tenant's pages): an RDMA rkey, like the shm fd, is
 # handed to admins only; a tenant's client moves its pages over TCP, where each frame is checked.
-_WHOLE_ARENA = frozenset({"RdmaConnect"})
+_WHOLE_ARENA = frozenset({"RdmaConnect", "RdmaDisconnect"})
 
 
 def admit(store: PageStore, method: str, request: Any, identity: Identity) -> None:
@@ -47,6 +47,8 @@ def admit(store: PageStore, method: str, request: Any, identity: Identity) -> No
                                       "identities connect; use the TCP data plane")
     if method in _BY_NAMESPACE:
         own_namespace(store, request.namespace_id, identity)
+        if method == "Reserve" and request.lease_id:   # extending a lease: it must be the caller's too
+            own_lease(store, request.lease_id, identity)
     elif method in ("Commit", "Abort"):
         own_lease(store, request.lease_id, identity)
     elif method == "Release":

@@ -93,7 +93,10 @@ def test_another_tenants_lease_is_answered_as_an_unknown_one(node, tokens):
     bob = channel(node, tokens.bob)
     ns_id = alice.call("OpenNamespace", pb.OpenNamespaceRequest(spec=NS.to_proto())).namespace_id
     write = alice.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[b"w"], page_bytes=PAGE))
-    for method, request in [("Commit", pb.CommitRequest(lease_id=write.lease_id)),
+    bob_ns = bob.call("OpenNamespace", pb.OpenNamespaceRequest(spec=NS.to_proto())).namespace_id
+    for method, request in [("Reserve", pb.ReserveRequest(namespace_id=bob_ns, keys=[b"x"], page_bytes=PAGE,
+                                                          lease_id=write.lease_id, parent_key=b"w")),
+                            ("Commit", pb.CommitRequest(lease_id=write.lease_id)),
                             ("Abort", pb.AbortRequest(lease_id=write.lease_id)),
                             ("Release", pb.ReleaseRequest(lease_ids=[write.lease_id]))]:
         with pytest.raises(errors.LeaseNotFound, match="is unknown, already finished, or expired"):
@@ -316,8 +319,9 @@ def test_a_tenant_can_change_no_committed_page_of_another(start_server, tokens):
     with pytest.raises(errors.PermissionDenied, match="mapped only by an admin identity"):
         local.map_arena_fd()
     local.close()
-    with pytest.raises(errors.PermissionDenied, match="whole arena"):
-        channel(node, tokens.alice).call("RdmaConnect", pb.RdmaConnectRequest())
+    for method, request in (("RdmaConnect", pb.RdmaConnectRequest()), ("RdmaDisconnect", pb.RdmaDisconnectRequest())):
+        with pytest.raises(errors.PermissionDenied, match="whole arena"):
+            channel(node, tokens.alice).call(method, request)
     with KVStoreClient(node.address, token=tokens.bob) as bob:
         ns_id = bob._namespace_id(NS)
         read = bob._grpc.call("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=[b"b0"]))
