@@ -95,3 +95,47 @@ class SGLangHostPool:
 
 for _name, _method in _mha_host_pool_methods().items():
     setattr(SGLangHostPool, _name, _method)
+
+
+MAMBA_POOL_METHODS = ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page", "get_page_buffer_meta",
+                      "_iter_page_tensors", "_flatten_tensor_bytes", "get_size_per_token")
+
+
+class SGLangMambaPool:
+    """A CPU Mamba state host pool (page_first, one state slot per page) with SGLang's own page methods,
+    compiled from the wheel's pool_host/mamba.py. MambaPoolHost itself cannot be imported here: its
+    module pulls sglang.srt.configs, which needs torchvision, and it pins memory through CUDA."""
+
+    def __init__(self, slots: int, layers: int = 2, temporal_shape=(4, 8), conv_shapes=((3, 16),),
+                 temporal_dtype: torch.dtype = torch.float32, conv_dtype: torch.dtype = torch.bfloat16):
+        self.layout, self.page_size, self.size = "page_first", 1, slots
+        self.device, self.pin_memory = "cpu", False
+        self.num_mamba_layers = layers
+        self.temporal_dtype, self.conv_dtype, self.dtype = temporal_dtype, conv_dtype, conv_dtype
+        self.temporal_state_shape = torch.Size(temporal_shape)
+        self.conv_state_shapes = [torch.Size(shape) for shape in conv_shapes]
+        self.temporal_state_elem_size = int(torch.Size(temporal_shape).numel())
+        self.conv_state_elem_sizes = [int(torch.Size(shape).numel()) for shape in conv_shapes]
+        self.slot_state_device_tensors, self.slot_state_buffers = [], []
+        self.temporal_buffer = torch.zeros((slots, layers, 1, *temporal_shape), dtype=temporal_dtype)
+        self.conv_buffer = [torch.zeros((slots, layers, 1, *shape), dtype=conv_dtype) for shape in conv_shapes]
+        self.size_per_token = self.get_size_per_token()
+
+    def fill_random(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for tensor in (self.temporal_buffer, *self.conv_buffer):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+
+    def page_bytes(self, slot: int) -> bytes:
+        return self.get_data_page(slot, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _mamba_host_pool_methods() -> dict[str, object]:
+    import_sglang()
+    spec = importlib.util.find_spec("sglang.srt.mem_cache.pool_host")
+    return _sglang_methods(Path(spec.submodule_search_locations[0]) / "mamba.py", "MambaPoolHost",
+                           MAMBA_POOL_METHODS)
+
+
+for _name, _method in _mamba_host_pool_methods().items():
+    setattr(SGLangMambaPool, _name, _method)

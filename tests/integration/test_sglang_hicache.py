@@ -17,13 +17,16 @@ import pytest
 import torch
 
 from kvstore_client import KVStoreClient, prefix_hashes
-from sglang_harness import SGLangHostPool, import_sglang
+from sglang_harness import SGLangHostPool, SGLangMambaPool, import_sglang
 
 import_sglang()
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
 )
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
@@ -311,3 +314,73 @@ def test_the_host_pool_is_registered_once_with_every_client(server):
     for client in [backend._clients.get(), later[0]]:
         assert [(a, n) for a, n, _ in client._registered] == [whole]
     backend.close()
+
+
+def test_hybrid_model_pools_back_up_and_hit_like_the_file_backend(server, tmp_path):
+    """SGLang's v2 calls for a hybrid model (a Mamba state pool, trailing pages only, and a KV-shaped
+    sidecar on every page, as a DSA indexer): back up, ask, load; every answer equals SGLang's file
+    backend's on the same calls, and the loaded pages are the written ones, byte for byte."""
+    kv = SGLangHostPool("page_first", pages=12, page_size=PAGE)
+    kv.fill_random(seed=11)
+    indexer = SGLangHostPool("page_first", pages=12, page_size=PAGE, layer_num=1, head_num=1, head_dim=16)
+    indexer.fill_random(seed=12)
+    mamba = SGLangMambaPool(slots=8)
+    mamba.fill_random(seed=13)
+    ours = create(server, kv)
+    theirs = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
+    theirs.register_mem_pool_host(kv)
+    for backend in (ours, theirs):
+        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    # Mamba states move straight between their slots and the arena; the KV-shaped pool through its flat page.
+    assert ours._sidecars[str(PoolName.MAMBA)].zero_copy and not ours._sidecars[str(PoolName.INDEXER)].zero_copy
+    keys = prefix_hashes(tokens(4 * PAGE, seed=11), PAGE)
+    kv_pages = [kv.page_bytes(p * PAGE) for p in range(4)]
+    indexer_pages = [indexer.page_bytes(p * PAGE) for p in range(4)]
+    state = mamba.page_bytes(5)
+
+    # What the hybrid controller's backup does: sidecars first (v2), then the KV pages.
+    def backup(backend):
+        info = HiCacheStorageExtraInfo(prefix_keys=[])
+        sidecars = backend.batch_set_v2(
+            [PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(0, 4), keys=keys,
+                          hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV)], info)
+        sidecars.update(backend.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5]), keys=keys[3:],
+                          hit_policy=PoolHitPolicy.TRAILING_PAGES)],
+            HiCacheStorageExtraInfo(prefix_keys=keys[:3])))
+        if backend is ours:
+            kv_result = backend.batch_set_v1(keys, host_indices(0, 4), info)
+        else:
+            kv_result = [backend.batch_set(keys, [kv.get_data_page(p * PAGE, flat=True) for p in range(4)])] * 4
+        return sidecars, kv_result
+
+    assert backup(ours) == backup(theirs)
+    assert backup(ours)[0] == {PoolName.INDEXER: [True] * 4, PoolName.MAMBA: [True]}
+
+    def exists(backend, span, trailing):
+        result = backend.batch_exists_v2(span, [
+            PoolTransfer(name=PoolName.INDEXER, keys=span, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(name=PoolName.MAMBA, keys=span[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        return result.kv_hit_pages, dict(result.extra_pool_hit_pages), result.restorable_prefix_pages
+
+    other = prefix_hashes(tokens(6 * PAGE, seed=11), PAGE)   # the same prompt, two more pages
+    for span, trailing in ((keys, 1), (keys[:3], 1), (other, 1), (keys, 2)):
+        assert exists(ours, span, trailing) == exists(theirs, span, trailing)
+    assert exists(ours, keys, 1) == (4, {PoolName.KV: 4, PoolName.INDEXER: 4, PoolName.MAMBA: 4}, [4])
+    assert exists(ours, keys[:3], 1)[0] == 0        # no state for page 3 of 3: nothing restorable
+
+    # What a prefetch does: KV through v1, then the sidecars through v2, into other slots.
+    assert ours.batch_get_v1(keys, host_indices(6, 4)) == [True] * 4
+    loaded = ours.batch_get_v2([
+        PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(6, 4), keys=keys,
+                     hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=keys[3:],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert loaded == {PoolName.INDEXER: [True] * 4, PoolName.MAMBA: [True]}
+    assert [kv.page_bytes((6 + p) * PAGE) for p in range(4)] == kv_pages
+    assert [indexer.page_bytes((6 + p) * PAGE) for p in range(4)] == indexer_pages
+    assert mamba.page_bytes(1) == state
+    # A state SGLang asks for that was never stored is a miss, pool by pool.
+    assert ours.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=keys[2:3],
+                                           hit_policy=PoolHitPolicy.TRAILING_PAGES)]) == {PoolName.MAMBA: [False]}

@@ -44,8 +44,10 @@ from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTransferResult
 
 from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
+from kvstore_client.adapters.sglang_pools import SidecarPool, parent_of, pool_hits, sidecar_pool
 from kvstore_client.buffers import Segment
 from kvstore_client.keys import Namespace
 
@@ -70,6 +72,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._address_order = False
         self._clients = ClientPerThread(self.settings, client_name=f"sglang-tp{storage_config.tp_rank}")
         self._metrics = _Metrics() if storage_config.enable_storage_metrics else None
+        self._sidecars: dict[str, SidecarPool] = {}   # register_mem_host_pool_v2's pools, by name
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -172,6 +175,92 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         leading pages the store holds already are the ones it may answer True for."""
         return self._clients.get().lookup(namespace, keys=keys)
 
+    # -- sidecar pools of hybrid and sparse models (v2; see sglang_pools.py) ------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A sidecar pool (Mamba states, SWA KV, DSA indexer, MTP draft): its pages get a namespace of their own."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) == str(PoolName.KV):
+            return
+        kv_namespace = self._require_namespace()
+        pool = sidecar_pool(host_pool_name, host_pool, kv_namespace, self.storage_config.tp_rank,
+                            self.storage_config.tp_size)
+        if pool.zero_copy:
+            for buffer in _pool_buffers_v2(host_pool):
+                self._clients.register_buffer(buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer)
+        self._sidecars[str(host_pool_name)] = pool
+        log.info("kvstore HiCache sidecar pool %s: page_bytes=%d zero_copy=%s", host_pool_name,
+                 pool.namespace.page_bytes, pool.zero_copy)
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        kv_pages = self.batch_exists(keys, extra_info) if keys else 0
+        return pool_hits(keys, kv_pages, pool_transfers or [], self._sidecar_present)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        results: dict[str, List[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == str(PoolName.KV):
+                results[transfer.name] = self.batch_set_v1(keys, transfer.host_indices, extra_info)
+                continue
+            pool = self._sidecar(transfer.name)
+            if not keys:
+                results[transfer.name] = []
+                continue
+            client = self._clients.get()
+            if pool.zero_copy:
+                pages = pool.page_segments(keys, transfer.host_indices)
+            else:
+                pages = [pool.host_pool.get_data_page(i, flat=True).contiguous()
+                         for i in pool.first_indices(keys, transfer.host_indices)]
+            stored = client.put(pool.namespace, keys, pages, parent=parent_of(extra_info))
+            results[transfer.name] = [i < stored for i in range(len(keys))]
+        return results
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        results: dict[str, List[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == str(PoolName.KV):
+                results[transfer.name] = self.batch_get_v1(keys, transfer.host_indices, extra_info)
+                continue
+            pool = self._sidecar(transfer.name)
+            if not keys:
+                results[transfer.name] = []
+                continue
+            client = self._clients.get()
+            if pool.zero_copy:
+                loaded = client.get(pool.namespace, keys, pool.page_segments(keys, transfer.host_indices))
+            else:
+                firsts = pool.first_indices(keys, transfer.host_indices)
+                pages = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
+                loaded = client.get(pool.namespace, keys, pages)
+                for first, page in zip(firsts[:loaded], pages[:loaded]):
+                    pool.host_pool.set_from_flat_data_page(first, page)
+            results[transfer.name] = [i < loaded for i in range(len(keys))]
+        return results
+
+    def _sidecar(self, name: Any) -> SidecarPool:
+        pool = self._sidecars.get(str(name))
+        if pool is None:
+            raise ValueError(f"pool {name} was not registered with register_mem_host_pool_v2")
+        return pool
+
+    def _sidecar_present(self, name: str, keys: List[str]) -> List[bool]:
+        """Whether each key's page of this pool is stored: a Lookup for the leading run, again after each miss."""
+        pool, client = self._sidecar(name), self._clients.get()
+        answers: List[bool] = []
+        while len(answers) < len(keys):
+            rest = keys[len(answers):]
+            hits = client.lookup(pool.namespace, keys=rest)
+            answers += [True] * hits
+            if hits < len(rest):
+                answers.append(False)
+        return answers
+
     # -- lookups and housekeeping -----------------------------------------------------
 
     def exists(self, key: str) -> bool:
@@ -254,6 +343,17 @@ def _pool_buffers(host_pool: Any) -> list[torch.Tensor]:
     """The host pool's KV tensors: one kv_buffer (MHA, MLA) or k/v buffers kept apart."""
     found = []
     for name in ("kv_buffer", "k_buffer", "v_buffer"):
+        value = getattr(host_pool, name, None)
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                found.append(tensor)
+    return found
+
+
+def _pool_buffers_v2(host_pool: Any) -> list[torch.Tensor]:
+    """A sidecar pool's host tensors (Mamba: temporal and conv buffers; KV-shaped pools: their buffers)."""
+    found = _pool_buffers(host_pool)
+    for name in ("temporal_buffer", "conv_buffer"):
         value = getattr(host_pool, name, None)
         for tensor in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(tensor, torch.Tensor) and tensor.numel():
