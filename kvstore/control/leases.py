@@ -31,6 +31,7 @@ class Lease:
     pinned: list[PageRecord] = dataclasses.field(default_factory=list)
     # write leases only:
     parent_key: bytes = b""
+    anchored: bool = False      # parent_key was absent at Reserve: keys[0] is stored anchored at it
     keys: list[bytes] = dataclasses.field(default_factory=list)
     slots: dict[int, int] = dataclasses.field(default_factory=dict)  # key index -> offset, not yet committed
     busy: int = 0                        # commits checking bytes outside the lock; not reaped meanwhile

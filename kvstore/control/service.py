@@ -106,7 +106,8 @@ class KVStoreService:
             checks.keys([request.parent_key], self.limits, what="parent_key")
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.write_ttl_ms, self.config)
         store = self.store
-        reservation = store.reserve(request.namespace_id, keys, request.parent_key, request.lease_id, ttl_ms, owner)
+        reservation = store.reserve(request.namespace_id, keys, request.parent_key, request.lease_id, ttl_ms, owner,
+                                    absent_parent="anchor" if request.anchor_absent_parent else "refuse")
         try:
             if reservation.lease is not None and request.rdma_qp_num:
                 reservation.lease.rdma_qp_num = request.rdma_qp_num

@@ -226,7 +226,7 @@ class PageStore:
     # -- writes: reserve, commit, abort -------------------------------------------------
 
     def reserve(self, ns_id: int, keys: list[bytes], parent_key: bytes, lease_id: int, ttl_ms: int,
-                owner: object | None) -> Reservation:
+                owner: object | None, absent_parent: str = "refuse") -> Reservation:
         """Step one: a write lease, the state of each key, pages of the chain pinned. No slots yet."""
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
         states = [pb.PARENT_MISSING] * len(keys)
@@ -241,9 +241,12 @@ class PageStore:
                     raise errors.InvalidArgument(
                         "parent_key of an extending Reserve must be the last key reserved under the lease")
             else:
-                # An absent parent does not refuse the chain: it is committed anchored at that key (index.py).
                 parent = self.index.get((ns_id, parent_key)) if parent_key else None
+                absent = bool(parent_key) and parent is None and (ns_id, parent_key) not in self._pending
+                if absent and absent_parent != "anchor":
+                    return Reservation(None, 0, states, [0] * len(keys), [], slot_bytes, False)
                 lease = self.leases.open(WRITE, ns_id, self.clock(), ttl_ms, owner)
+                lease.anchored = absent   # committed anchored at the absent parent key (index.py)
                 lease.parent_key = parent_key
                 if parent is not None:
                     self._pin(lease, parent)
@@ -381,7 +384,8 @@ class PageStore:
         return indices
 
     def _publish(self, lease: Lease, indices: list[int], sums: list[int]) -> tuple[list[int], list[PageRecord]]:
-        """Lock held: make checked pages visible in chain order; a page whose parent is absent is anchored at it."""
+        """Lock held: make checked pages visible in chain order; a page whose parent is gone is dropped, unless
+        it is the first of a lease that named an absent parent to anchor at."""
         ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
         states, published = [], []
@@ -391,7 +395,13 @@ class PageStore:
             del self._pending[(ns_id, key)]
             parent_key = keys[position - 1] if position else lease.parent_key
             parent = index.get((ns_id, parent_key)) if parent_key else None
-            anchor = parent_key if parent is None else b""
+            anchor = b""
+            if parent_key and parent is None:
+                if position or not lease.anchored:
+                    self.allocator.free(offset)
+                    states.append(pb.COMMIT_PARENT_MISSING)
+                    continue
+                anchor = parent_key
             published.append(index.add((ns_id, key), parent, offset, slot_bytes, checksum, anchor=anchor))
             states.append(pb.COMMITTED)
         index.touch_all(published)

@@ -51,8 +51,13 @@ def test_second_put_of_a_prefix_extends_it(client, ns):
     assert client.get(ns, keys, out) == 8 and np.array_equal(out, data)
 
 
-def test_pages_after_a_parent_never_stored_are_stored_anchored_at_it(client, ns):
-    assert client.put(ns, ["orphan", "orphan-child"], pages(2), parent="never-stored") == 2
+def test_orphan_pages_are_not_stored(client, ns):
+    assert client.put(ns, ["orphan"], pages(1), parent="never-stored") == 0
+    assert client.lookup(ns, ["orphan"]) == 0
+
+
+def test_pages_after_an_anchor_never_stored_are_stored_anchored_at_it(client, ns):
+    assert client.put(ns, ["orphan", "orphan-child"], pages(2), anchor="never-stored") == 2
     assert client.lookup(ns, ["orphan", "orphan-child"]) == 2
     assert client.lookup(ns, ["never-stored", "orphan", "orphan-child"]) == 0
     assert client.put(ns, ["never-stored"], pages(1)) == 1

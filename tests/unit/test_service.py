@@ -34,8 +34,9 @@ def keys(prefix, n):
     return [f"{prefix}{i}".encode() for i in range(n)]
 
 
-def put(svc, ns, ks, parent=b"", fill=7):
-    r = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=ks, parent_key=parent, page_bytes=PAGE), None)
+def put(svc, ns, ks, parent=b"", fill=7, anchor=False):
+    r = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=ks, parent_key=parent, page_bytes=PAGE,
+                                      anchor_absent_parent=anchor), None)
     for state, offset in zip(r.states, r.offsets):
         if state == pb.RESERVED:
             svc.store.arena.view[offset:offset + PAGE] = bytes([fill]) * PAGE
@@ -86,9 +87,15 @@ def test_present_and_in_flight_pages_are_not_written_twice(service):
     assert second.lease_id == 0
 
 
+def test_a_child_of_a_missing_parent_is_refused_unless_it_asks_to_be_anchored(service):
+    ns = open_ns(service)
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"c"], parent_key=b"gone", page_bytes=PAGE), None)
+    assert list(r.states) == [pb.PARENT_MISSING] and r.lease_id == 0
+
+
 def test_a_chain_whose_parent_is_absent_is_stored_anchored_at_it(service):
     ns = open_ns(service)
-    r = put(service, ns, keys("b", 3), parent=b"a-gone")
+    r = put(service, ns, keys("b", 3), parent=b"a-gone", anchor=True)
     assert list(r.states) == [pb.RESERVED] * 3 and r.lease_id
     assert lookup(service, ns, keys("b", 3)) == 3                  # found from the anchored page on
     assert lookup(service, ns, [b"a-gone"] + keys("b", 3)) == 0    # from the chain's start: the gap
@@ -101,17 +108,15 @@ def test_a_chain_whose_parent_is_absent_is_stored_anchored_at_it(service):
     service.store.check_invariants()
 
 
-def test_commit_anchors_pages_whose_in_flight_parent_was_aborted(service):
+def test_commit_drops_pages_whose_in_flight_parent_was_aborted(service):
     ns = open_ns(service)
     writer = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"p"], page_bytes=PAGE), None)
     child = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"c"], parent_key=b"p", page_bytes=PAGE), None)
     assert list(child.states) == [pb.RESERVED]
     service.abort(pb.AbortRequest(lease_id=writer.lease_id), None)
     done = service.commit(pb.CommitRequest(lease_id=child.lease_id), None)
-    assert list(done.states) == [pb.COMMITTED]
-    assert lookup(service, ns, [b"c"]) == 1 and lookup(service, ns, [b"p", b"c"]) == 0
-    assert service.store.index.get((ns, b"c")).anchor == b"p"
-    service.store.check_invariants()
+    assert list(done.states) == [pb.COMMIT_PARENT_MISSING]
+    assert lookup(service, ns, [b"c"]) == 0 and service.store.allocator.used_bytes == 0
 
 
 def test_extending_a_lease_continues_its_chain(service):

@@ -100,12 +100,15 @@ class KVStoreClient:
 
     def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
             parent: Key | None = None, verify: bool = False, durable: bool = False, *,
-            tokens: Any = None, timeout_s: float | None = None) -> PutResult:
+            tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
         """Store pages under their keys (or under the keys of `tokens`' full pages); returns how many
         leading keys are now stored: a PutResult, an int that also says why it is short (`reason`,
         e.g. "NO_SPACE: the node is full ...").
 
-        `parent` is the key of the page before keys[0] (None at the start of a sequence).
+        `parent` is the key of the page before keys[0] (None at the start of a sequence); the
+        node refuses the pages when it does not hold it. `anchor`, instead of `parent`, names a
+        page before keys[0] that the node may have evicted (an engine backs up the pages after its
+        own cache hit): the pages are stored anyway, anchored at it (see the README).
         A key already stored (or being written by another client) is not copied again and
         counts as stored. The server always checksums a page at commit; `verify=True` also
         hashes each page here, so the server refuses a slot that does not hold what this
@@ -122,11 +125,15 @@ class KVStoreClient:
         if buffers is None:
             raise errors.InvalidArgument("put needs the pages' buffers")
         segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
+        if parent is not None and anchor is not None:
+            raise errors.InvalidArgument("give parent or anchor, not both: anchor is a parent the node may not hold")
         parent_key = encode_key(parent) if parent is not None else b""
+        anchor_key = encode_key(anchor) if anchor is not None else b""
         stored, reason = 0, ""
         for start, stop in self._batches(len(raw_keys)):
             batch = PutBatch(namespace.page_bytes, parent_key, raw_keys[start:stop], segments[start:stop],
-                             verify, durable)
+                             verify, durable, anchor=anchor_key)
+            anchor_key = b""
             batch_stored = self._on_node(
                 lambda conn: conn.reopening(namespace, lambda ns_id: batch.run(conn.control, conn.data, ns_id)),
                 retry_if=lambda: not batch.slots_reserved, timeout_s=timeout_s)

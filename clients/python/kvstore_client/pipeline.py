@@ -4,8 +4,7 @@ A put reserves its chain in groups and moves and commits each group in runs (the
 data path's PipelineShape). The next group's Reserve is in flight while this group moves, and the
 server checksums one run while the next one moves (unless the data path checksummed the pages as
 it copied them: then the Commit carries those and the server reads nothing back). Pages become
-visible in chain order (a page committed before its parent would be stored anchored at it, see
-kvstore/control/index.py):
+visible in chain order, because a page whose parent is not yet visible is dropped at commit:
 
 - on a control channel that answers in order (the local channel), everything is submitted
   without waiting: the next group extends this group's write lease (its Reserve is answered
@@ -39,9 +38,10 @@ class PutBatch:
     """One batch of a put: keys continuing the chain after `parent`, with their pages' segments."""
 
     def __init__(self, page_bytes: int, parent: bytes, keys: list[bytes], segments: list[list[Segment]],
-                 verify: bool, durable: bool):
-        self.page_bytes, self.parent, self.keys, self.segments = page_bytes, parent, keys, segments
-        self.verify, self.durable = verify, durable
+                 verify: bool, durable: bool, anchor: bytes = b""):
+        """`anchor`: instead of `parent`, the key of a page before keys[0] the node may no longer hold."""
+        self.page_bytes, self.parent, self.keys, self.segments = page_bytes, anchor or parent, keys, segments
+        self.verify, self.durable, self.anchored = verify, durable, bool(anchor)
         # Set once a Reserve gave this batch a slot: from then on a failed attempt is not repeated
         # elsewhere (its pages may have been copied into a node that is gone).
         self.slots_reserved = False
@@ -86,7 +86,8 @@ class PutBatch:
                  parent: bytes) -> Any:
         """Submit the Reserve of one group (lease_id 0 opens a lease, else extends it)."""
         request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=keys, page_bytes=self.page_bytes,
-                                    lease_id=lease_id, rdma_qp_num=data.rdma_qp_num)
+                                    lease_id=lease_id, rdma_qp_num=data.rdma_qp_num,
+                                    anchor_absent_parent=self.anchored and not lease_id and parent == self.parent)
         return control.submit("Reserve", request)
 
     def _move_and_commit(self, control: Any, data: DataPath, reserved: pb.ReserveResponse, start: int,

@@ -11,7 +11,9 @@ Load it with SGLang's dynamic backend (no change to SGLang):
 copied once, between SGLang's host KV pool and a slot of the server's shared-memory arena.
 Other settings: kvstore_timeout_s, kvstore_control ("local" | "grpc"), kvstore_tenant.
 Add "hicache_storage_pass_prefix_keys": true (an SGLang setting) so each stored batch names
-the page before it, and kvstore keeps its index prefix-closed across batches.
+the page before it, and kvstore keeps its index prefix-closed across batches. A batch whose
+page before it the node has evicted is stored anyway, anchored at that page's key (SGLang
+backs up only the pages after its own cache hit and does not back up the batch again).
 
 Which pages may be shared is the Namespace's job, not a key suffix (HiCacheFile appends
 "_{model}_{tp_rank}_{tp_size}" to each key): the namespace carries the model, the KV
@@ -113,7 +115,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return [i < self._stored_already(namespace, keys) for i in range(len(keys))]
         started = time.perf_counter()
         stored = self._clients.get().put(namespace, keys, self._page_segments(keys, host_indices),
-                                         parent=_parent_key(extra_info))
+                                         anchor=_parent_key(extra_info))
         if self._metrics is not None:
             self._metrics.backup(stored, stored * namespace.page_bytes, time.perf_counter() - started)
         return [i < stored for i in range(len(keys))]
@@ -215,7 +217,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             else:
                 pages = [pool.host_pool.get_data_page(i, flat=True).contiguous()
                          for i in pool.first_indices(keys, transfer.host_indices)]
-            stored = client.put(pool.namespace, keys, pages, parent=parent_of(extra_info))
+            stored = client.put(pool.namespace, keys, pages, anchor=parent_of(extra_info))
             results[transfer.name] = [i < stored for i in range(len(keys))]
         return results
 

@@ -211,7 +211,7 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num")
+    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class ReserveRequest(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     RDMA_QP_NUM_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_ABSENT_PARENT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     parent_key: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -226,7 +227,8 @@ class ReserveRequest(_message.Message):
     lease_ttl_ms: int
     lease_id: int
     rdma_qp_num: int
-    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ...) -> None: ...
+    anchor_absent_parent: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., anchor_absent_parent: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token")
