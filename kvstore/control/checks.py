@@ -119,6 +119,14 @@ def promote_wait_s(request: pb.AcquireRequest, config: Config) -> float:
     return controller.promote_wait_ms_max / 1000
 
 
+def commit_wait_s(request: pb.AcquireRequest, config: Config) -> float:
+    """How long an Acquire may wait for pages not yet committed: wait_ms, at most controller.promote_wait_ms_max."""
+    most = config.controller.promote_wait_ms_max
+    if request.wait_ms > most:
+        raise errors.InvalidArgument(f"wait_ms {request.wait_ms} exceeds controller.promote_wait_ms_max ({most})")
+    return request.wait_ms / 1000
+
+
 def stats_page(request: pb.StatsRequest, config: Config) -> tuple[int, int]:
     most = config.limits.stats_namespaces_max
     if request.namespaces_max > most:

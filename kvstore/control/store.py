@@ -139,6 +139,10 @@ class PageStore:
         self.arena = arena
         self.clock = clock
         self._lock = threading.Lock()
+        self._committed = threading.Condition(self._lock)   # notified whenever pages become visible
+        # Acquires waiting for pages not yet committed each hold a worker thread: at most half of them.
+        self._commit_waiters_max = max(1, config.server.grpc_workers // 2)
+        self._commit_waiters = 0
         self._settled = threading.Condition(self._lock)   # a busy page stopped moving
         self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes)
         self.index = PageIndex(on_removed=self._on_removed, on_dram_dropped=self._free_dram)
@@ -407,6 +411,7 @@ class PageStore:
         index.touch_all(published)
         self.counters.pages_committed += len(published)
         self.listener.on_commit(published)
+        self._committed.notify_all()
         return states, published
 
     def abort(self, lease_id: int) -> tuple[int, Lease]:
@@ -418,6 +423,21 @@ class PageStore:
         return aborted, lease
 
     # -- reads: acquire, release ---------------------------------------------------------
+
+    def wait_committed(self, ns_id: int, keys: list[bytes], deadline: float) -> None:
+        """Block until every key is in the index (in any tier) or time.monotonic() passes `deadline`."""
+        with self._committed:
+            if self._commit_waiters >= self._commit_waiters_max:
+                return                                 # answer with what is committed now
+            self._commit_waiters += 1
+            try:
+                while len(self.index.leading(ns_id, keys)) < len(keys) and not self.draining:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    self._committed.wait(remaining)
+            finally:
+                self._commit_waiters -= 1
 
     def hold_chain(self, ns_id: int, keys: list[bytes], ttl_ms: int, owner: object | None) -> Lease:
         """A read lease pinning every leading page in any tier: none of them is a victim of the

@@ -147,13 +147,15 @@ class KVStoreClient:
 
     def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None, verify: bool = False,
             policy: str = "wait_complete", timeout_ms: int = 0, *, tokens: Any = None,
-            timeout_s: float | None = None) -> int:
+            timeout_s: float | None = None, wait_ms: int = 0) -> int:
         """Copy the leading stored pages into `out`; returns how many were loaded.
 
         Pages only on the node's NVMe tier come up into DRAM first; `policy` says how long
         to wait for them: "wait_complete" (all), "best_effort" (only what is in DRAM now;
         the rest is prefetched for next time) or "timeout" (up to `timeout_ms`). When the
-        call fails, `out` may hold anything.
+        call fails, `out` may hold anything. `wait_ms` waits up to that long for keys not yet
+        committed (another client writing them now: a prefill engine handing a prompt to this
+        decode engine); the count is then what was committed by the deadline.
         """
         prefetch = prefetch_policy(policy)
         check_verify(verify)
@@ -165,7 +167,7 @@ class KVStoreClient:
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:
                 request = pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys[start:stop],
-                                            policy=prefetch, timeout_ms=timeout_ms)
+                                            policy=prefetch, timeout_ms=timeout_ms, wait_ms=wait_ms)
                 return get_batch(conn.control, conn.data, request, segments[start:stop], verify)
 
             batch_loaded = self._on_node(

@@ -98,15 +98,20 @@ class KVStoreCluster:
         del keepalive
         return _leading(self._plan(raw), stored_by_segment)
 
-    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any) -> int:
-        """Copy the chain's leading stored pages into `out`; returns how many were loaded."""
+    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, wait_ms: int = 0) -> int:
+        """Copy the chain's leading stored pages into `out`; returns how many were loaded.
+
+        `wait_ms`: each node waits up to that long for its pages not yet committed (a
+        producer writing them now); segments are waited for in parallel.
+        """
         raw = encode_keys(keys)
         pages, keepalive = page_segments(out, len(raw), namespace.page_bytes, writable=True)
         segments = self._plan(raw)
 
         def get_segment(segment: placement.Segment) -> int:
             node = self._node(_reader(segment))
-            return node.get(namespace, raw[segment.start:segment.stop], pages[segment.start:segment.stop])
+            return node.get(namespace, raw[segment.start:segment.stop], pages[segment.start:segment.stop],
+                            wait_ms=wait_ms, timeout_s=self._timeout_s + wait_ms / 1000)
 
         counts = self._fan_out([(lambda s=s: get_segment(s)) for s in segments if s.nodes], miss=0)
         del keepalive

@@ -1,0 +1,48 @@
+"""A get with wait_ms loads pages another client commits while it waits, and answers at its deadline with what came."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, Namespace, errors, prefix_hashes
+
+NS = Namespace(model="handoff", page_bytes=8192, page_tokens=4)
+
+
+def test_get_waits_for_pages_committed_meanwhile(server):
+    keys = prefix_hashes(list(range(4 * 16)), page_tokens=4)
+    pages = np.random.default_rng(3).integers(0, 255, (16, NS.page_bytes), dtype=np.uint8)
+    with KVStoreClient(server.address) as producer, KVStoreClient(server.address) as consumer:
+        def produce() -> None:          # page by page, as a prefill engine computes them
+            for i in range(16):
+                time.sleep(0.02)
+                assert producer.put(NS, keys[i:i + 1], pages[i:i + 1], parent=keys[i - 1] if i else None) == 1
+
+        writer = threading.Thread(target=produce)
+        writer.start()
+        assert consumer.get(NS, keys, np.zeros_like(pages)) < 16          # without waiting: not there yet
+        out = np.zeros_like(pages)
+        assert consumer.get(NS, keys, out, wait_ms=10_000, timeout_s=15) == 16
+        writer.join()
+        assert np.array_equal(out, pages)
+
+
+def test_wait_ends_at_the_deadline_with_what_was_committed(server):
+    keys = prefix_hashes(list(range(100, 100 + 4 * 4)), page_tokens=4)
+    pages = np.random.default_rng(4).integers(0, 255, (4, NS.page_bytes), dtype=np.uint8)
+    with KVStoreClient(server.address) as client:
+        assert client.put(NS, keys[:2], pages[:2]) == 2
+        started = time.monotonic()
+        assert client.get(NS, keys, np.zeros_like(pages), wait_ms=300) == 2
+        assert time.monotonic() - started >= 0.3          # it did wait for the two never written
+
+
+def test_wait_beyond_the_node_limit_is_refused(server):
+    keys = prefix_hashes(list(range(8)), page_tokens=4)
+    with KVStoreClient(server.address) as client:
+        with pytest.raises(errors.InvalidArgument, match="promote_wait_ms_max"):
+            client.get(NS, keys, np.zeros((2, NS.page_bytes), np.uint8), wait_ms=3_600_000)
