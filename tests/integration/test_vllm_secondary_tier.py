@@ -16,21 +16,19 @@ import uuid
 
 import numpy as np
 import pytest
-
-pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
-from vllm.v1.core import kv_cache_utils  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.config import (  # noqa: E402
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvstore_client.adapters.vllm import KVStoreSecondaryTier, Metric  # noqa: E402
+from kvstore_client.adapters.vllm import KVStoreSecondaryTier, Metric
 
 BLOCK_TOKENS = 16
 CHUNK_BYTES = 8192
@@ -174,6 +172,7 @@ def test_vllm_stores_to_and_loads_from_kvstore_like_its_fs_tier(server, engines,
     for name, tier in (("kvstore", kvstore_tier(server)), ("fs", {"type": "fs", "root_dir": str(tmp_path / "fs"),
                                                                   "n_read_threads": 1, "n_write_threads": 1})):
         writer = engines(tier)
+        assert isinstance(writer.tier, KVStoreSecondaryTier) == (name == "kvstore")   # vLLM's factory built it
         writer.offload("prefill", keys, pages)
         reader = engines(tier)   # another engine: an empty primary tier, the same secondary store
         context, first, final = reader.lookup_all("follow-up", asked)
