@@ -127,6 +127,14 @@ def commit_wait_s(request: pb.AcquireRequest, config: Config) -> float:
     return request.wait_ms / 1000
 
 
+def keys_max(asked: int, limits: Limits) -> int:
+    """How many keys one ListKeys answers: as asked, at most limits.lookup_pages_max."""
+    if asked > limits.lookup_pages_max:
+        raise errors.InvalidArgument(f"keys_max={asked} exceeds limits.lookup_pages_max={limits.lookup_pages_max}: "
+                                     "page through with after_key")
+    return asked or limits.lookup_pages_max
+
+
 def stats_page(request: pb.StatsRequest, config: Config) -> tuple[int, int]:
     most = config.limits.stats_namespaces_max
     if request.namespaces_max > most:

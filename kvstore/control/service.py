@@ -11,6 +11,7 @@ carriers turn them into statuses.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import secrets
 import time
@@ -50,7 +51,7 @@ class KVStoreService:
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
             "Acquire": self.acquire, "Release": self.release, "Delete": self.delete, "Stats": self.stats,
             "RdmaConnect": self.rdma_connect, "Route": self.route, "Scrub": self.scrub,
-            "RdmaDisconnect": self.rdma_disconnect,
+            "RdmaDisconnect": self.rdma_disconnect, "ListKeys": self.list_keys,
         }
 
     @property
@@ -199,6 +200,13 @@ class KVStoreService:
         if removed:
             log.info("pages deleted namespace=%016x pages=%d", request.namespace_id, len(removed))
         return pb.DeleteResponse(deleted_pages=len(removed))
+
+    def list_keys(self, request: pb.ListKeysRequest, owner: object | None) -> pb.ListKeysResponse:
+        self.store.namespace(request.namespace_id)
+        most = checks.keys_max(request.keys_max, self.limits)
+        keys = sorted(self.store.keys(request.namespace_id))   # sorted here, outside the store's lock
+        start = bisect.bisect_right(keys, request.after_key) if request.after_key else 0
+        return pb.ListKeysResponse(keys=keys[start:start + most], more=start + most < len(keys))
 
     def stats(self, request: pb.StatsRequest, owner: object | None) -> pb.StatsResponse:
         offset, count = checks.stats_page(request, self.config)

@@ -227,6 +227,11 @@ class PageStore:
             return [pb.DRAM] * len(offsets)
         return [pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets]
 
+    def keys(self, ns_id: int) -> list[bytes]:
+        """Keys of the namespace's pages, in no order (copied under the lock; the caller sorts them)."""
+        with self._lock:
+            return self.index.keys(ns_id)
+
     # -- writes: reserve, commit, abort -------------------------------------------------
 
     def reserve(self, ns_id: int, keys: list[bytes], parent_key: bytes, lease_id: int, ttl_ms: int,
@@ -794,7 +799,7 @@ class PageStore:
             namespaces = [
                 pb.NamespaceStats(namespace_id=i, model=self.namespaces[i].model, tenant=self.namespaces[i].tenant,
                                   page_bytes=self.namespaces[i].page_bytes,
-                                  pages=self.index.pages_by_namespace.get(i, 0))
+                                  pages=self.index.pages_by_namespace.get(i, 0), spec=self.namespaces[i].to_proto())
                 for i in ids]
             return counters, dram, namespaces, len(self.namespaces)
 

@@ -20,7 +20,7 @@ from kvstore_client import errors
 from kvstore_client.proto import pb
 
 # Methods whose request names a namespace by id, and those that name leases.
-_BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route"})
+_BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route", "ListKeys"})
 _ADMIN_ONLY = frozenset({"Scrub"})
 # Planes whose region is the whole arena (every tenant's pages): an RDMA rkey, like the shm fd, is
 # handed to admins only; a tenant's client moves its pages over TCP, where each frame is checked.

@@ -43,12 +43,14 @@ def test_same_answers_as_the_sync_client(server, ns):
             assert np.array_equal(out, data)
             assert (await client.stats()).pages_committed == 40
             assert await client.delete(ns, [keys[35]]) == 5
+            assert await client.list_keys(ns) == sorted(k.encode() for k in keys[:35])
             return out
 
     asyncio.run(run())
     with KVStoreClient(server.address) as sync:   # what the async client stored, the sync one reads
         out = np.zeros((35, PAGE), np.uint8)
         assert sync.lookup(ns, keys) == 35 and sync.get(ns, keys[:35], out) == 35
+        assert sync.list_keys(ns) == sorted(k.encode() for k in keys[:35])
         assert np.array_equal(out, data[:35])
 
 

@@ -273,3 +273,23 @@ def test_two_instances_through_the_adapter_each_reach_their_own_node(start_serve
     assert a.leading([a.key(0x7000)]) == 1 and b.leading([b.key(0x7000)]) == 0
     b.put([b.key(0x7001)], [b.chunk(seed=61)])
     assert b.leading([b.key(0x7001)]) == 1 and a.leading([a.key(0x7001)]) == 0
+
+
+def test_list_names_every_stored_chunk_like_the_fs_connector(server, loop, tmp_path):
+    engine = Engine(make_config(server), loop)
+    control = fs_control(loop, tmp_path)
+    worker1 = Engine(make_config(server), loop, worker_id=1, world_size=2)
+    keys = [engine.key(0x8000 + i) for i in range(3)]
+    other = [worker1.key(0x9000)]
+    engine.put(keys, [engine.chunk(seed=70 + i) for i in range(3)])
+    worker1.put(other, [worker1.chunk(seed=80)])
+    for key, obj in [(k, engine.chunk(seed=90)) for k in keys] + [(other[0], worker1.chunk(seed=91))]:
+        control.submit_put_task(key, obj).result(10)
+
+    def listed(backend):
+        return sorted(asyncio.run_coroutine_threadsafe(backend.connection.list(), loop).result(10))
+
+    ours = listed(engine.remote)
+    assert ours == sorted(k.to_string() for k in keys + other)    # was NotImplementedError
+    assert ours == [name.replace("-SEP-", "/") for name in listed(control)]
+    assert listed(worker1.remote) == ours                           # one node, one answer for every worker

@@ -265,3 +265,23 @@ def test_delete_takes_descendants(service):
     assert service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"a1"]), None).deleted_pages == 3
     assert lookup(service, ns, keys("a", 4)) == 1
     assert service.store.allocator.used_bytes == PAGE
+
+
+def test_list_keys_pages_through_a_namespace_in_byte_order(service):
+    ns, other = open_ns(service), open_ns(service, layout="x")
+    put(service, ns, keys("a", 5))
+    put(service, ns, keys("b", 3), parent=b"a4")       # one chain: a0..a4 b0..b2
+    put(service, other, keys("z", 2))
+    listed, after = [], b""
+    while True:
+        answer = service.list_keys(pb.ListKeysRequest(namespace_id=ns, after_key=after, keys_max=3), None)
+        listed += answer.keys
+        if not answer.more:
+            break
+        after = answer.keys[-1]
+    assert listed == sorted(keys("a", 5) + keys("b", 3))
+    assert service.list_keys(pb.ListKeysRequest(namespace_id=other), None).keys == keys("z", 2)
+    with pytest.raises(errors.InvalidArgument, match="lookup_pages_max"):
+        service.list_keys(pb.ListKeysRequest(namespace_id=ns, keys_max=service.limits.lookup_pages_max + 1), None)
+    with pytest.raises(errors.NamespaceNotFound):
+        service.list_keys(pb.ListKeysRequest(namespace_id=12345), None)

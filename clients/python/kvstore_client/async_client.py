@@ -298,6 +298,19 @@ class AsyncKVStoreClient:
     async def clear(self, namespace: Namespace, *, timeout_s: float | None = None) -> int:
         return (await self._call_in(namespace, "Delete", pb.DeleteRequest(all_pages=True), timeout_s)).deleted_pages
 
+    async def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
+        async def list_all(conn: _Connection) -> list[bytes]:
+            async def in_namespace(ns_id: int) -> list[bytes]:
+                found: list[bytes] = []
+                while True:
+                    answer = await conn.control.call("ListKeys", pb.ListKeysRequest(
+                        namespace_id=ns_id, after_key=found[-1] if found else b""), self._timeout_s)
+                    found += answer.keys
+                    if not answer.more:
+                        return found
+            return await self._in_namespace(conn, namespace, in_namespace)
+        return await self._on_node(list_all, timeout_s)
+
     async def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         return await self._on_node(
             lambda conn: conn.control.call("Stats", pb.StatsRequest(), self._timeout_s), timeout_s)

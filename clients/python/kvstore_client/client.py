@@ -211,6 +211,19 @@ class KVStoreClient:
         return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never,
                              timeout_s=timeout_s).deleted_pages
 
+    def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
+        """Keys of every page of the namespace, in byte order (several ListKeys calls for a large one)."""
+        def in_namespace(conn: NodeConnection, ns_id: int) -> list[bytes]:
+            found: list[bytes] = []
+            while True:
+                answer = conn.control.call("ListKeys", pb.ListKeysRequest(namespace_id=ns_id,
+                                                                          after_key=found[-1] if found else b""))
+                found += answer.keys
+                if not answer.more:
+                    return found
+        return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
+                             _always, timeout_s=timeout_s)
+
     def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         return self._on_node(lambda conn: conn.control.call("Stats", pb.StatsRequest()), _always, timeout_s=timeout_s)
 

@@ -240,8 +240,26 @@ class KVStoreConnector(RemoteConnector):
     # -- housekeeping -----------------------------------------------------------------
 
     async def list(self) -> List[str]:
-        raise NotImplementedError("kvstore does not enumerate keys: look chunks up by key "
-                                  "(batched_async_contains)")
+        """Every chunk stored in this connector's format, as CacheEngineKey strings (what LMCache's fs
+        connector lists as file names): the node's namespaces of LMCache chunks of this size (among the
+        first limits.stats_namespaces_max namespaces Stats names), key by key."""
+        return await self._run(self._list)
+
+    def _list(self) -> List[str]:
+        client = self._clients.get()
+        stats = client.stats()
+        found: List[str] = []
+        for entry in stats.namespaces:
+            namespace = Namespace.from_proto(entry.spec)
+            identity = _lmcache_identity(namespace)
+            if identity is None or namespace.page_bytes != self.page_bytes:
+                continue
+            if self.settings.tenant and namespace.tenant != self.settings.tenant:
+                continue
+            model, world_size, worker_id, dtype = identity
+            found += [f"{model}@{world_size}@{worker_id}@{key.decode()}@{dtype}"
+                      for key in client.list_keys(namespace)]
+        return found
 
     def support_ping(self) -> bool:
         return True
@@ -309,6 +327,23 @@ class KVStoreConnectorAdapter(ConnectorAdapter):
                                     target=target)
         name = context.plugin_name or context.url.removeprefix("plugin://")
         return KVStoreConnector(context.loop, context.local_cpu_backend, context.config, plugin_name=name)
+
+
+def _lmcache_identity(namespace: Namespace) -> Optional[tuple[str, int, int, str]]:
+    """(model, world size, worker id, dtype) of a namespace of LMCache chunks (see _namespace), else None.
+
+    Namespaces with tags are left out: CacheEngineKey.to_string() does not carry tags either."""
+    layout = namespace.layout
+    if not layout.startswith("lmcache:"):
+        return None
+    fields = dict(part.split("=", 1) for part in layout.split(";")[1:] if "=" in part)
+    if set(fields) - {"worker"}:
+        return None
+    if "worker" in fields:
+        worker_id, world_size = (int(v) for v in fields["worker"].split("/"))
+    else:
+        worker_id, world_size = namespace.tp_rank, namespace.tp_size
+    return namespace.model, world_size, worker_id, namespace.kv_dtype
 
 
 def _identity(key: CacheEngineKey) -> tuple:

@@ -387,18 +387,20 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., corrupt_pages: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "model", "tenant", "page_bytes", "pages")
+    __slots__ = ("namespace_id", "model", "tenant", "page_bytes", "pages", "spec")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     model: str
     tenant: str
     page_bytes: int
     pages: int
-    def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
+    spec: NamespaceSpec
+    def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes", "engines")
@@ -469,6 +471,24 @@ class ScrubResponse(_message.Message):
     pages_checked: int
     pages_bad: int
     def __init__(self, pages_checked: _Optional[int] = ..., pages_bad: _Optional[int] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ("namespace_id", "after_key", "keys_max")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_MAX_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    after_key: bytes
+    keys_max: int
+    def __init__(self, namespace_id: _Optional[int] = ..., after_key: _Optional[bytes] = ..., keys_max: _Optional[int] = ...) -> None: ...
+
+class ListKeysResponse(_message.Message):
+    __slots__ = ("keys", "more")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    more: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class RdmaQueuePair(_message.Message):
     __slots__ = ("lid", "gid", "qp_num", "psn", "mtu", "gid_type")
