@@ -5,8 +5,10 @@ shared-memory zero-copy path, long-prompt lookups and prefix hashing.
     make bench-hot-path      (installs the Mooncake peer first: pip mooncake-transfer-engine-non-cuda,
                               apt libibverbs1 librdmacm1 libnuma1)
 
-Placement: this process (the client, and Mooncake's dummy client) runs on CPU 0; the kvstore node,
-and Mooncake's master and real client, on CPU 1 (sched_setaffinity / taskset). Each page size moves
+Placement: this process (the client, and Mooncake's dummy client) runs on --client-cpu (0); the
+kvstore node, and Mooncake's master and real client, on --server-cpu (1) (sched_setaffinity /
+taskset). Mooncake copies pages in its real client, kvstore in the client: on a host where one
+core is busier than the other, run both placements. Each page size moves
 a working set of distinct pages (default 1 GiB, larger than every cache) from one page-aligned
 buffer into the store, then back into another; memmove copies the same pages between the same
 buffers. Each kvstore call is its own chain of `batch` pages (4 KiB: 1024, 64 KiB and 1 MiB: 128,
@@ -92,7 +94,8 @@ def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
     src[:] = np.random.default_rng(0).integers(0, 255, working_set, dtype=np.uint8)
     dst[:] = 1   # faulted in before timing
     rows = {p: {"page_bytes": p, "pages": working_set // p, "batch_pages": BATCH_PAGES[p]} for p in page_sizes}
-    server = ServerProcess(f"dram.arena_bytes={working_set + (256 << 20)}", "dram.slab_bytes=4MiB", cpus="1")
+    server = ServerProcess(f"dram.arena_bytes={working_set + (256 << 20)}", "dram.slab_bytes=4MiB",
+                           cpus=args.server_cpu)
     try:
         with KVStoreClient(server.address) as client:
             for p in page_sizes:
@@ -109,7 +112,7 @@ def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
     if mooncake_reason:
         return list(rows.values())
     peer = _mooncake_peer.MooncakePeer(segment_bytes=working_set + (working_set >> 1) + (256 << 20),
-                                       pool_bytes=2 * working_set + (64 << 20), cpus="1")
+                                       pool_bytes=2 * working_set + (64 << 20), cpus=args.server_cpu)
     try:
         pool_src, pool_dst = peer.pool_buffer(working_set), peer.pool_buffer(working_set)
         ctypes.memmove(pool_src, src.ctypes.data, working_set)   # the same pages, where Mooncake reads them
@@ -133,7 +136,7 @@ def lookups(args) -> list[dict]:
     tokens = np.random.default_rng(1).integers(0, 128_000, most * PAGE_TOKENS).astype(np.uint32)
     ns = Namespace(model="lookup", page_bytes=4096, page_tokens=PAGE_TOKENS)
     keys = kv_keys.prefix_hashes(tokens, PAGE_TOKENS)
-    server = ServerProcess(f"dram.arena_bytes={most * 4096 + (64 << 20)}", cpus="1")
+    server = ServerProcess(f"dram.arena_bytes={most * 4096 + (64 << 20)}", cpus=args.server_cpu)
     rows = []
     try:
         with KVStoreClient(server.address) as client:
@@ -209,13 +212,16 @@ def main() -> None:
     parser.add_argument("--lookup-repeats", type=int, default=30)
     parser.add_argument("--page-sizes", default=",".join(str(p) for p in PAGE_SIZES))
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake peer")
+    parser.add_argument("--client-cpu", type=int, default=0)
+    parser.add_argument("--server-cpu", default="1", help="taskset CPU list of the servers")
+    parser.add_argument("--skip", default="", help="comma-separated parts not to run: hashing,lookup")
     parser.add_argument("--json", help="write the report here too")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     unknown = set(page_sizes) - set(BATCH_PAGES)
     if unknown:
         parser.error(f"page sizes must be among {sorted(BATCH_PAGES)}, not {sorted(unknown)}")
-    os.sched_setaffinity(0, {0})
+    os.sched_setaffinity(0, {args.client_cpu})
     reason = "skipped (--no-mooncake)" if args.no_mooncake else _mooncake_peer.unavailable_reason()
     if not reason:
         _mooncake_peer.private_network()
@@ -223,9 +229,10 @@ def main() -> None:
     report = {"bench": "hot_path", "working_set_mib": args.working_set_mib, "repeats": args.repeats,
               "lookup_repeats": args.lookup_repeats, "native": native.available() or native.missing_reason,
               "mooncake": reason or "dummy client, shared memory",
-              "placement": "client on CPU 0, kvstore node and Mooncake servers on CPU 1"}
-    report["prefix_hashes"] = hashing(args)
-    report["lookup"] = lookups(args)
+              "placement": f"client on CPU {args.client_cpu}, kvstore node and Mooncake servers on CPU {args.server_cpu}"}
+    skip = set(args.skip.split(",")) - {""}
+    report["prefix_hashes"] = hashing(args) if "hashing" not in skip else {}
+    report["lookup"] = lookups(args) if "lookup" not in skip else []
     report["throughput"] = throughput(args, page_sizes, reason)
     print_tables(report)
     if args.json:
