@@ -12,7 +12,7 @@ from typing import Sequence
 from kvstore.config import Config
 from kvstore.limits import Limits
 from kvstore_client import errors
-from kvstore_client.keys import Namespace, encode_key, prefix_hashes
+from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
 
 _NAME_FIELDS = ("model", "tenant", "kv_dtype", "layout")
@@ -66,7 +66,7 @@ def lookup_keys(namespace: Namespace, request: pb.LookupRequest | pb.RouteReques
         raise errors.BatchTooLarge(f"{pages} pages of tokens; limits.lookup_pages_max is {limits.lookup_pages_max}: "
                                    "split the prompt, each part's parent_key the last key of the part before")
     seed = _chain_key(parent_key) if parent_key else namespace.hash_seed
-    return [encode_key(k) for k in prefix_hashes(request.tokens, namespace.page_tokens, seed)]
+    return encode_keys(prefix_hashes(request.tokens, namespace.page_tokens, seed))
 
 
 def _keys(batch: Sequence[bytes], limits: Limits, most: int, limit_name: str, what: str) -> list[bytes]:
