@@ -89,3 +89,26 @@ def client(server):
 
     with KVStoreClient(server.address, timeout_s=10) as c:
         yield c
+
+
+def cuda_missing() -> str:
+    """Why tests marked `gpu` cannot run here, or "" when they can."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (GPU tests need cupy and a CUDA device)"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "no CUDA device is visible"
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"no usable CUDA device: {exc}"
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run where cupy sees a CUDA device; elsewhere each is skipped with the reason."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    reason = cuda_missing() if gpu_items else ""
+    for item in gpu_items:
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
