@@ -150,3 +150,23 @@ def test_a_new_node_takes_load_gradually(start_node, etcd):
         late = share()
     assert early < 0.2           # near RAMP_FLOOR's share at first
     assert 0.25 < late < 0.42    # then its full third
+
+
+def test_a_chain_stored_chunk_by_chunk_is_waited_for_and_got_whole(three_nodes, etcd):
+    cluster, three_nodes = three_nodes
+    url = f"etcd://{etcd.endpoint}/{cluster}"
+    keys, data = chain(11, 40)
+    with KVStoreCluster(url, segment_pages=8) as prefill, KVStoreCluster(url, segment_pages=8, transport="tcp") as decode:
+        wait_members(prefill, set(three_nodes))
+        wait_members(decode, set(three_nodes))
+        out = np.zeros_like(data)
+        waiting = threading.Thread(target=lambda: outcomes.append(decode.get(NS, keys, out, wait_ms=10_000)))
+        outcomes: list[int] = []
+        waiting.start()
+        for start in range(0, 40, 6):            # chunks that straddle segment boundaries
+            stop = min(start + 6, 40)
+            assert prefill.put(NS, keys[:stop], data[start:stop], skip_pages=start) == stop
+            time.sleep(0.02)
+        waiting.join(30)
+        assert outcomes == [40]
+        assert np.array_equal(out, data)

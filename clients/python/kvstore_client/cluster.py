@@ -82,21 +82,33 @@ class KVStoreCluster:
     def etcd_lost(self) -> bool:
         return bool(self._view.etcd_lost_since)
 
-    def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any) -> int:
-        """Store a chain's pages (keys from its first page); returns how many leading pages are stored."""
+    def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any, skip_pages: int = 0) -> int:
+        """Store a chain's pages; returns how many leading pages of the chain are stored.
+
+        `keys` run from the chain's first page (they fix where each segment lives); `buffers`
+        hold the pages of keys[skip_pages:] only: the leading `skip_pages` were stored by an
+        earlier call (a prefill engine storing each chunk as soon as it is computed).
+        """
         raw = encode_keys(keys)
-        pages, keepalive = page_segments(buffers, len(raw), namespace.page_bytes, writable=False)
+        if not 0 <= skip_pages <= len(raw):
+            raise errors.InvalidArgument(f"skip_pages {skip_pages} is outside the chain of {len(raw)} pages")
+        pages, keepalive = page_segments(buffers, len(raw) - skip_pages, namespace.page_bytes, writable=False)
+        segments = self._plan(raw)
 
-        def put_segment(segment: placement.Segment, node_id: str) -> int:
-            return self._node(node_id).put(namespace, raw[segment.start:segment.stop], pages[segment.start:segment.stop])
+        def put_piece(segment: placement.Segment, node_id: str) -> int:
+            first = max(segment.start, skip_pages)        # a node holds a segment as a chain from its first page
+            parent = raw[first - 1] if first > segment.start else None
+            stored = self._node(node_id).put(namespace, raw[first:segment.stop],
+                                             pages[first - skip_pages:segment.stop - skip_pages], parent=parent)
+            return first - segment.start + stored
 
-        calls = [(segment, node_id) for segment in self._plan(raw) for node_id in segment.nodes]
-        counts = self._fan_out([(lambda s=s, n=n: put_segment(s, n)) for s, n in calls], miss=0)
-        stored_by_segment: dict[int, int] = {}
+        calls = [(segment, node_id) for segment in segments if segment.stop > skip_pages for node_id in segment.nodes]
+        counts = self._fan_out([(lambda s=s, n=n: put_piece(s, n)) for s, n in calls], miss=0)
+        stored_by_segment = {s.start: s.stop - s.start for s in segments if s.stop <= skip_pages}
         for (segment, _), count in zip(calls, counts):    # a replicated segment is stored if any replica has it
             stored_by_segment[segment.start] = max(stored_by_segment.get(segment.start, 0), count)
         del keepalive
-        return _leading(self._plan(raw), stored_by_segment)
+        return _leading(segments, stored_by_segment)
 
     def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, wait_ms: int = 0) -> int:
         """Copy the chain's leading stored pages into `out`; returns how many were loaded.
