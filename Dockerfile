@@ -10,7 +10,7 @@ WORKDIR /src
 COPY clients/python /src/clients/python
 COPY pyproject.toml README.md /src/
 COPY kvstore /src/kvstore
-RUN pip install --no-cache-dir ./clients/python ./ && rm -rf /src
+RUN pip install --no-cache-dir "./clients/python[cluster]" "./[cluster]" && rm -rf /src
 WORKDIR /
 
 # The RDMA data plane (experimental, deploy/RDMA.md) needs pyverbs and a verbs provider from

@@ -218,6 +218,7 @@ class ClusterConfig:
     name: str = "kvstore"                   # the cluster: nodes and clients of one name form one pool
     node_id: str = ""                       # unique in the cluster; "" = the host name
     host_id: str = ""                       # nodes with the client's host id offer it shared memory; "" = machine id
+    advertise_host: str = ""                # host clients reach gRPC at (in the member record); "" = server.grpc_address's
     required: bool = True                   # etcd unreachable at start: exit (true) or serve alone and retry (false)
     lease_ttl_s: int = 10                   # a dead node leaves the membership this long after its last renewal
     ramp_s: float = 60.0                    # a new node's placement weight grows to full over this long

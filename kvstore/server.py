@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
              config.dram.arena_bytes, time.monotonic() - started)
     status = node.status
     if registration is not None:
-        registration.serve(node.grpc_address, node.service.tcp_endpoint, node.rdma is not None)
+        advertised = config.cluster.advertise_host
+        grpc_address = f"{advertised}:{node.grpc_port}" if advertised else node.grpc_address
+        registration.serve(grpc_address, node.service.tcp_endpoint, node.rdma is not None)
         if node.metrics is not None:
             node.metrics.registry.register(registration.collector())
         status = lambda: f"{node.status()} {registration.describe()}"  # noqa: E731

@@ -1,0 +1,47 @@
+"""The compose file's `cluster` profile, checked without Docker: etcd and three nodes whose environment, read
+with the image's config file, is a valid configuration naming the etcd service, each with its own id and a
+host name other containers can reach it by (and `docker-compose --profile cluster config` accepts it)."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from deploy_tools import require_tool
+from kvstore import config
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+IMAGE_CONFIG = ROOT / "deploy" / "docker" / "kvstore.toml"
+
+
+def services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def test_cluster_profile_has_etcd_and_three_distinct_nodes():
+    everything = services()
+    cluster = {name: s for name, s in everything.items() if "cluster" in s.get("profiles", ())}
+    assert "etcd" in cluster and "profiles" not in everything["kvstore"]   # a plain `up` starts one node only
+    nodes = {name: s for name, s in cluster.items() if name != "etcd"}
+    assert len(nodes) == 3
+    ids, published = set(), set()
+    for name, node in nodes.items():
+        environ = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in node["environment"].items()}
+        settings = config.load(str(IMAGE_CONFIG), environ=environ)
+        assert settings.cluster.endpoints == ("http://etcd:2379",)
+        assert settings.cluster.advertise_host == node["hostname"] == name
+        assert settings.tcp.advertise_host == name
+        assert not settings.server.grpc_address.startswith("127.")    # reachable from the other containers
+        ids.add(settings.cluster.node_id)
+        published.update(node["ports"])
+        assert node["depends_on"] == ["etcd"]
+    assert len(ids) == 3 and len(published) == 3
+
+
+def test_docker_compose_accepts_the_cluster_profile():
+    compose = require_tool("docker-compose", "docker-compose")
+    result = subprocess.run([compose, "-f", str(COMPOSE), "--profile", "cluster", "config", "--quiet"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
