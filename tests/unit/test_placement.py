@@ -63,3 +63,18 @@ def test_plan_replicates_the_leading_segments_only():
     assert all(len(s.nodes) == 1 for s in segments[1:])
     assert [len(s.nodes) for s in plan(KEYS[:40], weights, 16, 3, replicated_segments=2)] == [3, 3, 1]
     assert plan(KEYS[:5], {}, 16, 3)[0].nodes == ()
+
+
+def test_cluster_url_names_endpoints_and_cluster():
+    from kvstore_client.cluster import parse_cluster_url
+
+    assert parse_cluster_url("etcd://h1:2379,h2:2379/prod") == (["h1:2379", "h2:2379"], "prod")
+    for bad in ("http://h1:2379/prod", "etcd://h1:2379", "etcd://h1:2379/a/b", "etcd:///prod"):
+        with pytest.raises(ValueError, match="etcd://host:2379"):
+            parse_cluster_url(bad)
+
+
+def test_member_record_round_trips_and_ignores_unknown_fields():
+    member = members(1, serving_since=5.0, ramp_s=2.0)[0]
+    assert Member.decode(member.encode()) == member
+    assert Member.decode(member.encode()[:-1] + b', "added_later": 1}') == member
