@@ -40,8 +40,8 @@ class SlotGrants:
         lease, offset = self._store.begin_transfer(lease_id, token, READ, slot, nbytes)
         return Grant(lease, slot, self._store.arena.view[offset:offset + nbytes], lease.deadline, False)
 
-    def finish_transfer(self, grant: Grant) -> None:
-        self._store.end_transfer(grant.lease, grant.slot)
+    def finish_transfer(self, grant: Grant, arrived_checksum: int | None = None) -> None:
+        self._store.end_transfer(grant.lease, grant.slot, arrived_checksum)
 
     def cut_transfer(self, grant: Grant) -> None:
         self._store.cut_transfer(grant.lease, grant.slot)

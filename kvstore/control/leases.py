@@ -40,6 +40,9 @@ class Lease:
     transfers: int = 0                   # data-plane transfers in flight; its memory is freed after the last
     writing: set[int] = dataclasses.field(default_factory=set)  # key indices whose slot is being written
     committing: set[int] = dataclasses.field(default_factory=set)  # key indices a Commit is hashing now
+    # key index -> xxh3 the node took of the slot as its last data-plane write landed (TCP); a
+    # Commit records it instead of reading the slot again, and a new write to the slot voids it
+    arrived: dict[int, int] = dataclasses.field(default_factory=dict)
     rdma_qp_num: int = 0                 # the node's queue pair moving its bytes over RDMA, if any
     ended: bool = False
 

@@ -322,6 +322,8 @@ class PageStore:
                                                                                     list[PageRecord]]:
         """Hash the slots (unlocked: they belong to this lease alone), check, publish in chain order.
 
+        A slot the node already hashed as its data-plane write landed (end_transfer) is not read again.
+
         Returns (states, checksums, pages published)."""
         with self._lock:
             lease = self._lease(lease_id, WRITE)
@@ -331,11 +333,13 @@ class PageStore:
                     f"{len(checksums)} checksums for {len(indices)} pages: give one per page or none")
             page_bytes = self.namespaces[lease.namespace_id].page_bytes
             offsets = [lease.slots[i] for i in indices]
+            arrived = [lease.arrived.get(i) for i in indices]
             lease.busy += 1
             lease.committing.update(indices)   # no data-plane write, no other commit, until published
         try:
             view = self.arena.view
-            sums = [xxhash.xxh3_64_intdigest(view[o:o + page_bytes]) for o in offsets]
+            sums = [xxhash.xxh3_64_intdigest(view[o:o + page_bytes]) if known is None else known
+                    for o, known in zip(offsets, arrived)]
             failpoints.hit("commit.before_publish")
         except BaseException:
             with self._lock:
@@ -401,6 +405,7 @@ class PageStore:
         for position, checksum in zip(indices, sums):
             key = keys[position]
             offset = lease.slots.pop(position)
+            lease.arrived.pop(position, None)
             del self._pending[(ns_id, key)]
             parent_key = keys[position - 1] if position else lease.parent_key
             parent = index.get((ns_id, parent_key)) if parent_key else None
@@ -570,12 +575,17 @@ class PageStore:
                 raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
             if kind == WRITE:
                 lease.writing.add(slot)
+                lease.arrived.pop(slot, None)   # the bytes an earlier write's checksum was taken of are going
             lease.transfers += 1
             return lease, offset
 
-    def end_transfer(self, lease: Lease, slot: int) -> None:
+    def end_transfer(self, lease: Lease, slot: int, arrived_checksum: int | None = None) -> None:
+        """A transfer is over; `arrived_checksum`: the xxh3 this node took of a written slot's bytes once
+        all of them had landed, which its Commit records without hashing the slot again."""
         with self._lock:
             self._transfer_ended(lease, slot)
+            if arrived_checksum is not None and lease.kind == WRITE and slot in lease.slots:
+                lease.arrived[slot] = arrived_checksum
 
     def cut_transfer(self, lease: Lease, slot: int) -> None:
         """A write stopped part-way: its lease ends, so the torn page is never visible."""

@@ -6,7 +6,9 @@ the gRPC server.
 
 - PUT bodies are received straight into the slot: the protocol is an asyncio
   BufferedProtocol whose get_buffer() returns the reader's buffer, a memoryview of the
-  arena for a body. GET answers are written straight out of the slot: uvloop keeps a
+  arena for a body. Once a body is all in, the node takes its xxh3 (the page is still in
+  cache, the next one queues in the socket) and hands it back with the slot; the Commit
+  records it instead of reading the slot again, unless a later write to the slot voided it. GET answers are written straight out of the slot: uvloop keeps a
   reference to the arena view until the kernel has taken its bytes, no copy.
 - Each frame is resolved through a SlotResolver (the service, wired by server.py): the
   token must be the lease's and the slot one of its slots. A refused frame gets an error
@@ -40,6 +42,7 @@ import threading
 import time
 
 import uvloop
+import xxhash
 
 from kvstore.invariants import stop_node
 from kvstore.transport.slots import Grant, SlotResolver
@@ -235,7 +238,9 @@ class _Connection(asyncio.BufferedProtocol):
                 self._get(event)
         elif event is Event.BODY_DONE:
             grant, self._body = self._body, None
-            self._resolver.finish_transfer(grant)
+            # Hashed now, while the page is fresh in cache and the next one queues in the socket:
+            # its Commit then reads nothing back, so no 16 MiB hash sits between the last byte and the answer.
+            self._resolver.finish_transfer(grant, xxhash.xxh3_64_intdigest(grant.view))
             self._write([encode_response(0, Op.PUT, 0)])
         self._collect_reads()
 

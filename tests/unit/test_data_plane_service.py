@@ -1,6 +1,7 @@
 """The service's data-plane hooks: tokens, slot checks, grants that outlive their lease, cut writes."""
 
 import pytest
+import xxhash
 
 from node_parts import ManualClock, make_service
 from kvstore_client import errors
@@ -103,3 +104,37 @@ def test_a_cut_write_ends_its_lease_and_nothing_becomes_visible(service):
 def test_rdma_connect_without_rdma_is_a_clear_error(service):
     with pytest.raises(errors.TransportUnavailable, match="no RDMA data plane"):
         service.rdma_connect(pb.RdmaConnectRequest(queue_pair=pb.RdmaQueuePair(qp_num=1)), None)
+
+
+def test_a_commit_records_the_checksum_taken_as_the_page_landed_without_reading_the_slot(service):
+    ns, r = reserve(service, [b"h0"])
+    grant = service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    grant.view[:] = b"\x07" * PAGE
+    service.grants.finish_transfer(grant, arrived_checksum=0x1234)   # not the bytes' hash: shows it is not re-read
+    committed = service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    assert list(committed.states) == [pb.COMMITTED] and list(committed.checksums) == [0x1234]
+
+
+def test_a_new_write_to_a_slot_voids_the_checksum_its_earlier_write_landed_with(service):
+    ns, r = reserve(service, [b"v0"])
+    first = service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    first.view[:] = b"\x01" * PAGE
+    service.grants.finish_transfer(first, arrived_checksum=xxhash.xxh3_64_intdigest(b"\x01" * PAGE))
+    again = service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    again.view[:] = b"\x02" * PAGE
+    service.grants.finish_transfer(again)        # a path that took no checksum: the node hashes at Commit
+    committed = service.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    assert list(committed.checksums) == [xxhash.xxh3_64_intdigest(b"\x02" * PAGE)]
+
+
+def test_a_writer_checksum_is_checked_against_the_one_taken_as_the_page_landed(service):
+    ns, r = reserve(service, [b"w0"])
+    grant = service.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    grant.view[:] = b"\x03" * PAGE
+    landed = xxhash.xxh3_64_intdigest(b"\x03" * PAGE)
+    service.grants.finish_transfer(grant, arrived_checksum=landed)
+    with pytest.raises(errors.ChecksumMismatch):
+        service.commit(pb.CommitRequest(lease_id=r.lease_id, checksums=[landed ^ 1]), None)
+    assert service.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"w0"]), None).hit_pages == 0
+    assert list(service.commit(pb.CommitRequest(lease_id=r.lease_id, checksums=[landed]), None).states) == [
+        pb.COMMITTED]

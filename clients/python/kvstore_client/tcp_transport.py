@@ -18,11 +18,15 @@ import threading
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
 from kvstore_client.channel import peer_open
-from kvstore_client.data_path import NETWORK_SHAPE, Page
+from kvstore_client.data_path import Page, PipelineShape
 from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_hello, encode_request
 
 IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
+# The node hashes each page as its last byte lands (kvstore/transport/tcp.py), so a Commit reads
+# nothing back and there is no checksumming to overlap: one run per Reserve group, and the wire
+# never idles between runs. Groups stay large so the next Reserve hides behind the transfer.
+SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 << 20, commit_run_bytes=64 << 20)
 
 
 def _view(segment: Segment) -> memoryview:
@@ -48,7 +52,7 @@ def sendmsg_all(sock: socket.socket, iov: list) -> None:
 class TcpDataPath:
     name = "tcp"
     rdma_qp_num = 0
-    shape = NETWORK_SHAPE
+    shape = SHAPE
 
     def __init__(self, endpoint: str, timeout_s: float, congestion: str = "", ticket: bytes = b""):
         """`ticket`: Hello's data_ticket; when the node handed one out, it opens the connection (its HELLO)."""
