@@ -1,5 +1,7 @@
 """The TCP data plane's frames and the server's request reader: where each byte goes, and what is refused."""
 
+import tracemalloc
+
 import pytest
 
 from kvstore_client import tcp_framing as tf
@@ -92,3 +94,20 @@ def test_responses_round_trip_and_tokens_have_128_bits():
     with pytest.raises(ValueError, match="16 bytes"):
         tf.encode_request(Op.GET, 1, b"short", 0, 1)
     assert tf.TOKEN_BYTES * 8 >= 128
+
+
+def test_a_completed_put_body_is_not_copied_out_of_its_slot():
+    page_bytes = 4 << 20
+    slot = memoryview(bytearray(page_bytes))
+    reader = RequestReader(page_bytes, memoryview(bytearray(64)))
+    header = tf.encode_request(Op.PUT, 5, TOKEN, 0, page_bytes)
+    reader.buffer()[:len(header)] = header
+    assert isinstance(reader.received(len(header)), Request)
+    reader.accept_body(slot)
+    tracemalloc.start()
+    try:
+        assert reader.received(len(reader.buffer())) is Event.BODY_DONE
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, f"completing a {page_bytes}-byte body allocated {peak} bytes"

@@ -163,9 +163,10 @@ class RequestReader:
             self._filled += nbytes
             if self._filled < len(self._target):
                 return None
-            hello, ticket = self._hello, bytes(self._target)
+            # Only a HELLO's few bytes are copied out; a page stays where it landed, in its slot.
+            done = Hello(bytes(self._target)) if self._hello else Event.BODY_DONE
             self._reset()
-            return Hello(ticket) if hello else Event.BODY_DONE
+            return done
         self._remaining -= nbytes
         if self._remaining:
             return None
