@@ -8,7 +8,9 @@ the gRPC server.
   BufferedProtocol whose get_buffer() returns the reader's buffer, a memoryview of the
   arena for a body. Once a body is all in, the node takes its xxh3 (the page is still in
   cache, the next one queues in the socket) and hands it back with the slot; the Commit
-  records it instead of reading the slot again, unless a later write to the slot voided it. GET answers are written straight out of the slot: uvloop keeps a
+  records it instead of reading the slot again, unless a later write to the slot voided it.
+  PUT answers are gathered over one pass of the loop (pages read back to back) and sent
+  together: on loopback each send costs about half a page's receive. GET answers are written straight out of the slot: uvloop keeps a
   reference to the arena view until the kernel has taken its bytes, no copy.
 - Each frame is resolved through a SlotResolver (the service, wired by server.py): the
   token must be the lease's and the slot one of its slots. A refused frame gets an error
@@ -59,6 +61,7 @@ RECLAIM_IDLE_S = 1.0
 # While GET answers are queued, the write queue is checked this often to hand back grants
 # whose bytes the kernel has taken (uvloop has no per-write completion callback).
 DRAIN_POLL_S = 0.002
+PUT_ANSWER = encode_response(0, Op.PUT, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +182,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._body: Grant | None = None            # the PUT being received
         self._sent = 0                             # bytes handed to the transport
         self._reads: collections.deque[tuple[int, Grant]] = collections.deque()   # GET answers queued
+        self._put_answers = 0                      # PUT answers not yet written (see _answer_put)
+        self._flush: asyncio.Handle | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline = float("inf")              # when _deadline_timer fires
@@ -216,7 +221,7 @@ class _Connection(asyncio.BufferedProtocol):
             event = self._reader.received(nbytes)
         except FrameError as exc:
             log.warning("tcp peer=%s sent an unreadable frame, closing: %s", self._peer, exc)
-            self._transport.write(encode_error(0, errors.MalformedRequest.code, str(exc)))
+            self._write([encode_error(0, errors.MalformedRequest.code, str(exc))])
             self._transport.close()
             return
         if event is None:
@@ -241,7 +246,7 @@ class _Connection(asyncio.BufferedProtocol):
             # Hashed now, while the page is fresh in cache and the next one queues in the socket:
             # its Commit then reads nothing back, so no 16 MiB hash sits between the last byte and the answer.
             self._resolver.finish_transfer(grant, xxhash.xxh3_64_intdigest(grant.view))
-            self._write([encode_response(0, Op.PUT, 0)])
+            self._answer_put()
         self._collect_reads()
 
     def pause_writing(self) -> None:
@@ -258,7 +263,7 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._server._connections.discard(self)
-        for timer in (self._drain_timer, self._deadline_timer, self._idle_timer):
+        for timer in (self._drain_timer, self._deadline_timer, self._idle_timer, self._flush):
             if timer is not None:
                 timer.cancel()
         if self._body is not None:
@@ -313,7 +318,24 @@ class _Connection(asyncio.BufferedProtocol):
         log.debug("tcp peer=%s frame refused: %s", self._peer, exc)
         self._write([encode_error(op, exc.code, str(exc))])
 
+    def _answer_put(self) -> None:
+        """Queue a PUT's answer, written with the others of this loop pass: one send, not one per page."""
+        self._put_answers += 1
+        if self._flush is None:
+            self._flush = self._server._loop.call_soon(self._flush_answers)
+
+    def _flush_answers(self) -> None:
+        self._flush = None
+        if not self._closed:
+            self._write([])
+
     def _write(self, pieces: list) -> None:
+        """Every answer goes out through here, after the PUT answers queued before it: answers stay in order."""
+        if self._put_answers:
+            pieces = [PUT_ANSWER * self._put_answers, *pieces]
+            self._put_answers = 0
+        if not pieces:
+            return
         self._sent += sum(map(len, pieces))
         self._transport.writelines(pieces)
 

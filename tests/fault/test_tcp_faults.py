@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore_client import KVStoreClient, Namespace, errors
 from kvstore_client import tcp_framing as tf
@@ -131,6 +132,31 @@ def test_a_length_that_does_not_match_is_refused_and_its_body_skipped(control):
     assert status == pb.LENGTH_MISMATCH and b"whole pages" in text
     peer.send(Op.PUT, r.lease_id, r.data_token, 0, PAGE, b"w" * PAGE)
     assert peer.answer()[0] == 0
+
+
+def test_pipelined_frames_are_answered_in_order_when_put_answers_go_out_together(control):
+    """PUT answers are gathered over a loop pass; a refusal or a GET answer among them keeps its place."""
+    r = reserve(control, [b"o0", b"o1", b"o2", b"o3"])
+    g = reserve(control, [b"g0"])
+    peer = Peer(control.endpoint)
+    peer.send(Op.PUT, g.lease_id, g.data_token, 0, PAGE, b"\x09" * PAGE)
+    assert peer.answer() == (0, Op.PUT, b"")
+    control.call("Commit", pb.CommitRequest(lease_id=g.lease_id))
+    acquired = control.call("Acquire", pb.AcquireRequest(namespace_id=namespace_id(NS), keys=[b"g0"]))
+    frames = [tf.encode_request(Op.PUT, r.lease_id, r.data_token, 0, PAGE) + b"\x01" * PAGE,
+              tf.encode_request(Op.PUT, r.lease_id, r.data_token, 1, PAGE) + b"\x02" * PAGE,
+              tf.encode_request(Op.PUT, r.lease_id, bytes(16), 2, PAGE) + b"\x03" * PAGE,     # refused
+              tf.encode_request(Op.GET, acquired.lease_id, acquired.data_token, 0, PAGE),
+              tf.encode_request(Op.PUT, r.lease_id, r.data_token, 2, PAGE) + b"\x04" * PAGE,
+              tf.encode_request(Op.PUT, r.lease_id, r.data_token, 3, PAGE) + b"\x05" * PAGE]
+    peer.sock.sendall(b"".join(frames))              # one stream: the node reads them back to back
+    answers = [peer.answer() for _ in frames]
+    assert [(status, op) for status, op, _ in answers] == [
+        (0, Op.PUT), (0, Op.PUT), (pb.TOKEN_MISMATCH, Op.PUT), (0, Op.GET), (0, Op.PUT), (0, Op.PUT)]
+    assert answers[3][2] == b"\x09" * PAGE
+    committed = control.call("Commit", pb.CommitRequest(lease_id=r.lease_id))
+    assert list(committed.states) == [pb.COMMITTED] * 4
+    assert list(committed.checksums) == [xxhash.xxh3_64_intdigest(bytes([i]) * PAGE) for i in (1, 2, 4, 5)]
 
 
 def test_a_length_over_the_largest_page_closes_the_connection(server, control):
