@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.config import AuthConfig
-from kvstore.control.identity import Authenticator, Caller, certificate_tenant
+from kvstore.control.identity import TRUSTED, Authenticator, Caller, certificate_tenant
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
 from kvstore_client import errors, framing
@@ -36,7 +36,8 @@ def _unary(service: KVStoreService, auth: Authenticator, name: str,
            request_cls: type) -> Callable[[bytes, grpc.ServicerContext], Any]:
     def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
         try:
-            identity = auth.grpc_identity(context.invocation_metadata(), certificate_tenant(context.auth_context()))
+            identity = auth.grpc_identity(context.invocation_metadata(),
+                                          certificate_tenant(context.auth_context())) if auth.enabled else TRUSTED
             try:
                 request = request_cls.FromString(raw)
             except DecodeError as exc:

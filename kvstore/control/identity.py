@@ -259,6 +259,10 @@ class Authenticator:
             raise exc
         return identity
 
+    def refusal_counts(self) -> dict[tuple[str, str], int]:
+        with self._refusals_lock:
+            return dict(self.refusals)
+
     def refused(self, plane: str, exc: errors.KVStoreError) -> None:
         key = (plane, type(exc).__name__)
         with self._refusals_lock:

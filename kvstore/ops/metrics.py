@@ -181,7 +181,7 @@ class StatsCollector(Collector):
         if self._auth is not None:
             refusals = CounterMetricFamily("kvstore_auth_refusals", "Callers refused for their identity, by plane "
                                            "and error", labels=["plane", "error"])
-            for (plane, error), count in sorted(self._auth.refusals.items()):
+            for (plane, error), count in sorted(self._auth.refusal_counts().items()):
                 refusals.add_metric([plane, error], count)
             yield refusals
 
