@@ -332,3 +332,16 @@ def test_a_tenant_can_change_no_committed_page_of_another(start_server, tokens):
                                                       [(0, 0, [(junk.ctypes.data, PAGE)])], PAGE)
         out = np.zeros_like(data)
         assert bob.get(NS, ["b0", "b1"], out) == 2 and np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("setting, code, words", [
+    ("auth.tokens_file={tmp}/absent", 1, "cannot read auth.tokens_file {tmp}/absent"),
+    ("auth.tokens_file={tmp}/bad", 1, "auth.tokens_file: {tmp}/bad:1: the first field must be a token's SHA-256 digest"),
+    ("auth.tls_cert={tmp}/bad", 2, "auth.tls_key: needs auth.tls_cert with it"),
+])
+def test_auth_settings_that_cannot_work_stop_start_up(start_server, tmp_path, setting, code, words):
+    (tmp_path / "bad").write_text("deadbeef alice tenant\n")
+    name, value = setting.format(tmp=tmp_path).split("=", 1)
+    with pytest.raises(RuntimeError, match=f"exited with {code}") as info:
+        start_server({name: value})
+    assert words.format(tmp=tmp_path) in str(info.value)
