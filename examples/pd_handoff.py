@@ -176,8 +176,8 @@ def decode_process(args, url: str, tokens: int, mode: str, go, prefill_done, res
         if mode == "after":
             prefill_done.wait()
         loaded = 0
-        while loaded < len(keys):         # wait_ms is bounded by the node: ask again until all are there
-            loaded = cluster.get(ns, keys, pages, wait_ms=args.wait_ms)
+        while loaded < len(keys):         # wait_ms is bounded by the node: ask again for the rest
+            loaded += cluster.get(ns, keys, pages[loaded:], wait_ms=args.wait_ms, skip_pages=loaded)
         holding_at = time.time()
     prefill = results_get(results, "prefill")
     cache = unpack(pages, ns)

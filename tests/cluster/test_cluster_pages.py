@@ -170,3 +170,6 @@ def test_a_chain_stored_chunk_by_chunk_is_waited_for_and_got_whole(three_nodes, 
         waiting.join(30)
         assert outcomes == [40]
         assert np.array_equal(out, data)
+        tail = np.zeros_like(data[13:])
+        assert decode.get(NS, keys, tail, skip_pages=13) == 27        # the rest of a chain, from mid-segment
+        assert np.array_equal(tail, data[13:])

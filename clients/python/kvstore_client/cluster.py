@@ -110,24 +110,36 @@ class KVStoreCluster:
         del keepalive
         return _leading(segments, stored_by_segment)
 
-    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, wait_ms: int = 0) -> int:
+    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, wait_ms: int = 0, skip_pages: int = 0) -> int:
         """Copy the chain's leading stored pages into `out`; returns how many were loaded.
 
         `wait_ms`: each node waits up to that long for its pages not yet committed (a
-        producer writing them now); segments are waited for in parallel.
+        producer writing them now); segments are waited for in parallel. `skip_pages`: the
+        leading pages the caller already holds; `out` then holds keys[skip_pages:] only and
+        the count is of those (a decode engine asking again for the rest).
         """
         raw = encode_keys(keys)
-        pages, keepalive = page_segments(out, len(raw), namespace.page_bytes, writable=True)
-        segments = self._plan(raw)
+        if not 0 <= skip_pages <= len(raw):
+            raise errors.InvalidArgument(f"skip_pages {skip_pages} is outside the chain of {len(raw)} pages")
+        pages, keepalive = page_segments(out, len(raw) - skip_pages, namespace.page_bytes, writable=True)
+        segments = [s for s in self._plan(raw) if s.stop > skip_pages]
 
-        def get_segment(segment: placement.Segment) -> int:
+        def get_piece(segment: placement.Segment) -> int:
+            first = max(segment.start, skip_pages)
             node = self._node(_reader(segment))
-            return node.get(namespace, raw[segment.start:segment.stop], pages[segment.start:segment.stop],
-                            wait_ms=wait_ms, timeout_s=self._timeout_s + wait_ms / 1000)
+            return first - segment.start + node.get(
+                namespace, raw[first:segment.stop], pages[first - skip_pages:segment.stop - skip_pages],
+                wait_ms=wait_ms, timeout_s=self._timeout_s + wait_ms / 1000)
 
-        counts = self._fan_out([(lambda s=s: get_segment(s)) for s in segments if s.nodes], miss=0)
+        placed = [s for s in segments if s.nodes]
+        counts = self._fan_out([(lambda s=s: get_piece(s)) for s in placed], miss=0)
         del keepalive
-        return _leading(segments, {s.start: c for s, c in zip([s for s in segments if s.nodes], counts)})
+        if not segments:
+            return 0
+        held = skip_pages - segments[0].start              # pages of the first segment the caller holds
+        counts_by_start = {s.start: c for s, c in zip(placed, counts)}
+        counts_by_start[segments[0].start] = max(counts_by_start.get(segments[0].start, 0), held)
+        return _leading(segments, counts_by_start) - held
 
     def lookup(self, namespace: Namespace, keys: Sequence[Key]) -> int:
         """How many leading pages of the chain are stored in the cluster: one parallel round."""
