@@ -134,3 +134,20 @@ def test_token_over_tls_on_another_host(start_server, tmp_path):
         async with AsyncKVStoreClient(node.address, token=tokens.bob, tls_ca=certs.ca, transport="tcp") as bob:
             assert await bob.lookup(ns, ["k0"]) == 0     # another tenant's page is not there for bob
     asyncio.run(run())
+
+
+def test_a_restarted_node_is_connected_again(start_server, ns):
+    """The node is SIGKILLed and started again at the same address: the next call notices the lost
+    connection without a round trip, opens a new one (new arena, namespaces reopened) and works."""
+    first = start_server()
+
+    async def run():
+        async with AsyncKVStoreClient(first.address, timeout_s=10) as client:
+            assert await client.put(ns, ["r0"], pages(1)) == 1
+            first.kill()
+            start_server({"server.grpc_address": first.address, "shm.socket_path": first.socket_path})
+            assert await client.lookup(ns, ["r0"]) == 0          # it was in DRAM only
+            assert await client.put(ns, ["r1"], pages(1, seed=4)) == 1
+            out = np.zeros((1, PAGE), np.uint8)
+            assert await client.get(ns, ["r1"], out) == 1 and np.array_equal(out, pages(1, seed=4))
+    asyncio.run(run())

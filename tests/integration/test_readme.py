@@ -3,8 +3,9 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
-from conftest import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 README_ADDRESS = "127.0.0.1:50051"
 

@@ -2,8 +2,10 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
-from conftest import ROOT
+# Not `from conftest import ROOT`: with tests/gpu/conftest.py collected first, `conftest` is that one.
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_runs_and_both_runs_agree(tmp_path):

@@ -7,7 +7,7 @@ import venv
 import zipfile
 from pathlib import Path
 
-from conftest import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wheel(directory: Path, name: str, requires: list[str]) -> Path:
