@@ -43,7 +43,10 @@ def test_same_answers_as_the_sync_client(server, ns):
             assert np.array_equal(out, data)
             assert (await client.stats()).pages_committed == 40
             assert await client.delete(ns, [keys[35]]) == 5
-            assert await client.list_keys(ns) == sorted(k.encode() for k in keys[:35])
+            assert await client.put(ns, ["orphan"], pages(1), parent="never-stored") == 0
+            assert await client.put(ns, ["orphan"], pages(1), anchor="never-stored") == 1   # as the sync put
+            assert await client.list_keys(ns) == sorted([k.encode() for k in keys[:35]] + [b"orphan"])
+            await client.delete(ns, ["orphan"])
             return out
 
     asyncio.run(run())

@@ -227,22 +227,26 @@ class AsyncKVStoreClient:
 
     async def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
                   parent: Key | None = None, verify: bool = False, durable: bool = False, *,
-                  tokens: Any = None, timeout_s: float | None = None) -> PutResult:
+                  tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
         """KVStoreClient.put: store pages; a PutResult counts the leading keys stored and says why it is short."""
         check_verify(verify)
         raw_keys = page_keys(namespace, keys, tokens)
         if buffers is None:
             raise errors.InvalidArgument("put needs the pages' buffers")
         segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
-        parent_key = encode_key(parent) if parent is not None else b""
+        if parent is not None and anchor is not None:
+            raise errors.InvalidArgument("give parent or anchor, not both: anchor is a parent the node may not hold")
+        before = parent if parent is not None else anchor   # the page before keys[0]; anchor: maybe not held
+        parent_key = encode_key(before) if before is not None else b""
 
         async def put_all(conn: _Connection) -> PutResult:
             stored, step = 0, conn.hello.limits.batch_pages_max
             prior = parent_key
             for start in range(0, len(raw_keys), step):
+                anchored = anchor is not None and start == 0
                 batch = await self._in_namespace(conn, namespace, lambda ns_id: _put_batch(
                     conn, ns_id, namespace.page_bytes, prior, raw_keys[start:start + step],
-                    segments[start:start + step], verify, durable, self._timeout_s))
+                    segments[start:start + step], verify, durable, self._timeout_s, anchored))
                 stored += batch
                 if not batch.complete:
                     return PutResult(stored, len(raw_keys), batch.reason)
@@ -256,7 +260,7 @@ class AsyncKVStoreClient:
 
     async def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None,
                   verify: bool = False, policy: str = "wait_complete", timeout_ms: int = 0, *,
-                  tokens: Any = None, timeout_s: float | None = None) -> int:
+                  tokens: Any = None, timeout_s: float | None = None, wait_ms: int = 0) -> int:
         """KVStoreClient.get: copy the leading stored pages into `out`; returns how many were loaded."""
         prefetch = prefetch_policy(policy)
         check_verify(verify)
@@ -268,7 +272,8 @@ class AsyncKVStoreClient:
         async def get_all(conn: _Connection) -> int:
             loaded, step = 0, conn.hello.limits.batch_pages_max
             for start in range(0, len(raw_keys), step):
-                request = pb.AcquireRequest(keys=raw_keys[start:start + step], policy=prefetch, timeout_ms=timeout_ms)
+                request = pb.AcquireRequest(keys=raw_keys[start:start + step], policy=prefetch, timeout_ms=timeout_ms,
+                                            wait_ms=wait_ms)
                 hits = await self._in_namespace(conn, namespace, lambda ns_id: _get_batch(
                     conn, ns_id, request, segments[start:start + step], verify, self._timeout_s))
                 loaded += hits
@@ -386,12 +391,13 @@ class AsyncKVStoreClient:
 
 
 async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: bytes, keys: list[bytes],
-                     segments: list, verify: bool, durable: bool, timeout_s: float) -> PutResult:
+                     segments: list, verify: bool, durable: bool, timeout_s: float, anchored: bool) -> PutResult:
     """One Reserve, the copies, one Commit; an error aborts the lease. The count as pipeline.stored_pages says."""
     control = conn.control
     sent_at = time.monotonic()
     reserved = await control.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=keys,
-                                                               page_bytes=page_bytes), timeout_s)
+                                                               page_bytes=page_bytes, anchor_absent_parent=anchored),
+                                  timeout_s)
     indices = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
     if not indices:
         return stored_pages(reserved.states, [], durable)
