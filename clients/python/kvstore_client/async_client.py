@@ -85,7 +85,13 @@ class AsyncLocalChannel:
     def alive(self) -> bool:
         return self._broken is None and not self._reader.at_eof()
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Read the answers of everything sent (posted releases included), then close."""
+        pending = [answer for answer, _ in self._inflight]
+        if pending and self._broken is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.gather(*pending, return_exceptions=True)
         self._writer.close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
@@ -159,8 +165,8 @@ class AsyncGrpcChannel:
 class _Connection:
     """What one Hello set up: the control channel, the arena (None on another host), namespace ids."""
 
-    def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel):
-        self.hello, self.grpc = hello, grpc_channel
+    def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel, timeout_s: float):
+        self.hello, self.grpc, self.timeout_s = hello, grpc_channel, timeout_s
         self.control: AsyncLocalChannel | AsyncGrpcChannel = grpc_channel
         self.data: ShmDataPath | None = None
         self.arena_channel: LocalChannel | None = None   # the arena came over it; open while the mapping is used
@@ -173,7 +179,7 @@ class _Connection:
         conn = None
         try:
             hello = await grpc_channel.call("Hello", pb.HelloRequest(client_name=client_name), timeout_s)
-            conn = cls(hello, grpc_channel)
+            conn = cls(hello, grpc_channel, timeout_s)
             if hello.shm_socket and transport in ("auto", "shm"):
                 conn.arena_channel = LocalChannel(hello.shm_socket, timeout_s)
                 conn.data = ShmDataPath(conn.arena_channel, hello.instance_id)
@@ -190,7 +196,7 @@ class _Connection:
 
     async def close(self) -> None:
         if self.control is not self.grpc:
-            await self.control.close()
+            await self.control.close(self.timeout_s)
         if self.data is not None:
             self.data.close()
         if self.arena_channel is not None:
