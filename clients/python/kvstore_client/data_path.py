@@ -43,6 +43,7 @@ class PipelineShape:
 # Over a network a message costs a round trip and a page costs its bytes on the wire: groups are
 # large so the next Reserve hides behind the transfer, runs large enough that a Commit's round
 # trip is small next to moving its run, and small enough that checksumming overlaps the wire.
+# (RDMA; TCP, whose node hashes pages as they land, has its own: tcp_transport.SHAPE.)
 NETWORK_SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 << 20, commit_run_bytes=16 << 20)
 
 

@@ -2,8 +2,9 @@
 
 A put reserves its chain in groups and moves and commits each group in runs (the sizes are the
 data path's PipelineShape). The next group's Reserve is in flight while this group moves, and the
-server checksums one run while the next one moves (unless the data path checksummed the pages as
-it copied them: then the Commit carries those and the server reads nothing back). Pages become
+server checksums one run while the next one moves (unless the pages were checksummed as they were
+copied: by the data path, then the Commit carries those, or by the node as each TCP page landed;
+either way the server reads nothing back). Pages become
 visible in chain order, because a page whose parent is not yet visible is dropped at commit:
 
 - on a control channel that answers in order (the local channel), everything is submitted
