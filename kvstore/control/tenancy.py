@@ -27,6 +27,8 @@ _TENANT_METHODS = _BY_NAMESPACE | _BY_LEASE | {"Hello", "OpenNamespace", "Stats"
 # Planes whose region is the whole arena (every tenant's pages): an RDMA rkey, like the shm fd, is
 # handed to admins only; a tenant's client moves its pages over TCP, where each frame is checked.
 _WHOLE_ARENA = frozenset({"RdmaConnect", "RdmaDisconnect"})
+# Requests that may name such a queue pair (rdma_qp_num): a tenant has none to name.
+_NAMING_QUEUE_PAIR = frozenset({"Reserve", "Acquire"})
 
 
 def admit(store: PageStore, method: str, request: Any, identity: Identity) -> None:
@@ -49,6 +51,11 @@ def admit(store: PageStore, method: str, request: Any, identity: Identity) -> No
         raise errors.PermissionDenied(f"{method} needs the admin role; the caller is tenant {identity.tenant!r}")
     if method in _BY_NAMESPACE:
         own_namespace(store, request.namespace_id, identity)
+        if method in _NAMING_QUEUE_PAIR and request.rdma_qp_num:
+            raise errors.PermissionDenied(
+                "rdma_qp_num names a queue pair of RdmaConnect, which only admin identities open "
+                "(a lease naming one keeps it alive and fences it if the lease ends uncommitted): send 0 "
+                "and move pages over TCP")
         if method == "Reserve" and request.lease_id:   # extending a lease: it must be the caller's too
             own_lease(store, request.lease_id, identity)
     elif method in ("Commit", "Abort"):

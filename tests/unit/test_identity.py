@@ -94,3 +94,22 @@ def test_service_rules_for_a_tenant_and_for_an_unknown_method():
     # No identity (no authentication configured): today's behaviour, the spec's tenant as given.
     other = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=Namespace("m", 4096, tenant="x").to_proto()))
     assert service.store.namespaces[other.namespace_id].tenant == "x"
+
+
+@pytest.mark.parametrize("method", ["Reserve", "Acquire"])
+def test_a_tenant_names_no_rdma_queue_pair(method):
+    # Queue pairs are opened by RdmaConnect, an admin's call; a lease naming one has it kept
+    # alive, and fenced (moved to error) when the lease ends uncommitted. A tenant naming an
+    # admin's queue pair could break that admin's RDMA connection.
+    service = make_service(["dram.arena_bytes=8MiB", "dram.slab_bytes=1MiB"], ManualClock())
+    alice = Caller(Identity("alice", TENANT))
+    spec = Namespace("m", 4096).to_proto()
+    ns_id = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), alice).namespace_id
+    request = (pb.ReserveRequest(namespace_id=ns_id, keys=[b"k"], page_bytes=4096, rdma_qp_num=77)
+               if method == "Reserve" else pb.AcquireRequest(namespace_id=ns_id, keys=[b"k"], rdma_qp_num=77))
+    with pytest.raises(errors.PermissionDenied, match="rdma_qp_num"):
+        service.handle(method, request, alice)
+    assert service.store.open_leases() == 0
+    request.rdma_qp_num = 0
+    service.handle(method, request, alice)
+    service.store.arena.close()
