@@ -483,6 +483,10 @@ def _auth_checks(config: Config) -> list[tuple[str, bool, str]]:
          "mutual TLS needs the server's own auth.tls_cert and auth.tls_key"),
         ("auth.local_uids", all(_uid_entry(e) for e in auth.local_uids),
          'each entry must be "uid:tenant" or "uid:tenant:admin"'),
+        ("auth.local_uids", not auth.local_uids or auth.remote,
+         "needs auth.tokens_file or auth.tls_client_ca with it: every client says Hello over gRPC before it "
+         "opens the local socket, and with authentication on, a gRPC call proves its tenant by a token or a "
+         "client certificate"),
         ("auth.allow_unauthenticated_remote", auth.remote or auth.allow_unauthenticated_remote or not remote,
          f"{', '.join(remote)} is not a loopback address and no authentication is configured "
          "(auth.tokens_file or auth.tls_client_ca): configure one, or set auth.allow_unauthenticated_remote = true "

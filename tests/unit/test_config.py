@@ -90,3 +90,10 @@ def test_route_weights_keep_their_order():
         config.load(environ={}, overrides=["route.weight_dram=1.5"])
     with pytest.raises(ConfigError, match="route.weight_dram: must exceed route.weight_nvme"):
         config.load(environ={}, overrides=["route.weight_nvme=0.7"])
+
+
+def test_a_uid_map_alone_is_refused_since_clients_start_on_grpc():
+    with pytest.raises(ConfigError, match=r"auth\.local_uids: needs auth\.tokens_file or auth\.tls_client_ca"):
+        config.load(environ={}, overrides=["auth.local_uids=0:ops:admin"])
+    cfg = config.load(environ={}, overrides=["auth.local_uids=0:ops:admin", "auth.tokens_file=/etc/kvstore/tokens"])
+    assert cfg.auth.enabled and cfg.auth.local_uids == ("0:ops:admin",)
