@@ -27,6 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
+    count_pool_hits,
 )
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
@@ -384,3 +385,101 @@ def test_hybrid_model_pools_back_up_and_hit_like_the_file_backend(server, tmp_pa
     # A state SGLang asks for that was never stored is a miss, pool by pool.
     assert ours.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=keys[2:3],
                                            hit_policy=PoolHitPolicy.TRAILING_PAGES)]) == {PoolName.MAMBA: [False]}
+
+
+def hybrid_backends(server, tmp_path):
+    """Ours and SGLang's file backend over the same KV pool, a DSA indexer and an MTP draft pool (a KV-shaped
+    sidecar on every page each) and a Mamba state pool (trailing pages), four pages backed up as the hybrid
+    controller backs them up: sidecars first through v2, then the KV pages."""
+    kv = SGLangHostPool("page_first", pages=12, page_size=PAGE)
+    kv.fill_random(seed=21)
+    indexer = SGLangHostPool("page_first", pages=12, page_size=PAGE, layer_num=1, head_num=1, head_dim=16)
+    indexer.fill_random(seed=22)
+    draft = SGLangHostPool("page_first", pages=12, page_size=PAGE, layer_num=1, head_num=2, head_dim=8)
+    draft.fill_random(seed=23)
+    mamba = SGLangMambaPool(slots=8)
+    mamba.fill_random(seed=24)
+    ours = create(server, kv)
+    theirs = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
+    theirs.register_mem_pool_host(kv)
+    keys = prefix_hashes(tokens(4 * PAGE, seed=21), PAGE)
+    for backend in (ours, theirs):
+        backend.register_mem_host_pool_v2(kv, PoolName.KV)
+        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        info = HiCacheStorageExtraInfo(prefix_keys=[])
+        assert backend.batch_set_v2([PoolTransfer(name=name, host_indices=host_indices(0, 4), keys=keys,
+                                                  hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV)
+                                     for name in (PoolName.INDEXER, PoolName.DRAFT)], info) == {
+            PoolName.INDEXER: [True] * 4, PoolName.DRAFT: [True] * 4}
+        assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5]), keys=keys[3:],
+                                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)],
+                                    HiCacheStorageExtraInfo(prefix_keys=keys[:3])) == {PoolName.MAMBA: [True]}
+    assert ours.batch_set_v1(keys, host_indices(0, 4), HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 4
+    assert theirs.batch_set(keys, [kv.get_data_page(p * PAGE, flat=True) for p in range(4)])
+    return ours, theirs, keys
+
+
+def delete_sidecar_page(ours, theirs, pool, key):
+    """Remove one position's page of one sidecar pool from both stores (kvstore also drops the pages that
+    extend it in that pool, as its index is prefix-closed; the file backend drops that one file)."""
+    assert ours._clients.get().delete(ours._sidecars[str(pool)].namespace, [key]) >= 1
+    os.remove(os.path.join(theirs.file_path, theirs._get_component_key(key, pool) + ".bin"))
+
+
+def exists_v2(backend, keys, trailing=1):
+    result = backend.batch_exists_v2(keys, [
+        PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+        PoolTransfer(name=PoolName.DRAFT, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    return result.kv_hit_pages, result.restorable_prefix_pages
+
+
+def test_a_position_whose_sidecar_page_was_deleted_is_no_hit_like_the_file_backend(server, tmp_path):
+    ours, theirs, keys = hybrid_backends(server, tmp_path)
+    assert exists_v2(ours, keys) == exists_v2(theirs, keys) == (4, [4])
+    # The draft page of position 2 goes: positions 2 and 3 are no longer whole, and the trailing state
+    # of position 1 was never stored, so nothing is restorable; without the Mamba pool, two pages are.
+    delete_sidecar_page(ours, theirs, PoolName.DRAFT, keys[2])
+    assert exists_v2(ours, keys) == exists_v2(theirs, keys) == (0, [])
+    every_page = [PoolTransfer(name=name, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+                  for name in (PoolName.INDEXER, PoolName.DRAFT)]
+    answers = [backend.batch_exists_v2(keys, every_page) for backend in (ours, theirs)]
+    assert [(a.kv_hit_pages, a.restorable_prefix_pages) for a in answers] == [(2, [1, 2])] * 2
+    # The KV pages themselves are all still there: only the group answer shrank.
+    assert ours.batch_exists(keys) == 4
+
+
+def test_a_trailing_state_deleted_is_no_hit_like_the_file_backend(server, tmp_path):
+    ours, theirs, keys = hybrid_backends(server, tmp_path)
+    delete_sidecar_page(ours, theirs, PoolName.MAMBA, keys[3])
+    assert exists_v2(ours, keys) == exists_v2(theirs, keys) == (0, [])
+
+
+def test_a_get_after_a_sidecar_eviction_fails_that_position_in_every_part(server, tmp_path):
+    """A hit, then the indexer page of position 2 goes before the load: positions 2 and 3 fail in the KV
+    pool and in every sidecar pool of the call, never a KV page loaded without its indexer page. The file
+    backend answers each part on its own; SGLang clamps to the least pool's count, which is the same 2."""
+    ours, theirs, keys = hybrid_backends(server, tmp_path)
+    assert exists_v2(ours, keys) == (4, [4])
+    delete_sidecar_page(ours, theirs, PoolName.INDEXER, keys[2])
+
+    def load(backend):
+        return backend.batch_get_v2([PoolTransfer(name=name, host_indices=host_indices(6, 4), keys=keys,
+                                                  indices_from_pool=PoolName.KV)
+                                     for name in (PoolName.KV, PoolName.INDEXER, PoolName.DRAFT)])
+
+    loaded = load(ours)
+    assert loaded == {name: [True, True, False, False] for name in (PoolName.KV, PoolName.INDEXER, PoolName.DRAFT)}
+    theirs_loaded = load(theirs)
+    assert theirs_loaded[PoolName.KV] == [True] * 4 and theirs_loaded[PoolName.INDEXER] == [True, True, False, True]
+    assert min(count_pool_hits(loaded).values()) == min(count_pool_hits(theirs_loaded).values()) == 2
+    # A trailing state asked beside pages that failed fails with them.
+    assert ours.batch_get_v2([
+        PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(6, 4), keys=keys, indices_from_pool=PoolName.KV),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=keys[3:],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES)]) == {PoolName.INDEXER: [True, True, False, False],
+                                                                   PoolName.MAMBA: [False]}
+    assert theirs.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=keys[3:],
+                                             hit_policy=PoolHitPolicy.TRAILING_PAGES)]) == {PoolName.MAMBA: [True]}

@@ -49,7 +49,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTransferResult
 
 from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
-from kvstore_client.adapters.sglang_pools import SidecarPool, parent_of, pool_hits, sidecar_pool
+from kvstore_client.adapters.sglang_pools import SidecarPool, parent_of, pool_hits, sidecar_pool, whole_positions
 from kvstore_client.buffers import Segment
 from kvstore_client.keys import Namespace
 
@@ -196,6 +196,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The usable prefix: positions whose KV page and every part their pools' hit policies require were
+        found by Lookups issued back to back, folded into one answer (see sglang_pools.py for what that
+        guarantees and what it does not)."""
         kv_pages = self.batch_exists(keys, extra_info) if keys else 0
         return pool_hits(keys, kv_pages, pool_transfers or [], self._sidecar_present)
 
@@ -243,7 +246,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 for first, page in zip(firsts[:loaded], pages[:loaded]):
                     pool.host_pool.set_from_flat_data_page(first, page)
             results[transfer.name] = [i < loaded for i in range(len(keys))]
-        return results
+        return whole_positions(transfers, results)   # a position loads in every pool or in none
 
     def _sidecar(self, name: Any) -> SidecarPool:
         pool = self._sidecars.get(str(name))

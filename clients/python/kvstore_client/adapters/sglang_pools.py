@@ -8,11 +8,28 @@ pool's page is stored under the KV page's key in that pool's namespace, and a ch
 hangs off the prefix keys SGLang names (a trailing-only pool's pages are anchored at the page
 before them: the store keeps them although it holds no state for that page).
 
-What this does not give: a KV page and its sidecar pages are separate pages, committed by
-separate calls (SGLang writes the sidecars first, then the KV page through v1) and evicted on
-their own. A lookup therefore answers from the pages present at the moment it asks, pool by
-pool, with SGLang's own hit policies; a page evicted between that answer and the load fails
-the load of that pool, which SGLang counts per pool.
+A position is the KV page and the sidecar pages named by one prefix key: its page group.
+Each part is a page of its own namespace, committed by its own call (SGLang's hybrid backup
+writes the sidecars through batch_set_v2 first and the KV page afterwards through v1; a rank
+that is not the storage writer makes only the sidecar calls) and evicted on its own. What the
+adapter guarantees on top of that, so that a hit never pairs a KV page with a missing state:
+
+- batch_exists_v2 answers from one set of Lookups, the KV pool's and then every asked
+  pool's, issued back to back and folded into one answer after the last of them returns: a
+  position counts only when its KV page and every part its pools' hit policies require were
+  found (SGLang's own fold, the file backend's answer on the same pages).
+- batch_get_v2 reports a position all or nothing: when any part named in the call failed to
+  load (evicted or deleted since the lookup), the position fails in every pool of the call,
+  and so does every later position (SGLang counts each pool's leading run of successes).
+  The host slots of a failed position may hold some parts' bytes; SGLang does not use them.
+
+What is not guaranteed: the Lookups are not one snapshot of the store, and no lease holds a
+group between the lookup and the load. A part evicted after a hit is answered as a failed
+get of its position, never as a load paired with a stale or missing part. A position whose
+KV page SGLang loads through batch_get_v1 before asking for its KV-derived sidecars through
+batch_get_v2 relies on SGLang's own clamp (the minimum of the pools' hits) for that pairing.
+A backup is not one commit: a lookup between the sidecar write and the KV write finds the
+sidecars without their KV page, which answers the position absent.
 """
 
 from __future__ import annotations
@@ -111,6 +128,20 @@ def pool_hits(keys: Sequence[str], kv_pages: int, transfers: Sequence[PoolTransf
             hit_count[transfer.name] = boundary
         restorable = [length for length in restorable if length in pool_restorable]
     return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+
+def whole_positions(transfers: Sequence[PoolTransfer], loaded: dict[Any, List[bool]]) -> dict[Any, List[bool]]:
+    """batch_get_v2's answer: a key counts as loaded in a pool only when every pool of the call that names it
+    loaded it, and every earlier key of that pool counts as loaded too (all or nothing per position)."""
+    failed = {key for transfer in transfers
+              for key, ok in zip(transfer.keys or [], loaded.get(transfer.name, [])) if not ok}
+    answers: dict[Any, List[bool]] = {}
+    for transfer in transfers:
+        keys = list(transfer.keys or [])
+        ran = loaded.get(transfer.name, [False] * len(keys))
+        whole = next((i for i, key in enumerate(keys) if key in failed or not ran[i]), len(keys))
+        answers[transfer.name] = [i < whole for i in range(len(keys))]
+    return answers
 
 
 def parent_of(extra_info: Optional[Any]) -> str | None:
