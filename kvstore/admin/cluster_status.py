@@ -2,7 +2,9 @@
 
 Members come from etcd (their state, endpoints and placement weight, ramp included); pages,
 bytes and load (hits + misses served) from each node's Stats over gRPC. A member that does
-not answer is listed with "-" for what only it can tell.
+not answer is listed with "-" for what only it can tell. On nodes with authentication it sends
+KVSTORE_TOKEN (and KVSTORE_TLS_* files), as every command does; pages and bytes are whole tiers,
+so an admin's token shows them.
 """
 
 from __future__ import annotations

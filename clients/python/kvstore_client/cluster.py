@@ -13,7 +13,12 @@ this host (same host id), else TCP (RDMA where the node offers it and `transport
 A lost node costs misses, not errors: get and lookup count its pages as absent, put stops
 counting at its segment. A node that stops renewing its etcd lease leaves the view within
 one lease TTL and its segments are placed on the others. Errors a caller can act on (bad
-input, a full node) are raised as in KVStoreClient.
+input, a full node, a refused identity) are raised as in KVStoreClient.
+
+Every node connection carries the same identity, given as KVStoreClient takes it: `token`,
+`tls_ca`, `tls_cert`, `tls_key`, each one left None read from KVSTORE_TOKEN, KVSTORE_TLS_CA,
+KVSTORE_TLS_CERT, KVSTORE_TLS_KEY (credentials.py). A node that refuses it answers
+errors.Unauthenticated (or PermissionDenied), raised to the caller, not counted as a miss.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from urllib.parse import urlsplit
 from kvstore_client import errors, placement
 from kvstore_client.buffers import page_segments
 from kvstore_client.client import KVStoreClient
+from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
 
@@ -51,13 +57,17 @@ def parse_cluster_url(url: str) -> tuple[list[str], str]:
 
 class KVStoreCluster:
     def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", segment_pages: int = 16,
-                 replicas: int = 3, replicated_segments: int = 2, client_name: str = "", members_wait_s: float = 5.0):
-        """`transport`: "auto" (shm on this host, else TCP) or "tcp" (never shared memory)."""
+                 replicas: int = 3, replicated_segments: int = 2, client_name: str = "", members_wait_s: float = 5.0,
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
+        """`transport`: "auto" (shm on this host, else TCP) or "tcp" (never shared memory).
+        `token`, `tls_*`: who this client is to every node (see above)."""
         if transport not in ("auto", "tcp"):
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
             raise ValueError("segment_pages and replicas must be positive, replicated_segments not negative")
         endpoints, self.cluster = parse_cluster_url(url)
+        self._credentials = Credentials.resolve(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.segment_pages = segment_pages
         self.replicas = replicas
         self.replicated_segments = replicated_segments
@@ -205,8 +215,10 @@ class KVStoreCluster:
             if known is not None and known[0].grpc_address == member.grpc_address:
                 return known[1]
         transport = "auto" if self._transport == "auto" and member.host_id == self._host_id else "tcp"
+        who = self._credentials
         client = KVStoreClient(member.grpc_address, timeout_s=self._timeout_s, transport=transport,
-                               control="local" if transport == "auto" else "grpc", client_name=self._client_name)
+                               control="local" if transport == "auto" else "grpc", client_name=self._client_name,
+                               token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key)
         with self._lock:
             known = self._nodes.get(node_id)
             if known is not None and known[0].grpc_address == member.grpc_address:
