@@ -173,3 +173,21 @@ def test_a_chain_stored_chunk_by_chunk_is_waited_for_and_got_whole(three_nodes, 
         tail = np.zeros_like(data[13:])
         assert decode.get(NS, keys, tail, skip_pages=13) == 27        # the rest of a chain, from mid-segment
         assert np.array_equal(tail, data[13:])
+
+
+def test_lookup_by_tokens_hashes_them_as_a_put_by_keys_did(three_nodes, etcd):
+    cluster, three_nodes = three_nodes
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", segment_pages=4, replicas=1) as client:
+        wait_members(client, set(three_nodes))
+        tokens = random.Random(7).choices(range(32000), k=4 * 20)
+        data = np.random.default_rng(7).integers(0, 255, (20, PAGE_BYTES), dtype=np.uint8)
+        assert client.put(NS, prefix_hashes(tokens, page_tokens=4), data) == 20
+        assert client.lookup(NS, tokens=tokens) == 20
+        assert client.lookup(NS, tokens=np.array(tokens + [1, 2], dtype=np.int64)) == 20   # a partial page is no page
+        assert client.lookup(NS, tokens=tokens[:4 * 9]) == 9
+        assert client.lookup(NS, tokens=tokens[:3]) == 0
+        assert client.lookup(NS, tokens=[5] + tokens[1:]) == 0                            # another chain from page 0
+        with pytest.raises(errors.InvalidArgument, match="exactly one|one of"):
+            client.lookup(NS, keys=prefix_hashes(tokens, page_tokens=4), tokens=tokens)
+        with pytest.raises(errors.InvalidArgument, match="page_tokens"):
+            client.lookup(Namespace(model="cluster-test", page_bytes=PAGE_BYTES), tokens=tokens)

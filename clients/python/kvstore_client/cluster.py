@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
-from kvstore_client import errors, placement
+from kvstore_client import errors, lookup, placement
 from kvstore_client.buffers import page_segments
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials
@@ -151,9 +151,13 @@ class KVStoreCluster:
         counts_by_start[segments[0].start] = max(counts_by_start.get(segments[0].start, 0), held)
         return _leading(segments, counts_by_start) - held
 
-    def lookup(self, namespace: Namespace, keys: Sequence[Key]) -> int:
-        """How many leading pages of the chain are stored in the cluster: one parallel round."""
-        raw = encode_keys(keys)
+    def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None) -> int:
+        """How many leading pages of the chain are stored in the cluster: one parallel round.
+
+        By keys, or by token ids (a list, numpy array or tensor): those are hashed here with the
+        namespace's chain (keys.prefix_hashes), so placement sees the same keys a put by keys did.
+        """
+        raw = lookup.chain_keys(namespace, keys, tokens)
         segments = [s for s in self._plan(raw) if s.nodes]
         counts = self._fan_out([(lambda s=s: self._node(_reader(s)).lookup(namespace, keys=raw[s.start:s.stop]))
                                 for s in segments], miss=0)
