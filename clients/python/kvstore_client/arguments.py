@@ -15,6 +15,17 @@ from kvstore_client.tokens import token_array
 _PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_EFFORT, "timeout": pb.TIMEOUT}
 
 
+def node_target(target: Any) -> str:
+    """One node's gRPC address; a cluster URL (etcd://...) is refused with the class that takes it."""
+    if not isinstance(target, str) or not target:
+        raise errors.InvalidArgument(f"target must be a node's address like '127.0.0.1:50051', got {target!r}")
+    if target.startswith("etcd://"):
+        raise errors.InvalidArgument(
+            f"{target!r} names a cluster, not a node: use kvstore_client.cluster.KVStoreCluster({target!r}), "
+            "which places pages across the nodes etcd lists")
+    return target
+
+
 def keys_or_tokens(keys: Sequence[Key] | None, tokens: Any) -> dict[str, list]:
     """A Lookup's or Route's keys or tokens field (the node hashes tokens itself)."""
     if (keys is None) == (tokens is None):

@@ -35,7 +35,8 @@ import grpc
 import grpc.aio
 
 from kvstore_client import errors, framing
-from kvstore_client.arguments import check_verify, engine_id_list, keys_or_tokens, page_keys, prefetch_policy
+from kvstore_client.arguments import (check_verify, engine_id_list, keys_or_tokens, node_target, page_keys,
+                                      prefetch_policy)
 from kvstore_client.buffers import page_segments
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
@@ -214,7 +215,8 @@ class AsyncKVStoreClient:
             raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if transport not in ("auto", "shm", "tcp", "rdma"):
             raise errors.InvalidArgument(f"transport must be auto, shm, tcp or rdma, got {transport!r}")
-        self._target, self._timeout_s, self._transport, self._client_name = target, timeout_s, transport, client_name
+        self._target, self._timeout_s, self._transport, self._client_name = (node_target(target), timeout_s,
+                                                                             transport, client_name)
         self._credentials = Credentials.resolve(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._conn: _Connection | None = None
         self._opening = asyncio.Lock()

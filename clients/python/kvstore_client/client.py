@@ -38,7 +38,8 @@ import threading
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from kvstore_client import errors, lookup
-from kvstore_client.arguments import check_verify, engine_id_list, keys_or_tokens, page_keys, prefetch_policy
+from kvstore_client.arguments import (check_verify, engine_id_list, keys_or_tokens, node_target, page_keys,
+                                      prefetch_policy)
 from kvstore_client.buffers import page_segments
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
@@ -69,6 +70,7 @@ class KVStoreClient:
         (experimental: see rdma_transport.py); None = defaults (first ACTIVE port, a RoCE v2 GID).
         `token`, `tls_ca`, `tls_cert`, `tls_key`: who this client is to the node (credentials.py); each
         one left None is read from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY."""
+        target = node_target(target)
         if control not in ("local", "grpc"):
             raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
