@@ -152,11 +152,12 @@ class KVStoreService:
         keys = checks.keys(request.keys, self.limits)
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.read_ttl_ms, self.config)
         commit_wait_s = checks.commit_wait_s(request, self.config)
-        deadline = time.monotonic() + checks.promote_wait_s(request, self.config)
+        promote_wait_s = checks.promote_wait_s(request, self.config)
         store = self.store
         self._touch_rdma(request.rdma_qp_num)
         if commit_wait_s:
             store.wait_committed(request.namespace_id, keys, time.monotonic() + commit_wait_s)
+        deadline = time.monotonic() + promote_wait_s   # its own budget: the wait above does not use it up
         # Every leading page is pinned first, so promoting the tail never evicts the head.
         lease = store.hold_chain(request.namespace_id, keys, ttl_ms, owner)
         promoted = from_dram = 0

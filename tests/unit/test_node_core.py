@@ -412,3 +412,18 @@ def test_pages_written_to_disk_whose_parent_is_not_on_nvme_are_deleted_from_it(n
     written, garbage = node.store.finish_writedown(batch, {child})    # the parent's shard write failed
     assert written == [] and garbage == [child.page_id] and not child.on_nvme
     node.store.nvme_deleted(garbage)
+
+
+def test_a_get_that_waited_for_commits_still_has_its_time_to_promote(node):
+    # wait_ms (pages not yet committed) and timeout_ms (pages coming up from NVMe) are two budgets:
+    # the wait for a tail nobody commits must not use up the promotion of the head.
+    ns = open_ns(node, SMALL)
+    keys = chain("handoff", 3)
+    put(node, ns, keys, SMALL)
+    write_all_down(node)
+    drop_dram_copies(node)
+    a = node.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys + [b"never-committed"], wait_ms=300,
+                                       policy=pb.TIMEOUT, timeout_ms=200), None)
+    assert a.hit_pages == 3 and a.promoted_pages == 3
+    node.release(pb.ReleaseRequest(lease_ids=[a.lease_id]), None)
+    node.store.check_invariants()
