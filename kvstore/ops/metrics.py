@@ -13,7 +13,7 @@ Two kinds, chosen to keep the request path cheap:
 The endpoint shows every tenant's namespaces and the node's totals, so it is an operator's
 view: with authentication configured (auth.*) a scrape must carry an admin token
 (`Authorization: Bearer <token>`, Prometheus' `authorization` scrape setting) and is
-answered 401 otherwise. Refused callers are counted per plane and error
+answered 401 without a known token, 403 with a tenant's. Refused callers are counted per plane and error
 (kvstore_auth_refusals_total).
 """
 
@@ -136,11 +136,16 @@ def _admin_only(app: Any, auth: Authenticator) -> Any:
                 raise errors.Unauthenticated("no token")
             if not auth.token_identity(token).admin:
                 raise errors.PermissionDenied("a tenant's token")
-        except errors.KVStoreError as exc:
+        except errors.Unauthenticated as exc:
             auth.refused("metrics", exc)
             start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
             return [b"metrics need an admin token: send 'Authorization: Bearer <token>' of an admin in "
                     b"auth.tokens_file\n"]
+        except errors.PermissionDenied as exc:   # a known token, of a tenant: who it is is known, not enough
+            auth.refused("metrics", exc)
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [b"metrics show every tenant's namespaces: scrape with the token of an admin in "
+                    b"auth.tokens_file, not a tenant's\n"]
         return app(environ, start_response)
     return guarded
 
