@@ -483,3 +483,65 @@ def test_a_get_after_a_sidecar_eviction_fails_that_position_in_every_part(server
                                                                    PoolName.MAMBA: [False]}
     assert theirs.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=keys[3:],
                                              hit_policy=PoolHitPolicy.TRAILING_PAGES)]) == {PoolName.MAMBA: [True]}
+
+
+def test_an_mla_hybrid_shares_its_indexer_across_ranks_and_shards_its_states_like_the_file_backend(server, tmp_path):
+    """An MLA model with a DSA indexer and Mamba states at TP 2, backed up as SGLang's hybrid controller
+    does: the writer rank stores the indexer, its Mamba shard and the KV; the other rank stores only its own
+    Mamba shard. Both ranks then see the whole group (the indexer kept per rank was never found by rank 1),
+    each loads its own state, and a deleted indexer page is no hit on either; as the file backend answers."""
+    kv = SGLangHostPool("page_first", pages=12, page_size=PAGE)
+    kv.fill_random(seed=31)
+    indexer = SGLangHostPool("page_first", pages=12, page_size=PAGE, layer_num=1, head_num=1, head_dim=16)
+    indexer.fill_random(seed=32)
+    states = [SGLangMambaPool(slots=8) for _ in range(2)]
+    for rank, state in enumerate(states):
+        state.fill_random(seed=33 + rank)
+    files = str(tmp_path / "hicache")
+    ours = [create(server, kv, tp_rank=rank, tp_size=2, mla=True) for rank in range(2)]
+    theirs = [HiCacheFile(storage_config(server, tp_rank=rank, tp_size=2, mla=True, file_storage_path=files))
+              for rank in range(2)]
+    keys = prefix_hashes(tokens(4 * PAGE, seed=31), PAGE)
+    every_page = PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(0, 4), keys=keys,
+                              hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV)
+
+    def last_state(rank, slot):
+        return PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=keys[3:],
+                            hit_policy=PoolHitPolicy.TRAILING_PAGES)
+
+    for backends in (ours, theirs):
+        for rank, backend in enumerate(backends):
+            if backend is theirs[rank]:
+                backend.register_mem_pool_host(kv)
+            backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+            backend.register_mem_host_pool_v2(states[rank], PoolName.MAMBA)
+        writer, other = backends
+        assert writer.batch_set_v2([every_page], HiCacheStorageExtraInfo(prefix_keys=[])) == {
+            PoolName.INDEXER: [True] * 4}
+        for backend in backends:   # the state is TP-sharded: every rank backs up its own
+            assert backend.batch_set_v2([last_state(0, 5)], HiCacheStorageExtraInfo(prefix_keys=keys[:3])) == {
+                PoolName.MAMBA: [True]}
+    assert ours[0].batch_set_v1(keys, host_indices(0, 4)) == [True] * 4
+    assert theirs[0].batch_set(keys, [kv.get_data_page(p * PAGE, flat=True) for p in range(4)])
+    for rank in range(2):
+        assert exists_v2_indexer_mamba(ours[rank], keys) == exists_v2_indexer_mamba(theirs[rank], keys) == (4, [4])
+    # A non-writer asked to back up the shared indexer writes nothing and answers what the store holds.
+    assert ours[1].batch_set_v2([every_page]) == {PoolName.INDEXER: [True] * 4}
+    assert ours[1].batch_get_v1(keys, host_indices(6, 4)) == [True] * 4
+    assert ours[1].batch_get_v2([
+        PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(6, 4), keys=keys, indices_from_pool=PoolName.KV),
+        last_state(1, 1)], HiCacheStorageExtraInfo(prefix_keys=[])) == {PoolName.INDEXER: [True] * 4,
+                                                                         PoolName.MAMBA: [True]}
+    assert states[1].page_bytes(1) == states[1].page_bytes(5) != states[0].page_bytes(5)
+    assert [indexer.page_bytes((6 + p) * PAGE) for p in range(4)] == [indexer.page_bytes(p * PAGE) for p in range(4)]
+
+    delete_sidecar_page(ours[0], theirs[0], PoolName.INDEXER, keys[1])
+    for rank in range(2):
+        assert exists_v2_indexer_mamba(ours[rank], keys) == exists_v2_indexer_mamba(theirs[rank], keys) == (0, [])
+
+
+def exists_v2_indexer_mamba(backend, keys):
+    result = backend.batch_exists_v2(keys, [
+        PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    return result.kv_hit_pages, result.restorable_prefix_pages

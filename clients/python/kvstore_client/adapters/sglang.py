@@ -215,6 +215,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 results[transfer.name] = []
                 continue
             client = self._clients.get()
+            if not self.is_writer and not pool.per_rank:
+                # A pool the ranks share (as MLA KV is): the writer rank stores it; answered as batch_set_v1 does.
+                stored = self._stored_already(pool.namespace, keys)
+                results[transfer.name] = [i < stored for i in range(len(keys))]
+                continue
             if pool.zero_copy:
                 pages = pool.page_segments(keys, transfer.host_indices)
             else:

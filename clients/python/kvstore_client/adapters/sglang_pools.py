@@ -7,6 +7,8 @@ page of their position. Each pool gets a namespace of its own (its page size is 
 pool's page is stored under the KV page's key in that pool's namespace, and a chain of them
 hangs off the prefix keys SGLang names (a trailing-only pool's pages are anchored at the page
 before them: the store keeps them although it holds no state for that page).
+The ranks of an MLA model share a pool's pages as they share the KV (the writer rank backs
+them up), except Mamba states, which are TP-sharded: each rank keeps its own.
 
 A position is the KV page and the sidecar pages named by one prefix key: its page group.
 Each part is a page of its own namespace, committed by its own call (SGLang's hybrid backup
@@ -22,6 +24,8 @@ adapter guarantees on top of that, so that a hit never pairs a KV page with a mi
   load (evicted or deleted since the lookup), the position fails in every pool of the call,
   and so does every later position (SGLang counts each pool's leading run of successes).
   The host slots of a failed position may hold some parts' bytes; SGLang does not use them.
+- batch_exists (v1) answers the KV pages alone, as the file backend does: SGLang asks it only
+  for a prefetch that moves no sidecar (one with no pool transfers).
 
 What is not guaranteed: the Lookups are not one snapshot of the store, and no lease holds a
 group between the lookup and the load. A part evicted after a hit is answered as a failed
@@ -52,6 +56,7 @@ class SidecarPool:
     host_pool: Any
     namespace: Namespace
     zero_copy: bool            # get_page_buffer_meta addresses its pages (else: SGLang's flat page)
+    per_rank: bool             # TP-sharded state: every rank writes its own pages, even beside MLA KV
 
     def page_segments(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Segment]]:
         """(pointer, nbytes) segments of each page in the pool, in the order of its flat page."""
@@ -72,15 +77,21 @@ class SidecarPool:
 
 
 def sidecar_pool(name: str, host_pool: Any, kv_namespace: Namespace, tp_rank: int, tp_size: int) -> SidecarPool:
-    """The namespace of a sidecar pool's pages: the KV namespace's identity, this pool's name and layout,
-    and always the TP rank (a state pool may be sharded across ranks even where the KV is not)."""
+    """The namespace of a sidecar pool's pages: the KV namespace's identity, this pool's name and layout.
+
+    A pool is shared by the TP ranks exactly when the KV is (MLA: one writer rank backs it up, every rank
+    reads it, as SGLang's hybrid backup and its file backend's keys have it), except Mamba states, which
+    are TP-sharded even where the KV is replicated: every rank writes and reads its own."""
     flat_bytes = host_pool.get_dummy_flat_data_page().nbytes
     zero_copy = _addressable(host_pool, flat_bytes)
     layout = f"{kv_namespace.layout};pool={name}:{type(host_pool).__name__}:{getattr(host_pool, 'layout', '')}"
+    per_rank = str(name) == str(PoolName.MAMBA)
     namespace = dataclasses.replace(kv_namespace, page_bytes=flat_bytes, page_tokens=host_pool.page_size or 1,
                                     kv_dtype=str(getattr(host_pool, "dtype", "")).removeprefix("torch."),
-                                    layout=layout, tp_rank=tp_rank, tp_size=tp_size)
-    return SidecarPool(str(name), host_pool, namespace, zero_copy)
+                                    layout=layout,
+                                    tp_rank=tp_rank if per_rank else kv_namespace.tp_rank,
+                                    tp_size=tp_size if per_rank else kv_namespace.tp_size)
+    return SidecarPool(str(name), host_pool, namespace, zero_copy, per_rank)
 
 
 def _addressable(host_pool: Any, flat_bytes: int) -> bool:
