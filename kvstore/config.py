@@ -483,6 +483,8 @@ def _auth_checks(config: Config) -> list[tuple[str, bool, str]]:
          "mutual TLS needs the server's own auth.tls_cert and auth.tls_key"),
         ("auth.local_uids", all(_uid_entry(e) for e in auth.local_uids),
          'each entry must be "uid:tenant" or "uid:tenant:admin"'),
+        ("auth.local_uids", len({e.split(":")[0] for e in auth.local_uids}) == len(auth.local_uids),
+         "names a uid twice: give each uid one tenant"),
         ("auth.local_uids", not auth.local_uids or auth.remote,
          "needs auth.tokens_file or auth.tls_client_ca with it: every client says Hello over gRPC before it "
          "opens the local socket, and with authentication on, a gRPC call proves its tenant by a token or a "

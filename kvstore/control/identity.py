@@ -87,6 +87,7 @@ def read_token_file(path: str) -> list[TokenEntry]:
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     entries = []
+    lines_by_digest: dict[bytes, int] = {}
     for number, line in enumerate(lines, 1):
         fields = line.split("#", 1)[0].split()
         if not fields:
@@ -103,6 +104,10 @@ def read_token_file(path: str) -> list[TokenEntry]:
             digest = b""
         if len(digest) != 32:
             raise ValueError(f"{where}: the first field must be a token's SHA-256 digest, 64 hex digits")
+        if digest in lines_by_digest:   # which tenant would it be? the file says two things
+            raise ValueError(f"{where}: the same token digest as line {lines_by_digest[digest]}: "
+                             "list each token once")
+        lines_by_digest[digest] = number
         if role not in (TENANT, ADMIN):
             raise ValueError(f"{where}: role {role!r} must be 'tenant' or 'admin'")
         expires_at = 0.0

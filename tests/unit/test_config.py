@@ -97,3 +97,9 @@ def test_a_uid_map_alone_is_refused_since_clients_start_on_grpc():
         config.load(environ={}, overrides=["auth.local_uids=0:ops:admin"])
     cfg = config.load(environ={}, overrides=["auth.local_uids=0:ops:admin", "auth.tokens_file=/etc/kvstore/tokens"])
     assert cfg.auth.enabled and cfg.auth.local_uids == ("0:ops:admin",)
+
+
+def test_a_uid_mapped_twice_is_refused():
+    with pytest.raises(ConfigError, match=r"auth\.local_uids: names a uid twice"):
+        config.load(environ={}, overrides=["auth.local_uids=1001:alice,1001:ops:admin",
+                                           "auth.tokens_file=/etc/kvstore/tokens"])

@@ -30,6 +30,10 @@ def test_token_file_lines_and_their_errors(tmp_path):
         with pytest.raises(ValueError, match=why) as info:
             read_token_file(str(path))
         assert f"{path}:1" in str(info.value)
+    path.write_text(token_line("a", "alice") + token_line("a", "ops", "admin"))
+    with pytest.raises(ValueError, match="the same token digest as line 1") as info:
+        read_token_file(str(path))
+    assert f"{path}:2" in str(info.value)
 
 
 def test_tokens_resolve_expire_and_are_counted_when_refused(tmp_path):
