@@ -7,13 +7,15 @@ visible. The checks and the holding are the store's; this module only shapes the
 
 A connection that showed a data ticket (its HELLO) gets its own SlotGrants, bound to that
 identity: a lease of another tenant is answered as an unknown one, before any slot is held.
+A ticket sealed from a token carries the token's digest, so revoking or expiring that token
+refuses the connection's next frame (UNAUTHENTICATED), however long it has been open.
 """
 
 from __future__ import annotations
 
 from kvstore.config import AuthConfig
 from kvstore.control import tenancy
-from kvstore.control.identity import TRUSTED, Authenticator, Identity
+from kvstore.control.identity import TRUSTED, Authenticator, Identity, TokenStanding
 from kvstore.control.leases import READ, WRITE
 from kvstore.control.store import PageStore
 from kvstore.transport.slots import Grant
@@ -24,6 +26,7 @@ class SlotGrants:
         self._store = store
         self._auth = auth or Authenticator(AuthConfig())
         self._identity = identity
+        self._standing = TokenStanding(self._auth, identity)
 
     def bind(self, ticket: bytes) -> "SlotGrants":
         return SlotGrants(self._store, self._auth, self._auth.ticket_identity(ticket))
@@ -47,5 +50,6 @@ class SlotGrants:
         self._store.cut_transfer(grant.lease, grant.slot)
 
     def _own(self, lease_id: int) -> None:
+        self._standing.check("tcp")
         if not self._identity.admin:
             tenancy.own_lease(self._store, lease_id, self._identity)

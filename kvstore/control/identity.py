@@ -5,7 +5,9 @@ certificate (mutual TLS: its common name is the tenant), or both, which must agr
 socket: the peer's uid (SO_PEERCRED), mapped by auth.local_uids. TCP data plane: in the
 connection's first frame, the data ticket a gRPC Hello handed out, the identity
 sealed (HMAC) by this node process, valid for TICKET_TTL_S, so a bearer token never crosses
-the plaintext data plane and a client certificate's identity carries over too.
+the plaintext data plane and a client certificate's identity carries over too. A ticket
+sealed from a token carries the token's digest: a connection it opened is refused on its next
+frame once the token is revoked or expires (TokenStanding), not only new calls.
 
 The token file holds SHA-256 digests of tokens, never tokens, one per line:
 
@@ -44,7 +46,7 @@ BEARER = "bearer "
 TENANT_BYTES_MAX = 255
 # A data ticket (Hello's data_ticket) opens TCP data connections for this long after it was issued.
 TICKET_TTL_S = 300.0
-_TICKET_HEAD = struct.Struct("<BdB")   # admin flag, expiry (time.time()), tenant length
+_TICKET_HEAD = struct.Struct("<BdBB")  # admin flag, expiry (time.time()), tenant length, token digest length
 _TICKET_MAC_BYTES = 16
 
 
@@ -52,6 +54,9 @@ _TICKET_MAC_BYTES = 16
 class Identity:
     tenant: str
     role: str
+    # The SHA-256 of the token it was proven with (b"" for a uid or a certificate): a connection
+    # opened with a token is checked against the table in force on each frame (TokenStanding).
+    token_digest: bytes = dataclasses.field(default=b"", compare=False, repr=False)
 
     @property
     def admin(self) -> bool:
@@ -119,7 +124,7 @@ def read_token_file(path: str) -> list[TokenEntry]:
             if when.tzinfo is None:
                 when = when.replace(tzinfo=datetime.timezone.utc)
             expires_at = when.timestamp()
-        entries.append(TokenEntry(digest, Identity(tenant, role), expires_at))
+        entries.append(TokenEntry(digest, Identity(tenant, role, token_digest=digest), expires_at))
     return entries
 
 
@@ -130,6 +135,7 @@ class TokenTable:
         self.path = path
         self._entries: tuple[TokenEntry, ...] = tuple(read_token_file(path)) if path else ()
         self._lock = threading.Lock()
+        self.generation = 0     # counts reloads: a connection's standing is looked up again after one
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -139,10 +145,14 @@ class TokenTable:
         entries = tuple(read_token_file(self.path))
         with self._lock:
             self._entries = entries
+            self.generation += 1
         return len(entries)
 
     def resolve(self, token: str, now: float | None = None) -> Identity:
-        digest = token_digest(token)
+        return self.entry(token_digest(token), now).identity
+
+    def entry(self, digest: bytes, now: float | None = None) -> TokenEntry:
+        """The entry in force for a token's digest; Unauthenticated when it is unknown, revoked or expired."""
         found: TokenEntry | None = None
         for entry in self._entries:   # every entry, no early exit: constant time in where it matched
             if hmac.compare_digest(entry.digest, digest):
@@ -153,7 +163,38 @@ class TokenTable:
                 "ask the operator for a valid token")
         if found.expires_at and (time.time() if now is None else now) >= found.expires_at:
             raise errors.Unauthenticated("the bearer token has expired: ask the operator for a new one")
-        return found.identity
+        return found
+
+
+class TokenStanding:
+    """Whether the token a connection was opened with is still in force, asked on each of its frames.
+
+    Revoking a token (removing its line, SIGHUP) or its expiry then refuses the next frame of
+    every TCP and local connection it opened, not only new calls. Cheap per frame: the table is
+    searched again only after a reload or once the token's expiry has passed.
+    """
+
+    __slots__ = ("_auth", "_digest", "_generation", "_expires_at")
+
+    def __init__(self, auth: "Authenticator", identity: Identity):
+        self._auth = auth
+        self._digest = identity.token_digest
+        self._generation = -1
+        self._expires_at = 0.0
+
+    def check(self, plane: str) -> None:
+        if not self._digest:
+            return   # a uid or a certificate: nothing a token file revokes
+        tokens = self._auth.tokens
+        if self._generation == tokens.generation and not (self._expires_at and time.time() >= self._expires_at):
+            return
+        generation = tokens.generation
+        try:
+            entry = tokens.entry(self._digest)
+        except errors.KVStoreError as exc:
+            self._auth.refused(plane, exc)
+            raise
+        self._generation, self._expires_at = generation, entry.expires_at
 
 
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
@@ -185,7 +226,7 @@ class Authenticator:
             return b""
         tenant = identity.tenant.encode()
         body = _TICKET_HEAD.pack(identity.admin, (time.time() if now is None else now) + TICKET_TTL_S,
-                                 len(tenant)) + tenant
+                                 len(tenant), len(identity.token_digest)) + tenant + identity.token_digest
         return body + hmac.new(self._ticket_key, body, hashlib.sha256).digest()[:_TICKET_MAC_BYTES]
 
     def ticket_identity(self, ticket: bytes, now: float | None = None) -> Identity:
@@ -199,13 +240,15 @@ class Authenticator:
                 raise errors.Unauthenticated(
                     "the data ticket is not one this node issued (or the node restarted): send the data_ticket of "
                     "a Hello to this node in the connection's first frame")
-            admin, expires_at, _ = _TICKET_HEAD.unpack_from(body)
+            admin, expires_at, tenant_bytes, _ = _TICKET_HEAD.unpack_from(body)
             if (time.time() if now is None else now) >= expires_at:
                 raise errors.Unauthenticated("the data ticket has expired: call Hello again for a fresh one")
         except errors.KVStoreError as exc:
             self.refused("tcp", exc)
             raise
-        return Identity(body[_TICKET_HEAD.size:].decode(), ADMIN if admin else TENANT)
+        tenant_end = _TICKET_HEAD.size + tenant_bytes
+        return Identity(body[_TICKET_HEAD.size:tenant_end].decode(), ADMIN if admin else TENANT,
+                        token_digest=body[tenant_end:])
 
     def reload(self) -> None:
         """SIGHUP: reread the token file; a bad file is reported and the table in force kept."""

@@ -299,6 +299,7 @@ class _Connection(asyncio.BufferedProtocol):
             if request.length:
                 self._reader.skip_body()
             self._refuse(Op.PUT, exc)
+            self._close_if_unauthenticated(exc)
             return
         self._reader.accept_body(grant.view)
         self._body = grant
@@ -309,6 +310,7 @@ class _Connection(asyncio.BufferedProtocol):
             grant = self._resolver.resolve_read(request.lease_id, request.token, request.slot, request.length)
         except errors.KVStoreError as exc:
             self._refuse(Op.GET, exc)
+            self._close_if_unauthenticated(exc)
             return
         self._write([encode_response(0, Op.GET, len(grant.view)), grant.view])
         self._reads.append((self._sent, grant))
@@ -317,6 +319,12 @@ class _Connection(asyncio.BufferedProtocol):
     def _refuse(self, op: Op, exc: errors.KVStoreError) -> None:
         log.debug("tcp peer=%s frame refused: %s", self._peer, exc)
         self._write([encode_error(op, exc.code, str(exc))])
+
+    def _close_if_unauthenticated(self, exc: errors.KVStoreError) -> None:
+        """The connection's token was revoked or expired: no later frame of it is served either."""
+        if isinstance(exc, errors.Unauthenticated):
+            log.info("tcp peer=%s closed: %s", self._peer, exc)
+            self._transport.close()
 
     def _answer_put(self) -> None:
         """Queue a PUT's answer, written with the others of this loop pass: one send, not one per page."""

@@ -167,6 +167,33 @@ def test_a_token_revoked_on_sighup_is_refused_from_then_on(node, tokens):
     channel(node, tokens.alice).call("Hello", pb.HelloRequest())
 
 
+def revoke(node, tokens, tenant):
+    tokens.lines = [line for line in tokens.lines if f" {tenant} " not in line]
+    tokens.write()
+    reloads = node.log().count("token file reloaded")
+    node.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while node.log().count("token file reloaded") == reloads:
+        assert time.monotonic() < deadline, node.log()
+        time.sleep(0.02)
+
+
+def test_a_token_revoked_on_sighup_refuses_the_next_frame_of_its_open_tcp_connection(node, tokens):
+    bob = channel(node, tokens.bob)
+    hello = bob.call("Hello", pb.HelloRequest())
+    ns_id = bob.call("OpenNamespace", pb.OpenNamespaceRequest(spec=NS.to_proto())).namespace_id
+    write = bob.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[b"r0", b"r1"], page_bytes=PAGE))
+    data = pages(2)
+    path = tcp_path(node, hello)   # opened (HELLO accepted) while the token is in force
+    path.put(write.lease_id, write.data_token, [(0, 0, [(data[0].ctypes.data, PAGE)])], PAGE)
+    revoke(node, tokens, "bob")
+    with pytest.raises(errors.Unauthenticated, match="revoked"):
+        path.put(write.lease_id, write.data_token, [(1, 0, [(data[1].ctypes.data, PAGE)])], PAGE)
+    # alice's connection, opened the same way, still moves pages
+    with KVStoreClient(node.address, token=tokens.alice, transport="tcp") as alice:
+        assert alice.put(NS, ["a0"], pages(1)) == 1
+
+
 def test_a_token_file_that_does_not_parse_on_sighup_keeps_the_old_one(node, tokens):
     tokens.path.write_text("not a token line\n")
     node.process.send_signal(signal.SIGHUP)

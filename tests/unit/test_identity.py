@@ -9,8 +9,8 @@ import pytest
 
 from identities import token_line
 from kvstore.config import AuthConfig
-from kvstore.control.identity import (ADMIN, TENANT, TRUSTED, Authenticator, Caller, Identity, bearer_token,
-                                      read_token_file)
+from kvstore.control.identity import (ADMIN, TENANT, TRUSTED, Authenticator, Caller, Identity, TokenStanding,
+                                      bearer_token, read_token_file, token_digest)
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
@@ -74,6 +74,29 @@ def test_data_tickets_are_sealed_per_process_and_expire():
         auth.ticket_identity(ticket, now=time.time() + 301)
     assert Authenticator(AuthConfig()).ticket(Identity("a", TENANT)) == b""   # no auth: no ticket needed
     assert Authenticator(AuthConfig()).ticket_identity(b"") is TRUSTED
+
+
+def test_a_ticket_carries_its_token_and_the_connection_falls_with_it(tmp_path):
+    path = tmp_path / "tokens"
+    expires_at = int(time.time()) + 2
+    soon = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(expires_at))
+    path.write_text(token_line("good", "alice") + token_line("brief", "bob", "tenant", soon))
+    auth = Authenticator(AuthConfig(tokens_file=str(path)))
+    alice = auth.ticket_identity(auth.ticket(auth.grpc_identity([("authorization", "Bearer good")], None)))
+    assert alice == Identity("alice", TENANT) and alice.token_digest == token_digest("good")
+    standing = TokenStanding(auth, alice)
+    standing.check("tcp")
+    path.write_text(token_line("brief", "bob", "tenant", soon))   # alice's line removed, then SIGHUP
+    auth.reload()
+    with pytest.raises(errors.Unauthenticated, match="revoked"):
+        standing.check("tcp")
+    bob = TokenStanding(auth, auth.grpc_identity([("authorization", "Bearer brief")], None))
+    bob.check("tcp")
+    time.sleep(max(0.0, expires_at - time.time()) + 0.05)
+    with pytest.raises(errors.Unauthenticated, match="expired"):
+        bob.check("tcp")
+    assert auth.refusals[("tcp", "Unauthenticated")] == 2
+    TokenStanding(auth, Identity("carol", TENANT)).check("local")   # a uid's identity: nothing to revoke
 
 
 def test_local_uids_map_to_tenants_or_refuse():
