@@ -1,5 +1,6 @@
 """AsyncKVStoreClient against a real server: the sync client's answers and errors, many calls in flight on
-one event loop with no thread per call, per-call deadlines that leave the channel in step."""
+one event loop with no thread per call, per-call deadlines that leave the channel in step, and pages over
+the TCP data plane where shared memory cannot be used (another host, a tenant, a token-protected node)."""
 
 import asyncio
 import os
@@ -119,7 +120,8 @@ def stop(pid):
 
 def test_token_over_tls_on_another_host(start_server, tmp_path):
     """The async client speaks grpc.aio with the sync client's credentials; where pages cannot move through
-    shared memory (transport="tcp" stands for another host), put says so while lookups work."""
+    shared memory (transport="tcp" stands for another host) they move over TCP, the connection opened with
+    the data ticket of alice's Hello."""
     from identities import Certificates, Tokens
 
     certs, tokens = Certificates(tmp_path), Tokens(tmp_path)
@@ -132,8 +134,11 @@ def test_token_over_tls_on_another_host(start_server, tmp_path):
         ns = Namespace(model="tls", page_bytes=PAGE)
         async with AsyncKVStoreClient(node.address, token=tokens.alice, tls_ca=certs.ca, transport="tcp") as alice:
             assert await alice.lookup(ns, ["k0"]) == 1
-            with pytest.raises(errors.TransportUnavailable, match="KVStoreClient"):
-                await alice.put(ns, ["k1"], pages(1))
+            assert alice.transport == "tcp"
+            assert await alice.put(ns, ["k1"], pages(1, seed=1), parent="k0") == 1
+            out = np.zeros((2, PAGE), np.uint8)
+            assert await alice.get(ns, ["k0", "k1"], out) == 2
+            assert np.array_equal(out, np.concatenate([pages(1), pages(1, seed=1)]))
         async with AsyncKVStoreClient(node.address, token=tokens.bob, tls_ca=certs.ca, transport="tcp") as bob:
             assert await bob.lookup(ns, ["k0"]) == 0     # another tenant's page is not there for bob
     asyncio.run(run())
@@ -153,4 +158,94 @@ def test_a_restarted_node_is_connected_again(start_server, ns):
             assert await client.put(ns, ["r1"], pages(1, seed=4)) == 1
             out = np.zeros((1, PAGE), np.uint8)
             assert await client.get(ns, ["r1"], out) == 1 and np.array_equal(out, pages(1, seed=4))
+    asyncio.run(run())
+
+
+def test_pages_over_tcp_come_back_byte_for_byte(start_server):
+    """transport="tcp" keeps the client off shared memory, as on another host: put and get move over the TCP
+    data plane (several Reserve batches, pages larger than one socket read), many calls at once on one loop."""
+    server = start_server({"limits.batch_pages_max": 64})
+    page = 64 << 10
+    ns = Namespace(model="async-tcp", page_bytes=page)
+    data = np.random.default_rng(9).integers(0, 256, (400, page), dtype=np.uint8)
+    keys = [f"p{i}" for i in range(400)]
+
+    async def run():
+        async with AsyncKVStoreClient(server.address, transport="tcp", timeout_s=20) as client:
+            assert client.transport == "tcp"
+            threads_before = threading.active_count()
+            assert await client.put(ns, keys, data, verify=True) == 400
+            out = np.zeros_like(data)
+            assert await client.get(ns, keys + ["missing"], np.zeros((401, page), np.uint8)) == 400
+            assert await client.get(ns, keys, out, verify=True) == 400
+            assert np.array_equal(out, data)
+            chains = [[f"c{c}-{i}" for i in range(4)] for c in range(8)]
+            assert await asyncio.gather(*(client.put(ns, chain, data[4 * c:4 * c + 4])
+                                          for c, chain in enumerate(chains))) == [4] * 8
+            outs = [np.zeros((4, page), np.uint8) for _ in chains]
+            assert await asyncio.gather(*(client.get(ns, chain, o) for chain, o in zip(chains, outs))) == [4] * 8
+            assert all(np.array_equal(o, data[4 * c:4 * c + 4]) for c, o in enumerate(outs))
+            assert threading.active_count() == threads_before
+            assert (await client.stats()).leases_open == 0
+
+    asyncio.run(run())
+    with KVStoreClient(server.address) as sync:   # what went over TCP, shared memory reads back
+        assert sync.transport == "shm"
+        out = np.zeros_like(data)
+        assert sync.get(ns, keys, out) == 400 and np.array_equal(out, data)
+
+
+def test_a_tenant_without_the_arena_moves_pages_over_tcp(start_server, tmp_path):
+    """On the node's host a tenant uid may not map the arena: "auto" falls back to TCP, whose connection
+    opens with the HELLO of alice's data ticket; bob's ticket does not reach alice's pages."""
+    from identities import Tokens
+
+    tokens = Tokens(tmp_path)
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice"})
+    ns = Namespace(model="tenant-tcp", page_bytes=PAGE)
+    data = pages(6, seed=5)
+
+    async def run():
+        async with AsyncKVStoreClient(node.address, token=tokens.alice) as alice:
+            assert await alice.put(ns, [f"a{i}" for i in range(6)], data) == 6
+            assert alice.transport == "tcp"
+            out = np.zeros_like(data)
+            assert await alice.get(ns, [f"a{i}" for i in range(6)], out, verify=True) == 6
+            assert np.array_equal(out, data)
+        with pytest.raises(errors.PermissionDenied, match="admin"):
+            await AsyncKVStoreClient(node.address, token=tokens.alice, transport="shm").connect()
+        async with AsyncKVStoreClient(node.address, token=tokens.bob) as bob:
+            assert await bob.get(ns, ["a0"], np.zeros((1, PAGE), np.uint8)) == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(60)
+def test_per_call_timeout_bounds_a_tcp_get(start_server, ns, monkeypatch):
+    """The node stops (SIGSTOP) after it granted the pages and before their bytes move: the get fails with
+    DeadlineExceeded after its timeout_s, not the client's; the next call opens a new data connection."""
+    from kvstore_client.async_tcp_transport import AsyncTcpDataPath
+
+    server = start_server()
+    original = AsyncTcpDataPath.get
+
+    async def stop_then_get(self, *args):
+        stop(server.process.pid)
+        return await original(self, *args)
+
+    async def run():
+        async with AsyncKVStoreClient(server.address, transport="tcp", timeout_s=120) as client:
+            assert await client.put(ns, ["g0"], pages(1)) == 1
+            monkeypatch.setattr(AsyncTcpDataPath, "get", stop_then_get)
+            started = time.monotonic()
+            try:
+                with pytest.raises(errors.DeadlineExceeded, match="timeout_s"):
+                    await client.get(ns, ["g0"], np.zeros((1, PAGE), np.uint8), timeout_s=1)
+                elapsed = time.monotonic() - started
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert elapsed < 10
+            monkeypatch.setattr(AsyncTcpDataPath, "get", original)
+            out = np.zeros((1, PAGE), np.uint8)
+            assert await client.get(ns, ["g0"], out, timeout_s=30) == 1 and np.array_equal(out, pages(1))
     asyncio.run(run())

@@ -11,8 +11,10 @@ node is on this host, else over grpc.aio. Page bytes move through the shared-mem
 copied inline: a memcpy of a page costs less than handing it to a thread. The arena's fd
 comes over its own socket (asyncio streams cannot receive SCM_RIGHTS), which stays open as
 the mapping's liveness signal, exactly as in the sync client: one short blocking exchange on
-the local socket at connect, never per call. Pages cannot move over TCP or RDMA here (their
-data paths block): on another host put/get raise TransportUnavailable, while lookup, route,
+the local socket at connect, never per call. Where shared memory cannot be used (the node is
+on another host, this identity may not map the arena, or transport="tcp"), pages move over
+the node's TCP data plane on asyncio streams (async_tcp_transport.py). RDMA is the sync
+client's only: with transport="rdma" put/get raise TransportUnavailable, while lookup, route,
 delete, clear and stats work over grpc.aio.
 
 A put reserves, copies and commits one group at a time, without the sync client's overlap.
@@ -37,6 +39,7 @@ import grpc.aio
 from kvstore_client import errors, framing
 from kvstore_client.arguments import (check_verify, engine_id_list, keys_or_tokens, node_target, page_keys,
                                       prefetch_policy)
+from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.buffers import page_segments
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
@@ -44,6 +47,7 @@ from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.pipeline import LEASE_MARGIN_S, PutResult, check_loaded, commit_checksums, stored_pages
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import ShmDataPath
+from kvstore_client.transport_choice import candidates
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +167,35 @@ class AsyncGrpcChannel:
         await self._channel.close()
 
 
+class _ArenaPages:
+    """Shared memory behind the same coroutines as AsyncTcpDataPath: the copy is inline (see the module doc)."""
+
+    name = "shm"
+
+    def __init__(self, path: ShmDataPath):
+        self.path = path
+
+    async def put(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> list[int] | None:
+        return self.path.put(lease_id, token, pages, page_bytes)
+
+    async def get(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> None:
+        self.path.get(lease_id, token, pages, page_bytes)
+
+    def alive(self) -> bool:
+        return self.path.alive()
+
+    def close(self) -> None:
+        self.path.close()
+
+
 class _Connection:
-    """What one Hello set up: the control channel, the arena (None on another host), namespace ids."""
+    """What one Hello set up: the control channel, the data path (None where pages cannot move), namespace ids."""
 
     def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel, timeout_s: float):
         self.hello, self.grpc, self.timeout_s = hello, grpc_channel, timeout_s
         self.control: AsyncLocalChannel | AsyncGrpcChannel = grpc_channel
-        self.data: ShmDataPath | None = None
+        self.data: _ArenaPages | AsyncTcpDataPath | None = None
+        self.no_data_reason = ""                         # why data is None, for put/get to say
         self.arena_channel: LocalChannel | None = None   # the arena came over it; open while the mapping is used
         self.namespace_ids: dict[Namespace, int] = {}
 
@@ -181,16 +207,53 @@ class _Connection:
         try:
             hello = await grpc_channel.call("Hello", pb.HelloRequest(client_name=client_name), timeout_s)
             conn = cls(hello, grpc_channel, timeout_s)
-            if hello.shm_socket and transport in ("auto", "shm"):
-                conn.arena_channel = LocalChannel(hello.shm_socket, timeout_s)
-                conn.data = ShmDataPath(conn.arena_channel, hello.instance_id)
-                conn.control = await AsyncLocalChannel.open(hello.shm_socket)
-            elif transport == "shm":
-                raise errors.TransportUnavailable("the node offers no shared memory to this host")
+            await conn._open_data_path(transport)
         except BaseException:
             await (conn.close() if conn is not None else grpc_channel.close())
             raise
         return conn
+
+    async def _open_data_path(self, transport: str) -> None:
+        """Shared memory when the node offers it and it works from here, else TCP (transport_choice.py, no RDMA)."""
+        if transport == "rdma":
+            self.no_data_reason = "AsyncKVStoreClient moves pages over shared memory or TCP: use KVStoreClient for RDMA"
+            return
+        hello = self.hello
+        try:
+            order = candidates(transport, bool(hello.shm_socket), False, bool(hello.tcp_endpoint), False)
+        except errors.TransportUnavailable as exc:
+            if transport != "auto":
+                raise
+            self.no_data_reason = str(exc)
+            return
+        failures = []
+        for name in order:
+            try:
+                if name == "shm":
+                    await self._open_shm()
+                else:
+                    self.data = await asyncio.wait_for(AsyncTcpDataPath.open(hello.tcp_endpoint, hello.data_ticket),
+                                                       self.timeout_s)
+                return
+            except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable, TimeoutError) as exc:
+                if transport != "auto":
+                    raise
+                log.info("data plane %s cannot be used, trying the next: %s", name, exc)
+                failures.append(f"{name}: {exc}")
+        self.no_data_reason = "no data plane of the node works from here: " + "; ".join(failures)
+
+    async def _open_shm(self) -> None:
+        arena_channel = LocalChannel(self.hello.shm_socket, self.timeout_s)
+        try:
+            self.data = _ArenaPages(ShmDataPath(arena_channel, self.hello.instance_id))
+            self.control = await AsyncLocalChannel.open(self.hello.shm_socket)
+        except BaseException:
+            if self.data is not None:
+                self.data.close()
+                self.data = None
+            arena_channel.close()
+            raise
+        self.arena_channel = arena_channel
 
     def alive(self) -> bool:
         return self.control.alive() and (self.data is None or self.data.alive())
@@ -228,8 +291,8 @@ class AsyncKVStoreClient:
 
     @property
     def transport(self) -> str:
-        """"shm" when pages can move (same host), else "none" (control calls only)."""
-        return "shm" if self._conn is not None and self._conn.data is not None else "none"
+        """The data plane pages move over: "shm" or "tcp"; "none" when they cannot (control calls only)."""
+        return self._conn.data.name if self._conn is not None and self._conn.data is not None else "none"
 
     # -- the same methods as KVStoreClient --------------------------------------------
 
@@ -358,9 +421,7 @@ class AsyncKVStoreClient:
             async with asyncio.timeout(timeout_s):
                 conn = await self._connection()
                 if needs_data and conn.data is None:
-                    raise errors.TransportUnavailable(
-                        "AsyncKVStoreClient moves pages through shared memory only, and the node is on another host "
-                        "(or transport= excludes shm): use KVStoreClient for pages over TCP or RDMA")
+                    raise errors.TransportUnavailable(conn.no_data_reason)
                 return await action(conn)
         except TimeoutError:
             raise errors.DeadlineExceeded(f"the call did not finish within its timeout_s={timeout_s}") from None
@@ -414,7 +475,7 @@ async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: byt
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
         pages = [(reserved.first_index + i, reserved.offsets[i], segments[i]) for i in indices]
-        written = conn.data.put(reserved.lease_id, reserved.data_token, pages, page_bytes)
+        written = await conn.data.put(reserved.lease_id, reserved.data_token, pages, page_bytes)
         sums, from_writer = commit_checksums(written, [segments[i] for i in indices], verify)
         committed = await control.call("Commit", pb.CommitRequest(
             lease_id=reserved.lease_id, indices=[p[0] for p in pages], checksums=sums, durable=durable,
@@ -435,7 +496,7 @@ async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, 
     if not hits:
         return 0
     try:
-        conn.data.get(acquired.lease_id, acquired.data_token,
+        await conn.data.get(acquired.lease_id, acquired.data_token,
                       [(i, acquired.offsets[i], segments[i]) for i in range(hits)], acquired.page_bytes)
     finally:
         conn.control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))

@@ -1,0 +1,164 @@
+"""The TCP data plane for asyncio: tcp_transport.py's frames over asyncio streams, no thread per call.
+
+The same wire as the blocking client (tcp_framing.py): a HELLO with the data ticket first
+when the node handed one out, then PUT frames (header, then the page's segments) and GET
+frames answered in order. One batch of frames at a time holds the connection (an
+asyncio.Lock), so answers cannot interleave between tasks. Page bytes are copied out of a
+GET's answer into the caller's segments as they arrive (asyncio streams have no
+receive-into), and written from the caller's buffers with no copy of their own.
+
+A batch cut short (its task cancelled by a deadline, the node gone, an unreadable answer)
+leaves the stream out of step: the path is then broken for good and reads as not alive,
+so the client opens a new connection for its next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import socket
+
+from kvstore_client import errors
+from kvstore_client.buffers import Segment
+from kvstore_client.data_path import Page
+from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_hello, encode_request
+
+GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers, as tcp_transport.py
+
+
+def _view(segment: Segment) -> memoryview:
+    address, nbytes = segment
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+class AsyncTcpDataPath:
+    name = "tcp"
+
+    def __init__(self, endpoint: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.endpoint = endpoint
+        self._reader, self._writer = reader, writer
+        self._lock = asyncio.Lock()
+        self._broken: errors.KVStoreError | None = None
+
+    @classmethod
+    async def open(cls, endpoint: str, ticket: bytes = b"") -> "AsyncTcpDataPath":
+        """Connect (and show `ticket`, Hello's data_ticket, when the node handed one out)."""
+        host, _, port = endpoint.rpartition(":")
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+        except (OSError, ValueError) as exc:
+            raise errors.Unavailable(f"cannot connect to the TCP data plane at {endpoint}: {exc}") from None
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        path = cls(endpoint, reader, writer)
+        if ticket:
+            try:
+                await path._io(path._hello(ticket))
+            except BaseException:
+                path.close()
+                raise
+        return path
+
+    async def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        """Write each page into its slot; raises the first refusal after every answer is read."""
+        async with self._lock:
+            self._check()
+            await self._io(self._put(lease_id, token, pages, page_bytes))
+
+    async def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        """Read each page of a read lease into the caller's segments."""
+        async with self._lock:
+            self._check()
+            await self._io(self._get(lease_id, token, pages, page_bytes))
+
+    def alive(self) -> bool:
+        return self._broken is None and not self._reader.at_eof()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    async def _put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        for slot, _, segments in pages:
+            self._writer.write(encode_request(Op.PUT, lease_id, token, slot, page_bytes))
+            self._writer.writelines(_view(s) for s in segments)
+            await self._writer.drain()   # bounded: at most one page queued beyond the transport's limit
+        first_error = None
+        for _ in pages:
+            error = await self._answer(Op.PUT, None)
+            first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    async def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+        requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
+        sent = min(len(requests), GET_WINDOW_FRAMES)
+        self._writer.write(b"".join(requests[:sent]))
+        first_error = None
+        for index, (_, _, segments) in enumerate(pages):
+            if sent < len(requests) and sent - index <= GET_WINDOW_FRAMES // 2:
+                more = min(len(requests), sent + GET_WINDOW_FRAMES // 2)
+                self._writer.write(b"".join(requests[sent:more]))
+                sent = more
+            await self._writer.drain()
+            error = await self._answer(Op.GET, segments)
+            first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    async def _hello(self, ticket: bytes) -> None:
+        self._writer.write(encode_hello(ticket))
+        refusal = await self._answer(Op.HELLO, None)
+        if refusal is not None:
+            raise refusal
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    async def _io(self, frames) -> None:
+        """Await a batch of frames; any failure or cancellation leaves the stream out of step: broken for good.
+        A refusal the node answered in step (an error frame) is raised and the path stays usable."""
+        try:
+            await frames
+        except errors.KVStoreError:
+            raise
+        except FrameError as exc:
+            self._break(errors.Internal(f"the TCP data plane sent an unreadable answer: {exc}"))
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            self._break(errors.Unavailable(f"the TCP data plane at {self.endpoint} failed: {exc}"))
+        except BaseException:   # cancelled (the call's timeout_s), mid-frame
+            self._break(errors.Unavailable(f"a call was cut short on the TCP data plane at {self.endpoint}"))
+            raise
+        else:
+            return
+        raise self._broken
+
+    def _break(self, error: errors.KVStoreError) -> None:
+        if self._broken is None:
+            self._broken = error
+            self._writer.close()
+
+    async def _answer(self, op: Op, segments: list[Segment] | None) -> errors.KVStoreError | None:
+        """Read one answer; a GET's page goes into `segments`. Returns the refusal, if any."""
+        status, answered_op, length = decode_response(await self._reader.readexactly(RESPONSE.size))
+        if status:
+            text = await self._reader.readexactly(length)
+            return errors.error_from_code(status, text.decode(errors="replace"))
+        if answered_op != op:
+            raise FrameError(f"answer for op {answered_op} where op {int(op)} was asked")
+        if segments is None:
+            if length:
+                raise FrameError(f"a {op.name} answer with {length} bytes")
+            return None
+        if length != sum(n for _, n in segments):
+            raise FrameError(f"a page of {length} bytes for a buffer of {sum(n for _, n in segments)}")
+        for segment in segments:
+            view, got = _view(segment), 0
+            while got < len(view):   # StreamReader.read hands back what is buffered, up to the limit asked
+                chunk = await self._reader.read(len(view) - got)
+                if not chunk:
+                    raise asyncio.IncompleteReadError(b"", len(view) - got)
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
+        return None
