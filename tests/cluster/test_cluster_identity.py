@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cluster_parts import etcd, start_node, wait_members  # noqa: F401
-from identities import Tokens
+from identities import Certificates, Tokens
 from kvstore.admin import cli
 from kvstore_client import errors
 from kvstore_client.cluster import KVStoreCluster
@@ -74,3 +74,23 @@ def test_the_token_comes_from_kvstore_token_for_the_client_and_cluster_status(pr
     report = json.loads(capsys.readouterr().out)
     assert {m["node_id"] for m in report["members"]} == nodes and all(m["answers"] for m in report["members"])
     assert sum(m["pages"] for m in report["members"]) == 8
+
+
+def test_tls_files_reach_every_node(start_node, etcd, tmp_path, request, monkeypatch):
+    for variable in ("KVSTORE_TOKEN", "KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    tokens, certs = Tokens(tmp_path), Certificates(tmp_path)
+    cluster = request.node.name.removeprefix("test_")[:40]
+    tls = {"auth.tokens_file": str(tokens.path), "auth.tls_cert": certs.server_cert, "auth.tls_key": certs.server_key}
+    nodes = {"n1", "n2", "n3"}
+    for name in sorted(nodes):
+        start_node(name, cluster=cluster, **tls)
+    url = f"etcd://{etcd.endpoint}/{cluster}"
+    ids, data = chain(12)
+    keys = prefix_hashes(ids, page_tokens=4)
+    monkeypatch.setenv("KVSTORE_TLS_CA", certs.ca)                 # the CA from the environment, the token given
+    with KVStoreCluster(url, segment_pages=4, replicas=1, transport="tcp", token=tokens.alice) as alice:
+        wait_members(alice, nodes)
+        assert alice.put(NS, keys, data) == 12
+        assert alice.lookup(NS, tokens=ids) == 12
+        assert set(alice.stats()) == nodes
