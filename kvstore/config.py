@@ -198,6 +198,7 @@ class AuthConfig:
     tls_key: str = ""                       # PEM private key of tls_cert
     tls_client_ca: str = ""                 # PEM CA of client certificates: mutual TLS, the certificate's CN is the tenant
     local_uids: tuple[str, ...] = ()        # "uid:tenant" or "uid:tenant:admin": the local socket's peers, by uid
+    local_require_token: bool = False       # a local connection also shows a token of its uid's tenant, in its first frame
     allow_unauthenticated_remote: bool = False  # serve a non-loopback address with no authentication configured
 
     @property
@@ -489,6 +490,8 @@ def _auth_checks(config: Config) -> list[tuple[str, bool, str]]:
          "needs auth.tokens_file or auth.tls_client_ca with it: every client says Hello over gRPC before it "
          "opens the local socket, and with authentication on, a gRPC call proves its tenant by a token or a "
          "client certificate"),
+        ("auth.local_require_token", not auth.local_require_token or (auth.tokens_file and auth.local_uids),
+         "needs auth.tokens_file (the tokens it checks) and auth.local_uids (the uid mapping it adds to)"),
         ("auth.allow_unauthenticated_remote", auth.remote or auth.allow_unauthenticated_remote or not remote,
          f"{', '.join(remote)} is not a loopback address and no authentication is configured "
          "(auth.tokens_file or auth.tls_client_ca): configure one, or set auth.allow_unauthenticated_remote = true "

@@ -307,6 +307,28 @@ class Authenticator:
             raise exc
         return identity
 
+    def local_token_identity(self, uid_identity: Identity, token: str) -> Identity:
+        """A local connection's identity once it showed a token: the uid's tenant, proven twice.
+
+        The token must be one of the uid's tenant; the admin role needs both the uid and the token to be admin's.
+        """
+        if not self.enabled:
+            return uid_identity
+        try:
+            if not token:
+                raise errors.Unauthenticated("the local socket's AUTHENTICATE frame carries no token: pass token= "
+                                             "to KVStoreClient (or set KVSTORE_TOKEN)")
+            token_identity = self.tokens.resolve(token)
+            if token_identity.tenant != uid_identity.tenant:
+                raise errors.PermissionDenied(
+                    f"this uid maps to tenant {uid_identity.tenant!r} (auth.local_uids) but the token is another "
+                    "tenant's: use the token of the uid's tenant")
+        except errors.KVStoreError as exc:
+            self.refused("local", exc)
+            raise
+        role = ADMIN if uid_identity.admin and token_identity.admin else TENANT
+        return Identity(uid_identity.tenant, role, token_digest=token_identity.token_digest)
+
     def refusal_counts(self) -> dict[tuple[str, str], int]:
         with self._refusals_lock:
             return dict(self.refusals)

@@ -4,7 +4,11 @@ Each connection is checked as it is accepted, before any frame is read: a peer u
 (SO_PEERCRED) outside shm.allowed_uids, or (with authentication configured) one that
 auth.local_uids maps to no tenant, is answered PERMISSION_DENIED, and a connection
 beyond shm.connections_max is answered CAPACITY_EXHAUSTED; either gets that one frame and
-no thread. An accepted connection gets a thread. Frame 0 (MAP_ARENA) is answered with
+no thread. An accepted connection gets a thread. Its first frame may be AUTHENTICATE, a
+bearer token of the uid's tenant; with auth.local_require_token it must be, and any other
+first frame is answered UNAUTHENTICATED and the connection closed. A connection that showed
+a token is checked against the token table on each frame: once SIGHUP revokes the token, or
+it expires, the next frame is answered UNAUTHENTICATED and the connection closed. Frame 0 (MAP_ARENA) is answered with
 the arena's memfd over SCM_RIGHTS; the arena holds every tenant's pages, so with
 authentication configured only an admin identity may map it (a tenant's client then moves
 its pages over TCP, where each frame is checked against its lease); other frames carry kvstore.v1 requests (framing.py).
@@ -27,7 +31,7 @@ import time
 from google.protobuf.message import DecodeError
 
 from kvstore.config import AuthConfig
-from kvstore.control.identity import Authenticator, Caller, Identity
+from kvstore.control.identity import Authenticator, Caller, Identity, TokenStanding
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
 from kvstore_client import errors, framing
@@ -117,6 +121,8 @@ class LocalServer:
 
     def _serve(self, conn: socket.socket, pid: int, identity: Identity) -> None:
         owner = Caller(identity)
+        standing = TokenStanding(self._auth, identity)
+        first = True
         try:
             while True:
                 header = _recv_exact(conn, framing.HEADER.size)
@@ -126,6 +132,27 @@ class LocalServer:
                 payload = _recv_exact(conn, length)
                 if payload is None:
                     return
+                try:
+                    if kind == framing.AUTHENTICATE:
+                        if not first:
+                            raise errors.MalformedRequest("AUTHENTICATE is only the connection's first frame")
+                        identity = self._auth.local_token_identity(identity, payload.decode(errors="replace"))
+                        owner.identity, standing = identity, TokenStanding(self._auth, identity)
+                        first = False
+                        conn.sendall(framing.encode(0, b""))
+                        continue
+                    if first and self._auth.enabled and self._auth.config.local_require_token:
+                        refusal = errors.Unauthenticated(
+                            "this node needs a token on the local socket too (auth.local_require_token): pass token= "
+                            "to KVStoreClient (or set KVSTORE_TOKEN); it goes in the connection's first frame")
+                        self._auth.refused("local", refusal)
+                        raise refusal
+                    standing.check("local")
+                except (errors.Unauthenticated, errors.PermissionDenied, errors.MalformedRequest) as exc:
+                    log.info("shm peer pid=%d refused, closing: %s", pid, exc)
+                    _send_error(conn, exc)
+                    return
+                first = False
                 if kind == framing.MAP_ARENA:
                     if self._auth.enabled and not identity.admin:
                         refusal = errors.PermissionDenied(

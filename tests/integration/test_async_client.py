@@ -144,6 +144,20 @@ def test_token_over_tls_on_another_host(start_server, tmp_path):
     asyncio.run(run())
 
 
+def test_the_local_socket_gets_the_token_where_the_node_requires_one(start_server, tmp_path, ns):
+    from identities import Tokens
+
+    tokens = Tokens(tmp_path)
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:ops:admin",
+                         "auth.local_require_token": "true"})
+
+    async def run():
+        async with AsyncKVStoreClient(node.address, token=tokens.ops, timeout_s=10) as ops:
+            assert ops.transport == "shm"
+            assert await ops.put(ns, ["t0"], pages(1)) == 1 and await ops.lookup(ns, ["t0"]) == 1
+    asyncio.run(run())
+
+
 def test_a_restarted_node_is_connected_again(start_server, ns):
     """The node is SIGKILLed and started again at the same address: the next call notices the lost
     connection without a round trip, opens a new one (new arena, namespaces reopened) and works."""

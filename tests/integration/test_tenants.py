@@ -255,6 +255,37 @@ def test_local_uid_mapping_decides_the_local_channel(start_server, tokens):
         KVStoreClient(other_node.address, token=tokens.alice, transport="shm")
 
 
+def test_a_local_token_on_top_of_the_uid_mapping(start_server, tokens):
+    import os
+    from kvstore_client.channel import LocalChannel
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:ops:admin",
+                         "auth.local_require_token": "true"})
+    with KVStoreClient(node.address, token=tokens.ops, transport="shm") as ops:   # the SDK shows its token
+        assert ops.transport == "shm" and ops.put(NS, ["o0"], pages(1)) == 1 and ops.lookup(NS, ["o0"]) == 1
+    socket_path = channel(node, tokens.ops).call("Hello", pb.HelloRequest()).shm_socket
+    bare = LocalChannel(socket_path, 5.0)
+    with pytest.raises(errors.Unauthenticated, match="auth.local_require_token.*pass token="):
+        bare.map_arena_fd()
+    bare.close()
+    with pytest.raises(errors.PermissionDenied, match="maps to tenant 'ops' .* another tenant's"):
+        LocalChannel(socket_path, 5.0, tokens.alice)
+    with pytest.raises(errors.Unauthenticated, match="not one this node knows"):
+        LocalChannel(socket_path, 5.0, "not-a-token")
+
+
+def test_a_token_revoked_on_sighup_refuses_the_next_call_of_its_open_local_connection(start_server, tokens):
+    import os
+    from kvstore_client.channel import LocalChannel
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice"})
+    socket_path = channel(node, tokens.alice).call("Hello", pb.HelloRequest()).shm_socket
+    local = LocalChannel(socket_path, 5.0, tokens.alice)
+    assert local.call("Stats", pb.StatsRequest()).namespaces == []
+    revoke(node, tokens, "alice")
+    with pytest.raises(errors.Unauthenticated, match="revoked"):
+        local.call("Stats", pb.StatsRequest())
+    local.close()
+
+
 def test_hello_offers_a_tenant_no_region_of_every_tenants_pages(start_server, tokens):
     node = start_server({"auth.tokens_file": str(tokens.path), "hbm.pool_bytes": "4MiB",
                          "testing.hbm_on_host": "true"})
@@ -366,6 +397,7 @@ def test_a_tenant_can_change_no_committed_page_of_another(start_server, tokens):
     ("auth.tokens_file={tmp}/absent", 1, "cannot read auth.tokens_file {tmp}/absent"),
     ("auth.tokens_file={tmp}/bad", 1, "auth.tokens_file: {tmp}/bad:1: the first field must be a token's SHA-256 digest"),
     ("auth.tls_cert={tmp}/bad", 2, "auth.tls_key: needs auth.tls_cert with it"),
+    ("auth.local_require_token=true", 2, "auth.local_require_token: needs auth.tokens_file"),
 ])
 def test_auth_settings_that_cannot_work_stop_start_up(start_server, tmp_path, setting, code, words):
     (tmp_path / "bad").write_text("deadbeef alice tenant\n")

@@ -64,11 +64,25 @@ class AsyncLocalChannel:
         self._reading = asyncio.ensure_future(self._read_answers())
 
     @classmethod
-    async def open(cls, path: str) -> "AsyncLocalChannel":
+    async def open(cls, path: str, token: str = "") -> "AsyncLocalChannel":
+        """With a token, it is shown in the connection's first frame (framing.AUTHENTICATE)."""
         try:
             reader, writer = await asyncio.open_unix_connection(path)
         except OSError as exc:
             raise errors.Unavailable(f"cannot connect to the shm socket {path}: {exc}") from None
+        try:
+            if token:
+                writer.write(framing.encode(framing.AUTHENTICATE, token.encode()))
+                length, code = framing.decode_header(await reader.readexactly(framing.HEADER.size))
+                payload = await reader.readexactly(length)
+                if code:
+                    raise errors.error_from_code(code, payload.decode(errors="replace"))
+        except asyncio.IncompleteReadError:
+            writer.close()
+            raise errors.Unavailable(f"the node closed the shm socket {path} before answering its token") from None
+        except BaseException:
+            writer.close()
+            raise
         return cls(reader, writer)
 
     async def call(self, name: str, request: Any, timeout_s: float) -> Any:
@@ -191,8 +205,9 @@ class _ArenaPages:
 class _Connection:
     """What one Hello set up: the control channel, the data path (None where pages cannot move), namespace ids."""
 
-    def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel, timeout_s: float):
+    def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel, timeout_s: float, token: str = ""):
         self.hello, self.grpc, self.timeout_s = hello, grpc_channel, timeout_s
+        self.token = token                               # shown on the local socket too (framing.AUTHENTICATE)
         self.control: AsyncLocalChannel | AsyncGrpcChannel = grpc_channel
         self.data: _ArenaPages | AsyncTcpDataPath | None = None
         self.no_data_reason = ""                         # why data is None, for put/get to say
@@ -206,7 +221,7 @@ class _Connection:
         conn = None
         try:
             hello = await grpc_channel.call("Hello", pb.HelloRequest(client_name=client_name), timeout_s)
-            conn = cls(hello, grpc_channel, timeout_s)
+            conn = cls(hello, grpc_channel, timeout_s, credentials.token)
             await conn._open_data_path(transport)
         except BaseException:
             await (conn.close() if conn is not None else grpc_channel.close())
@@ -243,10 +258,10 @@ class _Connection:
         self.no_data_reason = "no data plane of the node works from here: " + "; ".join(failures)
 
     async def _open_shm(self) -> None:
-        arena_channel = LocalChannel(self.hello.shm_socket, self.timeout_s)
+        arena_channel = LocalChannel(self.hello.shm_socket, self.timeout_s, self.token)
         try:
             self.data = _ArenaPages(ShmDataPath(arena_channel, self.hello.instance_id))
-            self.control = await AsyncLocalChannel.open(self.hello.shm_socket)
+            self.control = await AsyncLocalChannel.open(self.hello.shm_socket, self.token)
         except BaseException:
             if self.data is not None:
                 self.data.close()

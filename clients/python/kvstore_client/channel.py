@@ -187,7 +187,8 @@ class LocalChannel:
 
     answers_in_order = True
 
-    def __init__(self, path: str, timeout_s: float):
+    def __init__(self, path: str, timeout_s: float, token: str = ""):
+        """With a token, it is shown in the connection's first frame (framing.AUTHENTICATE)."""
         self.path = path
         self.timeout_s = timeout_s
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -201,6 +202,19 @@ class LocalChannel:
         self._recv_lock = threading.Lock()
         self._inflight: collections.deque[tuple[Pending, type]] = collections.deque()
         self._broken: errors.KVStoreError | None = None
+        if token:
+            try:
+                self._authenticate(token)
+            except BaseException:
+                self._sock.close()
+                raise
+
+    def _authenticate(self, token: str) -> None:
+        self._sock.sendall(framing.encode(framing.AUTHENTICATE, token.encode()))
+        length, code = framing.decode_header(self._recv_exact(framing.HEADER.size))
+        payload = self._recv_exact(length)
+        if code:
+            raise errors.error_from_code(code, payload.decode(errors="replace"))
 
     def map_arena_fd(self) -> int:
         """Ask for the arena; the server answers with its memfd (SCM_RIGHTS) or an error."""

@@ -50,6 +50,7 @@ class NodeConnection:
     def __init__(self, options: ConnectOptions):
         """Hello over gRPC, then the first data path that works; raises what stopped it (Unavailable, ...)."""
         self.grpc = GrpcChannel(options.target, options.timeout_s, options.credentials)
+        self.credentials = options.credentials
         self.local: LocalChannel | None = None
         self.data: DataPath | None = None
         try:
@@ -151,7 +152,7 @@ class NodeConnection:
         raise errors.TransportUnavailable("no data plane of the node works from here: " + "; ".join(failures))
 
     def _open_shm(self, timeout_s: float) -> ShmDataPath:
-        local = LocalChannel(self.hello.shm_socket, timeout_s)
+        local = LocalChannel(self.hello.shm_socket, timeout_s, self.credentials.token)
         try:
             path = ShmDataPath(local, self.hello.instance_id)
         except BaseException:

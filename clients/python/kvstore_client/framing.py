@@ -24,6 +24,9 @@ FRAME_BYTES_MAX = 16 << 20
 
 # Method 0 asks for the arena file descriptor (sent with SCM_RIGHTS beside the response).
 MAP_ARENA = 0
+# A bearer token (UTF-8), the connection's first frame: the node checks it against the peer uid's
+# tenant (required with auth.local_require_token) and refuses the connection once it is revoked.
+AUTHENTICATE = 255
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 # method id -> (name, request class, response class); ids follow the order in the .proto.
@@ -35,6 +38,7 @@ METHODS: dict[int, tuple[str, type, type]] = {
     )
     for index, method in enumerate(_SERVICE.methods)
 }
+assert AUTHENTICATE not in METHODS, "method ids reached the AUTHENTICATE frame's"
 METHOD_IDS: dict[str, int] = {name: method_id for method_id, (name, _, _) in METHODS.items()}
 
 
