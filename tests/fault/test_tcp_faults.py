@@ -1,6 +1,7 @@
 """Bad frames and bad peers on the TCP data plane of a real server: clear errors, bounded memory, nothing torn."""
 
 import os
+import signal
 import socket
 import time
 
@@ -293,3 +294,45 @@ def test_put_and_get_across_a_network_namespace(start_server, tmp_path):
     finally:
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def _stopped(pid: int) -> None:
+    """SIGSTOP the node and wait until the kernel says it is stopped (the signal is delivered asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("verb", ["get", "put"])
+def test_a_calls_timeout_s_bounds_its_pages_on_the_tcp_data_plane(start_server, monkeypatch, verb):
+    """The node stops (SIGSTOP) after it granted the slots and before their bytes move: the call fails with
+    DeadlineExceeded after its own timeout_s, not the client's 60 s per step; the next call reconnects."""
+    from kvstore_client.tcp_transport import TcpDataPath
+
+    server = start_server()
+    data = np.random.default_rng(2).integers(0, 256, (4, PAGE), dtype=np.uint8)
+    original = getattr(TcpDataPath, verb)
+
+    def stop_then_move(self, *args):
+        _stopped(server.process.pid)
+        return original(self, *args)
+
+    with KVStoreClient(server.address, transport="tcp", timeout_s=60) as client:
+        assert client.put(NS, ["d0", "d1"], data[:2]) == 2
+        monkeypatch.setattr(TcpDataPath, verb, stop_then_move)
+        started = time.monotonic()
+        try:
+            with pytest.raises(errors.DeadlineExceeded, match="timeout_s"):
+                if verb == "get":
+                    client.get(NS, ["d0", "d1"], np.zeros((2, PAGE), np.uint8), timeout_s=1)
+                else:
+                    client.put(NS, ["d2"], data[2:3], parent="d1", timeout_s=1)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert elapsed < 10
+        monkeypatch.setattr(TcpDataPath, verb, original)
+        out = np.zeros((2, PAGE), np.uint8)
+        assert client.get(NS, ["d0", "d1"], out, timeout_s=30) == 2 and np.array_equal(out, data[:2])
+        assert client.put(NS, ["d3"], data[3:], parent="d1", timeout_s=30) == 1

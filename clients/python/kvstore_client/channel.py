@@ -57,6 +57,11 @@ def call_deadline(timeout_s: float | None) -> Iterator[None]:
         _call_deadline.reset(token)
 
 
+def call_deadline_at() -> float | None:
+    """time.monotonic() by which the current call must be answered; None when it named no timeout_s."""
+    return _call_deadline.get()
+
+
 def seconds_left(default_s: float) -> float:
     """The gRPC timeout of a message sent now: what is left of the call's deadline, else default_s."""
     deadline = _call_deadline.get()

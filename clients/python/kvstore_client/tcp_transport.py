@@ -9,15 +9,18 @@ block the other). Wire format: tcp_framing.py.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import socket
 import struct
 import threading
+import time
+from typing import Iterator
 
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
-from kvstore_client.channel import peer_open
+from kvstore_client.channel import call_deadline_at, peer_open
 from kvstore_client.data_path import Page, PipelineShape
 from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_hello, encode_request
 
@@ -68,9 +71,10 @@ class TcpDataPath:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
         # Blocking calls bounded by kernel timeouts: no poll() before every recv, as settimeout() adds.
         sock.settimeout(None)
-        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._timeout_s = timeout_s
+        self._step_timeout_s = 0.0           # what SO_RCVTIMEO/SO_SNDTIMEO hold now
+        self._deadline: float | None = None  # the running batch's call deadline (channel.call_deadline)
+        self._set_step_timeout(timeout_s)
         self._header = bytearray(RESPONSE.size)
         self._broken: errors.KVStoreError | None = None
         self._lock = threading.Lock()   # one batch of frames at a time: answers come back in order
@@ -79,12 +83,12 @@ class TcpDataPath:
 
     def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         """Write each page into its slot; raises the first refusal after every answer is read."""
-        with self._lock:
+        with self._lock, self._bounded_by_call():
             self._put(lease_id, token, pages, page_bytes)
 
     def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         """Read each page of a read lease into the caller's segments."""
-        with self._lock:
+        with self._lock, self._bounded_by_call():
             self._get(lease_id, token, pages, page_bytes)
 
     def alive(self) -> bool:
@@ -97,6 +101,34 @@ class TcpDataPath:
         self._sock.close()
 
     # -- internals --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _bounded_by_call(self) -> Iterator[None]:
+        """Inside a call with its own timeout_s, no socket step outlives the call's deadline: each step's
+        kernel timeout is what is left of it (re-armed as steps go by), the client's timeout_s otherwise."""
+        self._deadline = call_deadline_at()
+        try:
+            yield
+        finally:
+            self._deadline = None
+            if self._step_timeout_s != self._timeout_s and self._broken is None:
+                self._set_step_timeout(self._timeout_s)
+
+    def _arm(self) -> None:
+        """Bound the next socket step by what is left of the call's deadline (never beyond timeout_s)."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(errno.EAGAIN, "the call's timeout_s ran out")
+        step = min(self._timeout_s, left)
+        if abs(step - self._step_timeout_s) > 0.01:
+            self._set_step_timeout(step)
+
+    def _set_step_timeout(self, seconds: float) -> None:
+        seconds = max(seconds, 1e-3)   # a zero timeval would mean no timeout at all
+        timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._step_timeout_s = seconds
 
     def _put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         self._check()
@@ -142,12 +174,16 @@ class TcpDataPath:
     def _io(self, action):
         """Run socket I/O; any failure leaves the stream out of step, so the path is broken for good."""
         try:
+            if self._deadline is not None:
+                self._arm()
             return action()
         except FrameError as exc:
             self._break(errors.Internal(f"the TCP data plane sent an unreadable answer: {exc}"))
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                self._break(errors.DeadlineExceeded("no progress on the TCP data plane within the deadline"))
+                self._break(errors.DeadlineExceeded(
+                    "no progress on the TCP data plane within the deadline" if self._deadline is None else
+                    "the TCP data plane did not move the pages within the call's timeout_s"))
             else:
                 self._break(errors.Unavailable(f"the TCP data plane at {self.endpoint} failed: {exc}"))
         raise self._broken
@@ -178,8 +214,10 @@ class TcpDataPath:
         return None
 
     def _recv_into(self, view: memoryview) -> None:
-        got, total, recv_into = 0, len(view), self._sock.recv_into
+        got, total, recv_into, deadline = 0, len(view), self._sock.recv_into, self._deadline
         while got < total:
+            if deadline is not None and time.monotonic() > deadline:   # a trickle must not outlive the call
+                raise TimeoutError(errno.EAGAIN, "the call's timeout_s ran out")
             n = recv_into(view[got:])
             if n == 0:
                 raise ConnectionResetError("the server closed the TCP data plane connection")
