@@ -7,8 +7,11 @@
 Membership comes from etcd (membership.py) and placement is computed here without asking
 anyone (placement.py): each chain segment of `segment_pages` pages lives on one node, the
 first `replicated_segments` segments (where shared system prompts sit) on `replicas` nodes. Every call asks all the nodes it needs at once, in
-one round. Each node is reached over its best data plane: shared memory when it runs on
-this host (same host id), else TCP (RDMA where the node offers it and `transport` asks).
+one round. Each node is reached over its best data plane (data_plane() decides, from the
+node's record alone): shared memory when it runs on this host (same host id), else RDMA when
+the node advertises it and the cluster was given `rdma=RdmaOptions(...)`, else TCP. An RDMA
+node's client falls back to TCP as KVStoreClient's transport="auto" does, at connect and
+mid-session, whenever RDMA cannot start or breaks (no device, port down, a refused peer).
 
 A lost node costs misses, not errors: get and lookup count its pages as absent, put stops
 counting at its segment. A node that stops renewing its etcd lease leaves the view within
@@ -37,6 +40,7 @@ from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
+from kvstore_client.rdma_transport import RdmaOptions
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +63,10 @@ class KVStoreCluster:
     def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", segment_pages: int = 16,
                  replicas: int = 3, replicated_segments: int = 2, client_name: str = "", members_wait_s: float = 5.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None):
-        """`transport`: "auto" (shm on this host, else TCP) or "tcp" (never shared memory).
-        `token`, `tls_*`: who this client is to every node (see above)."""
+                 tls_key: str | None = None, rdma: RdmaOptions | None = None):
+        """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node).
+        `token`, `tls_*`: who this client is to every node (see above). `rdma`: this host's NIC settings
+        (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are reached over it; None = TCP."""
         if transport not in ("auto", "tcp"):
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
@@ -73,6 +78,7 @@ class KVStoreCluster:
         self.replicated_segments = replicated_segments
         self._timeout_s = timeout_s
         self._transport = transport
+        self._rdma = rdma
         self._client_name = client_name
         self._host_id = local_host_id()
         self._lock = threading.Lock()
@@ -218,11 +224,7 @@ class KVStoreCluster:
             known = self._nodes.get(node_id)
             if known is not None and known[0].grpc_address == member.grpc_address:
                 return known[1]
-        transport = "auto" if self._transport == "auto" and member.host_id == self._host_id else "tcp"
-        who = self._credentials
-        client = KVStoreClient(member.grpc_address, timeout_s=self._timeout_s, transport=transport,
-                               control="local" if transport == "auto" else "grpc", client_name=self._client_name,
-                               token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key)
+        client = self._open(member)
         with self._lock:
             known = self._nodes.get(node_id)
             if known is not None and known[0].grpc_address == member.grpc_address:
@@ -233,6 +235,31 @@ class KVStoreCluster:
         if stale is not None:
             stale.close()
         return client
+
+    def _open(self, member: Member) -> KVStoreClient:
+        """A client of `member` over the data plane data_plane() picks for it."""
+        plane = data_plane(member, self._host_id, self._transport, self._rdma is not None)
+        who = self._credentials
+        # RDMA: KVStoreClient's "auto" tries it, then TCP (shared memory, tried first, fails on another host:
+        # the socket is absent or answers another node's instance id).
+        transport = "tcp" if plane == "tcp" else "auto"
+        client = KVStoreClient(member.grpc_address, timeout_s=self._timeout_s, transport=transport,
+                               control="local" if plane == "shm" else "grpc", client_name=self._client_name,
+                               rdma=self._rdma if plane == "rdma" else None,
+                               token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key)
+        if plane == "rdma" and client.transport != "rdma":
+            log.warning("node %s advertises RDMA but it cannot be used from here: its pages move over %s",
+                        member.node_id, client.transport)
+        return client
+
+
+def data_plane(member: Member, host_id: str, transport: str, rdma_given: bool) -> str:
+    """The data plane a node is reached over: "shm", "rdma" or "tcp" (a pure decision, from its record)."""
+    if transport == "tcp":
+        return "tcp"
+    if member.host_id == host_id:
+        return "shm"
+    return "rdma" if member.rdma and rdma_given else "tcp"
 
 
 def _reader(segment: placement.Segment) -> str:
