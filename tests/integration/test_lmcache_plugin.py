@@ -293,3 +293,25 @@ def test_list_names_every_stored_chunk_like_the_fs_connector(server, loop, tmp_p
     assert ours == sorted(k.to_string() for k in keys + other)    # was NotImplementedError
     assert ours == [name.replace("-SEP-", "/") for name in listed(control)]
     assert listed(worker1.remote) == ours                           # one node, one answer for every worker
+
+
+def test_tags_and_the_salt_keep_requests_apart(server, loop):
+    """A request's tags (request_configs "lmcache.tag.*", what LMCache passes a connector per request) and
+    the plugin's .salt go into the namespace's hash_seed: the same chunk hashes, put with other tags or
+    another salt, never hit each other."""
+    plain = Engine(make_config(server), loop)
+    salted = Engine(make_config(server, salt="tenant-a"), loop)
+    hashes = [0x5A17 + i for i in range(3)]
+
+    def tagged(chunk_hash):
+        return CacheEngineKey(MODEL, 1, 0, chunk_hash, torch.bfloat16, request_configs={"lmcache.tag.user": "alice"})
+
+    plain.put([plain.key(h) for h in hashes], [plain.chunk(i) for i in range(3)])
+    assert plain.leading([plain.key(h) for h in hashes]) == 3
+    assert plain.leading([tagged(h) for h in hashes]) == 0
+    assert salted.leading([salted.key(h) for h in hashes]) == 0
+    plain.put([tagged(h) for h in hashes], [plain.chunk(10 + i) for i in range(3)])
+    assert plain.leading([tagged(h) for h in hashes]) == 3
+    assert salted.leading([tagged(h) for h in hashes]) == 0
+    salted.put([salted.key(h) for h in hashes[:1]], [salted.chunk(20)])
+    assert salted.leading([salted.key(h) for h in hashes]) == 1 and plain.leading([plain.key(h) for h in hashes]) == 3

@@ -127,6 +127,23 @@ def test_prefix_keys_chain_batches(server):
     assert backend._clients.get().lookup(backend.namespace, keys=keys) == 4
 
 
+def test_a_salted_deployment_shares_no_page_with_an_unsalted_one(server):
+    """SGLang passes no request's extra_key to a storage backend; kvstore_salt is the deployment's own, in
+    the namespace's hash_seed: the same keys put by salted and unsalted backends never hit each other."""
+    pool = SGLangHostPool("page_first", pages=8, page_size=PAGE)
+    pool.fill_random(seed=11)
+    plain, salted, other = (create(server, pool, **more) for more in
+                            ({}, {"kvstore_salt": "tenant-a"}, {"kvstore_salt": "tenant-b"}))
+    assert plain.namespace.hash_seed == "" and salted.namespace.hash_seed != other.namespace.hash_seed
+    keys = prefix_hashes(tokens(3 * PAGE, seed=11), PAGE)
+    assert plain.batch_set_v1(keys, host_indices(0, 3)) == [True] * 3
+    assert salted.batch_exists(keys) == 0 and salted.batch_get_v1(keys, host_indices(4, 3)) == [False] * 3
+    assert salted.batch_set_v1(keys, host_indices(0, 3)) == [True] * 3
+    assert other.batch_exists(keys) == 0
+    plain.clear()
+    assert plain.batch_exists(keys) == 0 and salted.batch_exists(keys) == 3
+
+
 def test_a_batch_whose_parent_the_store_evicted_is_backed_up_like_the_file_backend_does(server, tmp_path):
     """SGLang backs up the pages after its own cache hit; the store may have evicted the page before
     them. The batch is stored anchored at that parent, found by the queries SGLang makes (the pages

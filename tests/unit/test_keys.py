@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvstore_client.keys import Namespace, encode_key, namespace_id, page_hash, prefix_hashes
+from kvstore_client.keys import Namespace, encode_key, namespace_id, page_hash, prefix_hashes, salt_seed
 
 
 def reference_get_hash_str(token_ids, prior_hash=None):
@@ -78,3 +78,11 @@ def test_namespace_id_is_stable_and_separates_layouts():
     assert namespace_id(a) != namespace_id(Namespace(model="llama", page_bytes=8192, page_tokens=16))
     assert namespace_id(a) != namespace_id(Namespace(model="llama", page_bytes=4096, page_tokens=16, tenant="t"))
     assert Namespace.from_proto(a.to_proto()) == a
+
+
+def test_salt_seeds_tell_salts_apart_and_leave_the_unsalted_seed_empty():
+    assert salt_seed() == salt_seed("") == salt_seed("", "") == ""
+    seeds = {salt_seed("a"), salt_seed("b"), salt_seed("ab", ""), salt_seed("a", "b"), salt_seed("", "ab")}
+    assert len(seeds) == 5 and all(len(seed) == 64 and bytes.fromhex(seed) for seed in seeds)
+    ns = Namespace(model="m", page_bytes=4096)
+    assert namespace_id(ns) != namespace_id(Namespace(model="m", page_bytes=4096, hash_seed=salt_seed("a")))

@@ -57,6 +57,19 @@ def namespace_id(namespace: Namespace) -> int:
     return int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "little")
 
 
+def salt_seed(*salts: str) -> str:
+    """A namespace's hash_seed for engine salts ("" for none): salted pages share no namespace, and
+    so no page, with unsalted ones or with another salt's. Each part is length-prefixed, so
+    ("ab", "") and ("a", "b") differ."""
+    if not any(salts):
+        return ""
+    digest = hashlib.sha256(b"kvstore-salt-v1")
+    for salt in salts:
+        encoded = salt.encode()
+        digest.update(len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()
+
+
 def page_hash(page_tokens: Sequence[int] | np.ndarray, prior_hash: str | None = None) -> str:
     """SGLang's get_hash_str: SHA-256 over the prior digest, then each token as uint32 LE."""
     hasher = hashlib.sha256()

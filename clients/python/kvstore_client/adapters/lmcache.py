@@ -7,7 +7,7 @@ Load it through LMCache's remote_storage_plugins (no change to LMCache):
       remote_storage_plugin.kvstore.module_path: kvstore_client.adapters.lmcache
       remote_storage_plugin.kvstore.class_name: KVStoreConnector
       remote_storage_plugin.kvstore.target: "127.0.0.1:50051"
-      # optional: .timeout_s, .control ("local" | "grpc"), .tenant
+      # optional: .timeout_s, .control ("local" | "grpc"), .tenant, .salt
 
 (class_name KVStoreConnectorAdapter does the same through LMCache's adapter path, which
 also hands over the plugin's name, so several kvstore plugins can be configured at once:
@@ -31,8 +31,12 @@ never disagree. The bytes move
 with one copy each way between LMCache's CPU buffer (MemoryObj.byte_array) and a slot of
 the server's shared-memory arena.
 
-A CacheEngineKey's model, world size, worker id, dtype and tags become the Namespace; its
-chunk hash is the key. Chunk hashes are chained over the prefix, and the chunks of one
+A CacheEngineKey's model, world size, worker id and dtype become the Namespace; its
+chunk hash is the key. Salts: what LMCache 0.5.6 passes a storage connector per request is the
+key's tags (request_configs "lmcache.tag.<name>", from vLLM's kv_transfer_params); vLLM's
+cache_salt does not reach a CacheEngineKey on this path. The tags, after the deployment's own
+.salt, become the namespace's hash_seed (keys.salt_seed), so a tagged or salted request never
+shares a page with an untagged one, or with other tags or another salt. Chunk hashes are chained over the prefix, and the chunks of one
 batched_put are consecutive chunks of one request, so each is stored as the child of the
 one before it: the index stays prefix-closed and batched_async_contains (the number of
 leading chunks stored) is one Lookup.
@@ -55,7 +59,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
-from kvstore_client.keys import KEY_BYTES_MAX, Namespace
+from kvstore_client.keys import KEY_BYTES_MAX, Namespace, salt_seed
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +256,7 @@ class KVStoreConnector(RemoteConnector):
         for entry in stats.namespaces:
             namespace = Namespace.from_proto(entry.spec)
             identity = _lmcache_identity(namespace)
-            if identity is None or namespace.page_bytes != self.page_bytes:
+            if identity is None or namespace.page_bytes != self.page_bytes or namespace.hash_seed != self._seed(None):
                 continue
             if self.settings.tenant and namespace.tenant != self.settings.tenant:
                 continue
@@ -287,12 +291,14 @@ class KVStoreConnector(RemoteConnector):
                 yield self._namespace(keys[start]), keys[start:i]
                 start = i
 
+    def _seed(self, tags: Optional[tuple]) -> str:
+        return salt_seed(self.settings.salt, *(f"{name}={value}" for name, value in tags or ()))
+
     def _namespace(self, key: CacheEngineKey) -> Namespace:
         identity = _identity(key)
         namespace = self._namespaces.get(identity)
         if namespace is None:
             layers, _, _, heads, head_dim = self._kv_shape
-            tags = "".join(f";{k}={v}" for k, v in key.tags or ())
             # LMCache's worker id is a rank in the world where it can be (it names the TP shard); any
             # other pair (its own tests use worker 123 of 3) is kept apart by the layout instead.
             rank = 0 <= key.worker_id < key.world_size
@@ -302,7 +308,7 @@ class KVStoreConnector(RemoteConnector):
                 tenant=self.settings.tenant, kv_dtype=str(key.dtype).removeprefix("torch."),
                 num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
                 tp_rank=key.worker_id if rank else 0, tp_size=key.world_size if rank else 1,
-                layout=f"lmcache:{self.meta_fmt.name}{worker}{tags}")
+                layout=f"lmcache:{self.meta_fmt.name}{worker}", hash_seed=self._seed(key.tags))
             self._namespaces[identity] = namespace
         return namespace
 
@@ -332,7 +338,8 @@ class KVStoreConnectorAdapter(ConnectorAdapter):
 def _lmcache_identity(namespace: Namespace) -> Optional[tuple[str, int, int, str]]:
     """(model, world size, worker id, dtype) of a namespace of LMCache chunks (see _namespace), else None.
 
-    Namespaces with tags are left out: CacheEngineKey.to_string() does not carry tags either."""
+    Namespaces with tags are left out by the caller (their hash_seed is not the untagged one):
+    CacheEngineKey.to_string() does not carry tags either."""
     layout = namespace.layout
     if not layout.startswith("lmcache:"):
         return None

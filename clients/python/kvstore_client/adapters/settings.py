@@ -20,6 +20,7 @@ class AdapterSettings:
     timeout_s: float = 5.0      # deadline of every call
     control: str = "local"      # "local" (Unix socket, same host) or "grpc"
     tenant: str = ""            # keeps one tenant's pages apart from another's
+    salt: str = ""              # a deployment's salt (the namespace's hash_seed): shares no page with other salts
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None, prefix: str, where: str) -> "AdapterSettings":
@@ -42,7 +43,10 @@ class AdapterSettings:
         tenant = values.get("tenant", cls.tenant)
         if not isinstance(tenant, str):
             raise ValueError(f"{where}: {prefix}tenant must be a string, got {tenant!r}")
-        return cls(target=target, timeout_s=float(timeout_s), control=control, tenant=tenant)
+        salt = values.get("salt", cls.salt)
+        if not isinstance(salt, str):
+            raise ValueError(f"{where}: {prefix}salt must be a string, got {salt!r}")
+        return cls(target=target, timeout_s=float(timeout_s), control=control, tenant=tenant, salt=salt)
 
 
 class ClientPerThread:

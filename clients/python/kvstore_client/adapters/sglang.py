@@ -9,7 +9,8 @@ Load it with SGLang's dynamic backend (no change to SGLang):
 
 `interface_v1` makes SGLang call the zero-copy batch_get_v1 / batch_set_v1: each page is
 copied once, between SGLang's host KV pool and a slot of the server's shared-memory arena.
-Other settings: kvstore_timeout_s, kvstore_control ("local" | "grpc"), kvstore_tenant.
+Other settings: kvstore_timeout_s, kvstore_control ("local" | "grpc"), kvstore_tenant,
+kvstore_salt.
 Add "hicache_storage_pass_prefix_keys": true (an SGLang setting) so each stored batch names
 the page before it, and kvstore keeps its index prefix-closed across batches. A batch whose
 page before it the node has evicted is stored anyway, anchored at that page's key (SGLang
@@ -26,6 +27,19 @@ Without a model name (model_name=None, which SGLang's file and Mooncake backends
 model is UNNAMED_MODEL; the rest of the namespace (the KV layout) keeps models of other KV
 shapes apart. Keys stay SGLang's own SHA-256 hex digests, byte for byte, so the SDK's
 prefix_hashes() names the same pages.
+
+Salts. SGLang 0.5.23 passes a storage backend no request's extra_key or cache_salt: the
+batch_*_v1/v2 calls carry the page keys, the host indices and a HiCacheStorageExtraInfo whose
+fields are prefix_keys (the pages before the batch) and an extra_info dict that HiCache's own
+calls leave empty (only Mooncake's direct linker fills it, with a session id). What SGLang
+does instead is seed each request's key chain with storage_namespace_seed(extra_key,
+cache_salt) (mem_cache/utils.py), so a salted request's keys already differ from an
+unsalted one's, and they reach kvstore as they are. What the backend can carry is a
+per-deployment salt: kvstore_salt in the extra-config becomes the namespace's hash_seed
+(keys.salt_seed), so a salted deployment shares no page with an unsalted one or another
+salt's, even where their requests carry no salt at all. The seed also starts the chain of a
+lookup by tokens (lookup(tokens=), Route) in that namespace, which then names no page SGLang
+stored: ask a salted deployment's namespace by keys.
 
 A page is stored as one page even when the host pool keeps K and V apart: its segments
 (K and V, or K and V of each layer for layer_first) are copied back to back into one
@@ -51,7 +65,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTra
 from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
 from kvstore_client.adapters.sglang_pools import SidecarPool, parent_of, pool_hits, sidecar_pool, whole_positions
 from kvstore_client.buffers import Segment
-from kvstore_client.keys import Namespace
+from kvstore_client.keys import Namespace, salt_seed
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +99,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._clients.register_buffer(buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer)
         self._address_order = _segments_in_one_buffer(mem_pool_host)
         self.namespace, self.flat_namespace = namespaces_for(
-            self.storage_config, mem_pool_host, self.settings.tenant, self._address_order)
+            self.storage_config, mem_pool_host, self.settings.tenant, self._address_order, self.settings.salt)
         if not self.storage_config.model_name:
             log.warning("SGLang gave no model name: kvstore pages go to model %r, shared with every unnamed model "
                         "whose KV has the same shape (dtype, layers, heads, head dim, page size)", UNNAMED_MODEL)
@@ -308,7 +322,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
 
 def namespaces_for(config: HiCacheStorageConfig, host_pool: Any, tenant: str = "",
-                   address_order: bool = True) -> tuple[Namespace, Namespace]:
+                   address_order: bool = True, salt: str = "") -> tuple[Namespace, Namespace]:
     """Namespaces of a host pool's pages (zero-copy, flat): what must match for two ranks to share a page.
 
     They are one and the same when the zero-copy segments, in address order, are the flat page.
@@ -317,13 +331,14 @@ def namespaces_for(config: HiCacheStorageConfig, host_pool: Any, tenant: str = "
     _, sizes = host_pool.get_page_buffer_meta(torch.arange(page_tokens, dtype=torch.int64))
     page_bytes = int(sum(sizes))
     flat_bytes = host_pool.get_dummy_flat_data_page().nbytes
-    flat = _namespace(config, host_pool, tenant, flat_bytes, "flat")
+    flat = _namespace(config, host_pool, tenant, flat_bytes, "flat", salt)
     if address_order and flat_bytes == page_bytes:
         return flat, flat
-    return _namespace(config, host_pool, tenant, page_bytes, "buffers"), flat
+    return _namespace(config, host_pool, tenant, page_bytes, "buffers", salt), flat
 
 
-def _namespace(config: HiCacheStorageConfig, host_pool: Any, tenant: str, page_bytes: int, order: str) -> Namespace:
+def _namespace(config: HiCacheStorageConfig, host_pool: Any, tenant: str, page_bytes: int, order: str,
+               salt: str) -> Namespace:
     page_tokens = host_pool.page_size
     shard = []  # parallel shards that hold different bytes for the same tokens
     if config.pp_size > 1:
@@ -346,6 +361,7 @@ def _namespace(config: HiCacheStorageConfig, host_pool: Any, tenant: str, page_b
         tp_rank=0 if replicated else config.tp_rank,
         tp_size=1 if replicated else config.tp_size,
         layout=layout,
+        hash_seed=salt_seed(salt),
     )
 
 
