@@ -74,7 +74,7 @@ class AsyncTcpDataPath:
         return self._broken is None and not self._reader.at_eof()
 
     def close(self) -> None:
-        self._writer.close()
+        self._writer.transport.abort()   # nothing is queued between calls; a cut-short call's views are dropped
 
     # -- internals --------------------------------------------------------------------
 
@@ -137,7 +137,9 @@ class AsyncTcpDataPath:
     def _break(self, error: errors.KVStoreError) -> None:
         if self._broken is None:
             self._broken = error
-            self._writer.close()
+            # abort, not close: close would go on sending what is queued, views of buffers the caller
+            # may free once the call has failed
+            self._writer.transport.abort()
 
     async def _answer(self, op: Op, segments: list[Segment] | None) -> errors.KVStoreError | None:
         """Read one answer; a GET's page goes into `segments`. Returns the refusal, if any."""
