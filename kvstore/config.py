@@ -213,6 +213,30 @@ class AuthConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TenantsConfig:
+    """What each tenant may hold (kvstore/control/quotas.py). A tenant not listed is bounded only by the node."""
+    # "tenant:dram_bytes:nvme_bytes" (sizes like 2g; 0 = no limit), or in a file the table
+    # [tenants.quotas] with entries  tenant = {dram_bytes = "2g", nvme_bytes = "20g"}
+    quotas: tuple[str, ...] = ()
+
+    def quota_table(self) -> dict[str, tuple[int, int]]:
+        """tenant -> (dram_bytes, nvme_bytes); 0 is no limit. Raises ValueError naming a bad entry."""
+        table: dict[str, tuple[int, int]] = {}
+        for entry in self.quotas:
+            parts = entry.rsplit(":", 2)
+            if len(parts) != 3 or not parts[0]:
+                raise ValueError(f"{entry!r} is not tenant:dram_bytes:nvme_bytes")
+            tenant, dram, nvme = parts
+            if tenant in table:
+                raise ValueError(f"tenant {tenant!r} is listed twice")
+            sizes = tuple(_parse(f"tenants.quotas[{tenant}]", int, size) for size in (dram, nvme))
+            if min(sizes) < 0:
+                raise ValueError(f"{entry!r}: a quota is a byte count, 0 for no limit")
+            table[tenant] = sizes
+        return table
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """Membership in a cluster of nodes on etcd (kvstore/cluster/); no endpoints = a node alone."""
     endpoints: tuple[str, ...] = ()         # etcd client URLs, e.g. http://10.0.0.1:2379
@@ -252,6 +276,7 @@ class Config:
     scrub: ScrubConfig = ScrubConfig()
     hbm: HbmConfig = HbmConfig()
     auth: AuthConfig = AuthConfig()
+    tenants: TenantsConfig = TenantsConfig()
     cluster: ClusterConfig = ClusterConfig()
     testing: TestingConfig = TestingConfig()
 
@@ -336,6 +361,8 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def _parse(dotted: str, kind: Any, value: Any) -> Any:
+    if typing.get_origin(kind) is tuple and isinstance(value, dict):   # a TOML table: [tenants.quotas]
+        return tuple(_quota_entry(dotted, name, limits) for name, limits in value.items())
     try:
         if kind is bool:
             if isinstance(value, bool):
@@ -373,6 +400,13 @@ def _parse(dotted: str, kind: Any, value: Any) -> Any:
     except (ValueError, TypeError):
         pass
     raise ConfigError(f"{dotted}: cannot read {value!r} as {getattr(kind, '__name__', kind)}")
+
+
+def _quota_entry(dotted: str, tenant: str, limits: Any) -> str:
+    """One entry of a [tenants.quotas] table as "tenant:dram_bytes:nvme_bytes"."""
+    if not isinstance(limits, dict) or set(limits) - {"dram_bytes", "nvme_bytes"}:
+        raise ConfigError(f"{dotted}.{tenant}: expected {{dram_bytes = ..., nvme_bytes = ...}}, got {limits!r}")
+    return f"{tenant}:{limits.get('dram_bytes', 0)}:{limits.get('nvme_bytes', 0)}"
 
 
 def _build(tree: dict[str, dict[str, Any]]) -> Config:
@@ -441,6 +475,10 @@ def _validate(config: Config) -> None:
     for dotted, ok, why in checks:
         if not ok:
             raise ConfigError(f"{dotted}: {why}")
+    try:
+        config.tenants.quota_table()
+    except (ValueError, ConfigError) as exc:
+        raise ConfigError(f"tenants.quotas: {exc}") from None
 
 
 def _events_checks(events: EventsConfig) -> list[tuple[str, bool, str]]:
@@ -543,7 +581,7 @@ _SECTION_TYPES: dict[str, type] = {
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
     "events": EventsConfig, "route": RouteConfig, "scrub": ScrubConfig, "hbm": HbmConfig,
-    "auth": AuthConfig, "cluster": ClusterConfig, "testing": TestingConfig,
+    "auth": AuthConfig, "tenants": TenantsConfig, "cluster": ClusterConfig, "testing": TestingConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()

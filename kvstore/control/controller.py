@@ -129,10 +129,11 @@ class CacheController:
     def leave_waiter(self) -> None:
         self._waiters.release()
 
-    def clean(self, pages: int) -> int:
-        """Write down up to `pages` (at least a batch) least recently used DRAM-only pages, so that
-        allocation can drop their DRAM copies; returns pages written."""
-        candidates = self._store.unsaved_lru(max(pages, self.config.write_batch_pages))
+    def clean(self, pages: int, tenant: str | None = None) -> int:
+        """Write down up to `pages` (at least a batch) least recently used DRAM-only pages (of this tenant,
+        when its quota is what is short; None: any), so that allocation can drop their DRAM copies;
+        returns pages written."""
+        candidates = self._store.unsaved_lru(max(pages, self.config.write_batch_pages), tenant)
         batch = self._store.claim_unsaved(candidates, max(pages, self.config.write_batch_pages))
         return len(self._write_down(batch)) if batch else 0
 
@@ -227,7 +228,9 @@ class CacheController:
         started = time.perf_counter()
         on_disk: set[PageRecord] = set()
         try:
-            on_disk = self._write_pages(batch)
+            admitted, victims = self._store.admit_nvme(batch)   # tenants' NVMe quotas: room from their own pages
+            self._delete_from_nvme([r.page_id for r in victims])
+            on_disk = self._write_pages(admitted)
         finally:
             written, garbage = self._store.finish_writedown(batch, on_disk)
         self._delete_from_nvme(garbage)

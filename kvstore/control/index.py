@@ -10,6 +10,9 @@ DRAM (an arena slot), on NVMe, or both:
 - NVMe eviction takes the least recently used page with no child on NVMe (so what survives
   a restart stays prefix-closed), dropping only its NVMe copy when it is also in DRAM.
 - Delete takes a page with everything that extends it.
+- Every page belongs to its namespace's tenant. The heaps are kept per tenant, so either
+  eviction can also be asked for one tenant's pages only (its quota, quotas.py), in the same
+  order and under the same rules; `usage` counts each tenant's pages per tier.
 
 A page may be committed after a parent the index no longer holds, when its writer asked for it
 (ReserveRequest.anchor_absent_parent: an engine backs up the pages after its own cache hit, and
@@ -36,7 +39,7 @@ NO_SLOT = -1
 
 class PageRecord:
     __slots__ = ("page_id", "parent", "children", "offset", "slot_bytes", "checksum",
-                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor")
+                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor", "tenant")
 
     def __init__(self, page_id: PageId, parent: "PageRecord | None", offset: int, slot_bytes: int, checksum: int):
         self.page_id = page_id
@@ -53,6 +56,7 @@ class PageRecord:
         self.busy = False          # being written down or promoted by the controller
         self.queued = False        # waiting in the controller's write-down queue
         self.anchor = b""          # the absent parent's key this root waits for (see the module docstring)
+        self.tenant = ""           # its namespace's tenant (set as the index takes the page)
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -65,13 +69,28 @@ class PageRecord:
 _Entry = tuple[int, int, PageRecord]
 
 
+class TenantUsage:
+    """One tenant's pages in the index, per tier (NVMe bytes counted as slot bytes)."""
+
+    __slots__ = ("dram_pages", "nvme_pages", "nvme_bytes")
+
+    def __init__(self) -> None:
+        self.dram_pages = 0
+        self.nvme_pages = 0
+        self.nvme_bytes = 0
+
+
 class PageIndex:
-    def __init__(self, on_removed: Callable[[PageRecord], None], on_dram_dropped: Callable[[PageRecord], None]):
+    def __init__(self, on_removed: Callable[[PageRecord], None], on_dram_dropped: Callable[[PageRecord], None],
+                 tenant_of: Callable[[int], str] = lambda namespace_id: ""):
         self._pages: dict[PageId, PageRecord] = {}
         # Heaps of (tick, seq, record); entries go stale when the record is touched again or
-        # changes state, and are skipped when popped. DRAM ones are per (slot size, clean).
-        self._dram: dict[tuple[int, bool], list[_Entry]] = {}
-        self._nvme: list[_Entry] = []
+        # changes state, and are skipped when popped. DRAM ones are per (tenant, slot size, clean),
+        # NVMe ones per tenant.
+        self._dram: dict[tuple[str, int, bool], list[_Entry]] = {}
+        self._nvme: dict[str, list[_Entry]] = {}
+        self._tenant_of = tenant_of
+        self.usage: dict[str, TenantUsage] = {}
         self._clock = itertools.count(1)
         self._seq = itertools.count()
         self._on_removed = on_removed          # a removed, unpinned page: free what it held
@@ -101,6 +120,7 @@ class PageIndex:
         assert not (parent is not None and anchor), "a page is anchored only when its parent is absent"
         record = PageRecord(page_id, parent, offset, slot_bytes, checksum)
         record.on_nvme = on_nvme
+        record.tenant = self._tenant_of(page_id[0])
         if parent is not None:
             if parent.children is None:
                 parent.children = set()
@@ -117,6 +137,10 @@ class PageIndex:
         self.pages_by_namespace[page_id[0]] = self.pages_by_namespace.get(page_id[0], 0) + 1
         self.dram_pages += offset != NO_SLOT
         self.nvme_pages += on_nvme
+        usage = self._usage(record.tenant)
+        usage.dram_pages += offset != NO_SLOT
+        usage.nvme_pages += on_nvme
+        usage.nvme_bytes += slot_bytes * on_nvme
         return record
 
     def insert(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
@@ -180,13 +204,20 @@ class PageIndex:
         assert not record.in_dram and offset != NO_SLOT
         record.offset = offset
         self.dram_pages += 1
+        self._usage(record.tenant).dram_pages += 1
         self._offer(record)
 
     def set_on_nvme(self, record: PageRecord, on_nvme: bool) -> None:
         if record.on_nvme != on_nvme:
             record.on_nvme = on_nvme
-            self.nvme_pages += 1 if on_nvme else -1
+            step = 1 if on_nvme else -1
+            self.nvme_pages += step
+            usage = self._usage(record.tenant)
+            usage.nvme_pages += step
+            usage.nvme_bytes += step * record.slot_bytes
             self._offer(record)
+            if not on_nvme and record.parent is not None and record.parent.alive:
+                self._offer(record.parent)   # it may have been its parent's last child on NVMe
 
     def add_recovered(self, records: list[PageRecord]) -> None:
         """Adopt pages rebuilt from NVMe, already linked and prefix-closed (start-up path)."""
@@ -196,25 +227,30 @@ class PageIndex:
         for record in records:
             if record.parent is None:
                 self._roots.setdefault(record.page_id[0], set()).add(record)
+            record.tenant = self._tenant_of(record.page_id[0])
+            usage = self._usage(record.tenant)
+            usage.nvme_pages += 1
+            usage.nvme_bytes += record.slot_bytes
         self.nvme_pages += len(records)
         # All share tick 0 and get increasing sequence numbers: appended in order, still a heap.
-        first = next(self._seq)
-        self._seq = itertools.count(first + len(records))
         assert not self._nvme, "recovery runs before anything else reaches the index"
-        self._nvme.extend(zip(itertools.repeat(0), range(first, first + len(records)), records))
+        for seq, record in enumerate(records, next(self._seq)):
+            self._nvme.setdefault(record.tenant, []).append((0, seq, record))
+        self._seq = itertools.count(next(self._seq) + len(records))
 
     def release_busy(self, record: PageRecord) -> None:
         record.busy = False
         if record.alive:
             self._offer(record)
 
-    def evict_dram(self, slot_bytes: int, clean_only: bool) -> PageRecord | None:
-        """Free the DRAM slot of the least recently used evictable page of this size, if any."""
-        entry = self._oldest((slot_bytes,), clean_only)
+    def evict_dram(self, slot_bytes: int | None, clean_only: bool, tenant: str | None = None) -> PageRecord | None:
+        """Free the DRAM slot of the least recently used evictable page of this size (None: any size),
+        of this tenant (None: any), if there is one."""
+        entry = self._oldest(slot_bytes, clean_only, tenant)
         if entry is None:
             return None
-        heapq.heappop(self._dram[(slot_bytes, entry[2].on_nvme)])
         record = entry[2]
+        heapq.heappop(self._dram[(record.tenant, record.slot_bytes, record.on_nvme)])
         if record.on_nvme:
             self._drop_dram(record)
         else:
@@ -223,19 +259,20 @@ class PageIndex:
 
     def oldest_evictable_slot_bytes(self, clean_only: bool) -> int | None:
         """The slot size whose LRU evictable page is oldest across sizes (to free a whole slab)."""
-        entry = self._oldest({size for size, _ in self._dram}, clean_only)
+        entry = self._oldest(None, clean_only, None)
         return entry[2].slot_bytes if entry is not None else None
 
-    def _oldest(self, sizes: Iterable[int], clean_only: bool) -> _Entry | None:
-        """The oldest evictable entry at the top of the DRAM heaps of these sizes (stale tops dropped)."""
+    def _oldest(self, slot_bytes: int | None, clean_only: bool, tenant: str | None) -> _Entry | None:
+        """The oldest evictable entry at the top of the DRAM heaps of this size and tenant (None: all),
+        stale tops dropped."""
         best: _Entry | None = None
-        for size in sizes:
-            for clean in (True,) if clean_only else (True, False):
-                heap = self._dram.get((size, clean))
-                while heap and not self._dram_evictable(heap[0], clean):
-                    heapq.heappop(heap)
-                if heap and (best is None or heap[0][:2] < best[:2]):
-                    best = heap[0]
+        for (owner, size, clean), heap in self._dram.items():
+            if (clean_only and not clean) or slot_bytes not in (None, size) or tenant not in (None, owner):
+                continue
+            while heap and not self._dram_evictable(heap[0], clean):
+                heapq.heappop(heap)
+            if heap and (best is None or heap[0][:2] < best[:2]):
+                best = heap[0]
         return best
 
     def records(self) -> Iterator[PageRecord]:
@@ -244,30 +281,40 @@ class PageIndex:
     def page_ids(self) -> list[PageId]:
         return list(self._pages)
 
-    def evict_nvme(self, shard_of: Callable[[PageRecord], int], shard: int, count: int) -> list[PageRecord]:
-        """Take up to `count` pages off NVMe shard `shard`, least recently used first."""
+    def evict_nvme(self, shard_of: Callable[[PageRecord], int], shard: int | None, count: int,
+                   tenant: str | None = None) -> list[PageRecord]:
+        """Take up to `count` pages off NVMe shard `shard` (None: any shard), of this tenant (None:
+        any), least recently used first."""
+        heaps = [heap for owner, heap in self._nvme.items() if tenant in (None, owner)]
         taken, passed = [], []
-        while self._nvme and len(taken) < count:
-            entry = heapq.heappop(self._nvme)
-            if not self._nvme_evictable(entry):
-                continue
+        while len(taken) < count:
+            best: list[_Entry] | None = None
+            for heap in heaps:
+                while heap and not self._nvme_evictable(heap[0]):
+                    heapq.heappop(heap)
+                if heap and (best is None or heap[0][:2] < best[0][:2]):
+                    best = heap
+            if best is None:
+                break
+            entry = heapq.heappop(best)
             record = entry[2]
-            if shard_of(record) != shard:
-                passed.append(entry)
+            if shard is not None and shard_of(record) != shard:
+                passed.append((entry, best))
                 continue
             self.set_on_nvme(record, False)
             if not record.in_dram:
                 self._remove(record)
             taken.append(record)
-        for entry in passed:
-            heapq.heappush(self._nvme, entry)
+        for entry, heap in passed:
+            heapq.heappush(heap, entry)
         return taken
 
-    def dram_only_lru(self, count: int) -> list[PageRecord]:
-        """Up to `count` unpinned pages held only in DRAM, least recently used first (write-back)."""
+    def dram_only_lru(self, count: int, tenant: str | None = None) -> list[PageRecord]:
+        """Up to `count` unpinned pages held only in DRAM, of this tenant (None: any), least recently
+        used first (write-back)."""
         # Popped in order from the DRAM-only heaps (O(count log n), not a scan: this runs
         # under the store's lock on every write-back pass), then pushed back, still offered.
-        heaps = [heap for (_, clean), heap in self._dram.items() if not clean]
+        heaps = [heap for (owner, _, clean), heap in self._dram.items() if not clean and tenant in (None, owner)]
         taken: list[tuple[_Entry, list[_Entry]]] = []
         while len(taken) < count:
             best: list[_Entry] | None = None
@@ -349,6 +396,10 @@ class PageIndex:
                 del self._roots[record.page_id[0]]
         self.dram_pages -= record.in_dram
         self.nvme_pages -= record.on_nvme
+        usage = self._usage(record.tenant)
+        usage.dram_pages -= record.in_dram
+        usage.nvme_pages -= record.on_nvme
+        usage.nvme_bytes -= record.slot_bytes * record.on_nvme
         record.alive = False
         parent = record.parent
         if parent is not None:
@@ -358,8 +409,15 @@ class PageIndex:
         if record.pins == 0:
             self._on_removed(record)
 
+    def _usage(self, tenant: str) -> TenantUsage:
+        usage = self.usage.get(tenant)
+        if usage is None:
+            usage = self.usage[tenant] = TenantUsage()
+        return usage
+
     def _drop_dram(self, record: PageRecord) -> None:
         self.dram_pages -= 1
+        self._usage(record.tenant).dram_pages -= 1
         self._on_dram_dropped(record)
         record.offset = NO_SLOT
 
@@ -377,16 +435,17 @@ class PageIndex:
         entry = (record.tick, next(self._seq), record)
         if in_dram:
             clean = record.on_nvme
-            heap = self._dram.setdefault((record.slot_bytes, clean), [])
+            heap = self._dram.setdefault((record.tenant, record.slot_bytes, clean), [])
             heapq.heappush(heap, entry)
             if len(heap) > 64 and len(heap) > 4 * len(self._pages):
                 heap[:] = [e for e in heap if self._dram_evictable(e, clean)]
                 heapq.heapify(heap)
         if record.on_nvme:
-            heapq.heappush(self._nvme, entry)
-            if len(self._nvme) > 64 and len(self._nvme) > 4 * len(self._pages):
-                self._nvme[:] = [e for e in self._nvme if self._nvme_evictable(e)]
-                heapq.heapify(self._nvme)
+            heap = self._nvme.setdefault(record.tenant, [])
+            heapq.heappush(heap, entry)
+            if len(heap) > 64 and len(heap) > 4 * len(self._pages):
+                heap[:] = [e for e in heap if self._nvme_evictable(e)]
+                heapq.heapify(heap)
 
     @staticmethod
     def _dram_evictable(entry: _Entry, clean: bool) -> bool:

@@ -116,7 +116,7 @@ class KVStoreService:
             short = store.fill(reservation, store.evict_first)
             if short and self.controller and store.protect_unsaved:
                 # DRAM is full of pages not yet on NVMe: write some down (outside every lock), ask again.
-                cleaned = self.controller.clean(short)
+                cleaned = self.controller.clean(short, reservation.tenant if reservation.refusal else None)
                 store.fill(reservation, Evict.CLEAN if cleaned else Evict.ANY)
         finally:
             store.finish_reservation(reservation)
@@ -125,7 +125,8 @@ class KVStoreService:
             return pb.ReserveResponse(states=reservation.states, offsets=reservation.offsets)
         return pb.ReserveResponse(lease_id=lease.lease_id, states=reservation.states, offsets=reservation.offsets,
                                   lease_ttl_ms=lease.ttl_ms, first_index=reservation.first_index,
-                                  data_token=lease.token)
+                                  data_token=lease.token,
+                                  no_space_reason=reservation.refusal if reservation.wanted else "")
 
     def commit(self, request: pb.CommitRequest, owner: object | None) -> pb.CommitResponse:
         indices = checks.commit_indices(request)
@@ -235,7 +236,7 @@ class KVStoreService:
             checksum_failures=c.checksum_failures, write_queue_drops=c.write_queue_drops,
             recovered_pages=c.recovered_pages, nvme_write_errors=c.nvme_write_errors,
             scrub_pages_checked=c.scrub_pages_checked, scrub_pages_bad=c.scrub_pages_bad,
-            scrub_passes=c.scrub_passes)
+            scrub_passes=c.scrub_passes, tenants=self.store.tenant_stats())
 
     def scrub(self, request: pb.ScrubRequest, owner: object | None) -> pb.ScrubResponse:
         if self.scrubber is None:

@@ -35,6 +35,7 @@ from kvstore import failpoints
 from kvstore.config import Config
 from kvstore.control.index import NO_SLOT, PageIndex, PageRecord
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
+from kvstore.control.quotas import TenantLedger
 from kvstore.limits import Limits
 from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
 from kvstore_client import errors
@@ -121,6 +122,8 @@ class Reservation:
     wanted: list[int]            # positions still to be given a slot
     slot_bytes: int
     extending: bool
+    tenant: str = ""
+    refusal: str = ""            # why pages past the granted ones got no slot, when a quota is the reason
 
 
 @dataclasses.dataclass(eq=False)
@@ -145,7 +148,9 @@ class PageStore:
         self._commit_waiters = 0
         self._settled = threading.Condition(self._lock)   # a busy page stopped moving
         self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes)
-        self.index = PageIndex(on_removed=self._on_removed, on_dram_dropped=self._free_dram)
+        self.ledger = TenantLedger(config.tenants.quota_table())
+        self.index = PageIndex(on_removed=self._on_removed, on_dram_dropped=self._free_dram,
+                               tenant_of=lambda ns_id: self.namespaces[ns_id].tenant)
         self.leases = LeaseTable()
         self.namespaces: dict[int, Namespace] = {}
         self._namespace_used: dict[int, float] = {}        # last use, for reclaiming idle ones
@@ -153,6 +158,7 @@ class PageStore:
         # Pages whose NVMe copy is being deleted (outside the lock): not written down meanwhile,
         # or the delete could erase the fresh copy. A count per id: deletes may overlap.
         self._nvme_deleting: dict[PageId, int] = {}
+        self._nvme_admitted: set[PageRecord] = set()       # write-downs counted in ledger.nvme_writing_bytes
         self.counters = Counters()
         self.listener: StoreListener = _NoListener()
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
@@ -238,6 +244,7 @@ class PageStore:
                 owner: object | None, absent_parent: str = "refuse") -> Reservation:
         """Step one: a write lease, the state of each key, pages of the chain pinned. No slots yet."""
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
+        tenant = self.namespaces[ns_id].tenant
         states = [pb.PARENT_MISSING] * len(keys)
         with self._lock:
             if self.draining:
@@ -253,7 +260,7 @@ class PageStore:
                 parent = self.index.get((ns_id, parent_key)) if parent_key else None
                 absent = bool(parent_key) and parent is None and (ns_id, parent_key) not in self._pending
                 if absent and absent_parent != "anchor":
-                    return Reservation(None, 0, states, [0] * len(keys), [], slot_bytes, False)
+                    return Reservation(None, 0, states, [0] * len(keys), [], slot_bytes, False, tenant)
                 lease = self.leases.open(WRITE, ns_id, self.clock(), ttl_ms, owner)
                 lease.anchored = absent   # committed anchored at the absent parent key (index.py)
                 lease.parent_key = parent_key
@@ -275,7 +282,7 @@ class PageStore:
                     self._pending[(ns_id, key)] = lease.lease_id
             lease.busy += 1   # not reaped between the two steps
             self._namespace_used[ns_id] = self.clock()
-        return Reservation(lease, first_index, states, [0] * len(keys), wanted, slot_bytes, bool(lease_id))
+        return Reservation(lease, first_index, states, [0] * len(keys), wanted, slot_bytes, bool(lease_id), tenant)
 
     def fill(self, reservation: Reservation, evict: Evict) -> int:
         """Step two: slots for the wanted pages; returns how many are still short of a slot."""
@@ -285,7 +292,10 @@ class PageStore:
         with self._lock:
             if lease.ended:
                 raise errors.LeaseNotFound(f"lease {lease.lease_id:#x} ended while its slots were found")
-            granted = self._allocate(reservation.slot_bytes, len(reservation.wanted), evict)
+            wanted = len(reservation.wanted)
+            room = self._dram_room(reservation.tenant, reservation.slot_bytes, wanted, evict)
+            reservation.refusal = self.ledger.dram_refusal(reservation.tenant) if room < wanted else ""
+            granted = self._allocate(reservation.slot_bytes, room, evict, reservation.tenant)
             page_bytes = self.namespaces[lease.namespace_id].page_bytes
             for i, offset in zip(reservation.wanted, granted):
                 lease.slots[reservation.first_index + i] = offset
@@ -294,6 +304,8 @@ class PageStore:
             reservation.wanted = reservation.wanted[len(granted):]
             if reservation.wanted:
                 self.listener.on_dram_short()
+                if reservation.refusal:
+                    self.ledger.of(reservation.tenant).dram_refused_pages += len(reservation.wanted)
         if granted:
             failpoints.hit("reserve.after_allocate")
         return len(reservation.wanted)
@@ -313,6 +325,8 @@ class PageStore:
                 return
             self._end_lease(lease)
             reservation.lease = None
+            if reservation.wanted and reservation.refusal:
+                raise errors.CapacityExhausted(reservation.refusal)
             if reservation.wanted:
                 raise errors.CapacityExhausted(
                     f"no slot of {reservation.slot_bytes} bytes can be freed: every page is pinned by a lease, "
@@ -412,7 +426,7 @@ class PageStore:
             anchor = b""
             if parent_key and parent is None:
                 if position or not lease.anchored:
-                    self.allocator.free(offset)
+                    self._free_slot(offset)
                     states.append(pb.COMMIT_PARENT_MISSING)
                     continue
                 anchor = parent_key
@@ -622,10 +636,43 @@ class PageStore:
                 record.pins += 1
         return batch
 
-    def unsaved_lru(self, count: int) -> list[PageRecord]:
-        """Up to `count` unpinned pages held only in DRAM, least recently used first."""
+    def unsaved_lru(self, count: int, tenant: str | None = None) -> list[PageRecord]:
+        """Up to `count` unpinned pages held only in DRAM (of this tenant; None: any), least recently used first."""
         with self._lock:
-            return self.index.dram_only_lru(count)
+            return self.index.dram_only_lru(count, tenant)
+
+    def admit_nvme(self, batch: list[PageRecord]) -> tuple[list[PageRecord], list[PageRecord]]:
+        """The pages of a claimed write-down batch (chain order) their tenants' NVMe quotas allow, and
+        the pages taken off NVMe to make that room: each tenant's own least recently used NVMe pages,
+        never one the batch extends (its children would then be written for nothing). The caller
+        deletes the victims first; pages refused stay in DRAM only, unsaved. Returns (admitted, victims)."""
+        admitted: list[PageRecord] = []
+        victims: list[PageRecord] = []
+        with self._lock:
+            limited = [r for r in batch if self.ledger.nvme_limit(r.tenant)]
+            if not limited:
+                return batch, []
+            kept = _nvme_ancestors(limited)
+            for record in kept:
+                record.pins += 1     # not victims of this batch's own room
+            writing = self.ledger.nvme_writing_bytes
+            for record in batch:
+                tenant = record.tenant
+                if self.ledger.nvme_limit(tenant) and not self._nvme_room(tenant, record.slot_bytes, victims):
+                    self.ledger.of(tenant).nvme_refused_pages += 1
+                    continue
+                if self.ledger.nvme_limit(tenant):
+                    writing[tenant] = writing.get(tenant, 0) + record.slot_bytes
+                    self._nvme_admitted.add(record)
+                admitted.append(record)
+            self.index.unpin_all(kept)
+            self.counters.nvme_evictions += len(victims)
+            for record in victims:
+                self.ledger.of(record.tenant).nvme_evictions += 1
+            self._deleting([r.page_id for r in victims])
+        if victims:
+            log.info("NVMe quota: evicted pages=%d", len(victims))
+        return admitted, victims
 
     def dram_fill(self) -> float:
         with self._lock:
@@ -651,6 +698,9 @@ class PageStore:
             self.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
             for record in batch:
                 self.index.release_busy(record)
+                if record in self._nvme_admitted:
+                    self._nvme_admitted.discard(record)
+                    self.ledger.nvme_writing_bytes[record.tenant] -= record.slot_bytes
             self.index.unpin_all(batch)
             self._deleting(garbage)
             self._settled.notify_all()
@@ -677,6 +727,8 @@ class PageStore:
         with self._lock:
             victims = self.index.evict_nvme(shard_of, shard, count)
             self.counters.nvme_evictions += len(victims)
+            for record in victims:
+                self.ledger.of(record.tenant).nvme_evictions += 1
             self._deleting([r.page_id for r in victims])
         failpoints.hit("evict.after_victims")
         return victims
@@ -711,8 +763,11 @@ class PageStore:
             todo = [r for r in dict.fromkeys(records) if r.alive and r.offset == NO_SLOT and r.on_nvme and not r.busy]
             slots: list[int] = []
             for record in todo:
-                got = self._allocate(record.slot_bytes, 1, evict)
+                room = self._dram_room(record.tenant, record.slot_bytes, 1, evict)
+                got = self._allocate(record.slot_bytes, room, evict, record.tenant)
                 if not got:
+                    if not room:   # the tenant's quota, not the node, is what is short
+                        self.ledger.of(record.tenant).dram_refused_pages += 1
                     break
                 slots += got
             short = len(todo) - len(slots)
@@ -741,7 +796,7 @@ class PageStore:
                     promoted += 1
                     promoted_bytes += self._page_bytes(record)
                     continue
-                self.allocator.free(slot)
+                self._free_slot(slot)
                 if position < len(read_ok) and not ok and record.alive:
                     garbage += self._drop_corrupt(record)
             self.index.unpin_all(claim.records)
@@ -813,6 +868,21 @@ class PageStore:
                 for i in ids]
             return counters, dram, namespaces, len(self.namespaces)
 
+    def tenant_stats(self, tenant: str | None = None) -> list[pb.TenantStats]:
+        """What each tenant holds, its quotas and counters (only `tenant`'s when given), by name."""
+        with self._lock:
+            ledger, usage = self.ledger, self.index.usage
+            names = sorted(ledger.tenants() | set(usage)) if tenant is None else [tenant]
+            stats = []
+            for name in names:
+                held, counters = usage.get(name), ledger.counters.get(name)
+                stats.append(pb.TenantStats(
+                    tenant=name, dram_bytes=ledger.dram_bytes.get(name, 0),
+                    dram_pages=held.dram_pages if held else 0, nvme_bytes=held.nvme_bytes if held else 0,
+                    nvme_pages=held.nvme_pages if held else 0, dram_quota_bytes=ledger.dram_limit(name),
+                    nvme_quota_bytes=ledger.nvme_limit(name), **dataclasses.asdict(counters) if counters else {}))
+            return stats
+
     def check_invariants(self) -> None:
         """Assert the index and allocator agree (tests, and after recovery)."""
         with self._lock:
@@ -821,32 +891,69 @@ class PageStore:
             leased = sum(slot_bytes_for(self.namespaces[lease.namespace_id].page_bytes) * len(lease.slots)
                          for lease in self.leases.all())
             assert held + leased <= self.allocator.used_bytes, "a slot is used twice"
+            assert sum(self.ledger.dram_bytes.values()) == self.allocator.used_bytes, "a slot has no tenant"
 
     # -- internals (lock held) ------------------------------------------------------------
 
-    def _allocate(self, slot_bytes: int, count: int, evict: Evict) -> list[int]:
-        """Up to `count` free slots, evicting least recently used pages allowed by `evict`."""
+    def _allocate(self, slot_bytes: int, count: int, evict: Evict, tenant: str) -> list[int]:
+        """Up to `count` free slots for `tenant`, evicting least recently used pages allowed by `evict`."""
         offsets = self.allocator.allocate_many(slot_bytes, count)
         keep_unsaved = evict is Evict.CLEAN
         evicted = False
         while len(offsets) < count:
-            if self.index.evict_dram(slot_bytes, keep_unsaved) is None and not self._evict_for_slab(keep_unsaved):
+            victim = self.index.evict_dram(slot_bytes, keep_unsaved)
+            if victim is None and not self._evict_for_slab(keep_unsaved):
                 break
-            self.counters.evictions += 1
+            if victim is not None:
+                self._evicted(victim)
             evicted = True
             offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets))
+        self.ledger.took(tenant, slot_bytes, offsets)
         if evicted:
             failpoints.hit("evict.after_victims")
         return offsets
+
+    def _dram_room(self, tenant: str, slot_bytes: int, count: int, evict: Evict) -> int:
+        """How many of `count` slots the tenant's DRAM quota allows, after evicting its own least recently
+        used pages (any size, under the rules of `evict`) to make room. The quota only ever limits."""
+        limit = self.ledger.dram_limit(tenant)
+        if not limit:
+            return count
+        keep_unsaved = evict is Evict.CLEAN
+        while self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes > limit:
+            victim = self.index.evict_dram(None, keep_unsaved, tenant)
+            if victim is None:
+                break
+            self._evicted(victim)
+        return min(count, max(limit - self.ledger.dram_bytes.get(tenant, 0), 0) // slot_bytes)
+
+    def _nvme_room(self, tenant: str, slot_bytes: int, victims: list[PageRecord]) -> bool:
+        """Whether the tenant's NVMe quota takes one more page, after taking its own least recently used
+        NVMe pages off (appended to `victims`) to make room."""
+        limit = self.ledger.nvme_limit(tenant)
+        while True:
+            usage = self.index.usage.get(tenant)
+            held = (usage.nvme_bytes if usage else 0) + self.ledger.nvme_writing_bytes.get(tenant, 0)
+            if held + slot_bytes <= limit:
+                return True
+            taken = self.index.evict_nvme(_any_shard, None, 1, tenant)
+            if not taken:
+                return False
+            victims += taken
+
+    def _evicted(self, record: PageRecord) -> None:
+        self.counters.evictions += 1
+        self.ledger.of(record.tenant).evictions += 1
 
     def _evict_for_slab(self, keep_unsaved: bool) -> bool:
         """Evict the oldest pages of other sizes until a whole slab is free (bounded)."""
         budget = self.config.dram.slab_bytes // 4096
         while not self.allocator.has_free_slab() and budget > 0:
             slot_bytes = self.index.oldest_evictable_slot_bytes(keep_unsaved)
-            if slot_bytes is None or self.index.evict_dram(slot_bytes, keep_unsaved) is None:
+            victim = self.index.evict_dram(slot_bytes, keep_unsaved) if slot_bytes is not None else None
+            if victim is None:
                 return False
-            self.counters.evictions += 1
+            self._evicted(victim)
             budget -= 1
         return self.allocator.has_free_slab()
 
@@ -875,7 +982,7 @@ class PageStore:
 
     def _free_lease_memory(self, lease: Lease) -> None:
         for offset in lease.slots.values():
-            self.allocator.free(offset)
+            self._free_slot(offset)
         lease.slots.clear()
         self.index.unpin_all(lease.pinned)
         lease.pinned = []
@@ -899,11 +1006,31 @@ class PageStore:
     def _on_removed(self, record: PageRecord) -> None:
         """A page left the index and no lease holds it: its DRAM slot may be reused."""
         if record.offset != NO_SLOT:
-            self.allocator.free(record.offset)
+            self._free_slot(record.offset)
             record.offset = NO_SLOT
 
     def _free_dram(self, record: PageRecord) -> None:
-        self.allocator.free(record.offset)
+        self._free_slot(record.offset)
+
+    def _free_slot(self, offset: int) -> None:
+        self.allocator.free(offset)
+        self.ledger.freed(offset)
+
+
+def _any_shard(record: PageRecord) -> int:
+    return 0
+
+
+def _nvme_ancestors(records: list[PageRecord]) -> list[PageRecord]:
+    """The alive ancestors on NVMe of these pages, each once."""
+    found: dict[PageRecord, None] = {}
+    for record in records:
+        node = record.parent
+        while node is not None and node not in found:
+            if node.alive and node.on_nvme:
+                found[node] = None
+            node = node.parent
+    return list(found)
 
 
 def _unsaved_chain(record: PageRecord, deleting: dict[PageId, int]) -> list[PageRecord]:

@@ -82,13 +82,13 @@ def tenant_stats(store: PageStore, request: pb.StatsRequest, identity: Identity,
     """Stats as one tenant sees them: its own namespaces and their pages, nothing node-wide.
 
     The node's tier counters (hits, misses, fill) sum every tenant's traffic, so they are an
-    oracle of what others do; a tenant is shown none of them (per-tenant counters do not exist).
+    oracle of what others do; a tenant is shown none of them, only its own TenantStats.
     """
     _, _, namespaces, _ = store.snapshot(0, len(store.namespaces) + 1)
     own = [ns for ns in namespaces if ns.tenant == identity.tenant]
     count = request.namespaces_max or most
     return pb.StatsResponse(namespaces=own[request.namespaces_offset:request.namespaces_offset + count],
-                            namespaces_total=len(own))
+                            namespaces_total=len(own), tenants=store.tenant_stats(identity.tenant))
 
 
 def scoped(method: str, response: Any) -> Any:

@@ -41,7 +41,9 @@ from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
 
-GAUGE_FIELDS = frozenset({"capacity_bytes", "used_bytes", "pages", "leases_open", "block_tokens"})
+GAUGE_FIELDS = frozenset({"capacity_bytes", "used_bytes", "pages", "leases_open", "block_tokens",
+                          "dram_bytes", "dram_pages", "nvme_bytes", "nvme_pages", "dram_quota_bytes",
+                          "nvme_quota_bytes"})
 # A local-channel round trip is tens of microseconds; a batched gRPC call about a millisecond.
 LATENCY_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
                      100e-3, 250e-3, 1.0, 2.5)
@@ -176,6 +178,8 @@ class StatsCollector(Collector):
         families: dict[str, Metric] = {}
         for tier in stats.tiers:
             _add_fields(families, tier, "kvstore_tier_", {"tier": pb.Tier.Name(tier.tier).lower()})
+        for tenant in stats.tenants:
+            _add_fields(families, tenant, "kvstore_tenant_", {"tenant": tenant.tenant})
         for engine in stats.engines:
             _add_fields(families, engine, "kvstore_engine_", {"engine_id": engine.engine_id})
         for ns in stats.namespaces:

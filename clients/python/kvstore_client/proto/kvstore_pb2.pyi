@@ -231,20 +231,22 @@ class ReserveRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., anchor_absent_parent: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token")
+    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token", "no_space_reason")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NO_SPACE_REASON_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     states: _containers.RepeatedScalarFieldContainer[ReserveState]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     lease_ttl_ms: int
     first_index: int
     data_token: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
+    no_space_reason: str
+    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ..., no_space_reason: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "indices", "checksums", "durable", "checksums_from_writer")
@@ -403,7 +405,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes", "engines")
+    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes", "engines", "tenants")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +420,7 @@ class StatsResponse(_message.Message):
     SCRUB_PAGES_BAD_FIELD_NUMBER: _ClassVar[int]
     SCRUB_PASSES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     leases_open: int
@@ -432,7 +435,34 @@ class StatsResponse(_message.Message):
     scrub_pages_bad: int
     scrub_passes: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., scrub_pages_checked: _Optional[int] = ..., scrub_pages_bad: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., scrub_pages_checked: _Optional[int] = ..., scrub_pages_bad: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "dram_bytes", "dram_pages", "nvme_bytes", "nvme_pages", "dram_quota_bytes", "nvme_quota_bytes", "evictions", "nvme_evictions", "dram_refused_pages", "nvme_refused_pages")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NVME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NVME_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NVME_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NVME_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_REFUSED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NVME_REFUSED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    dram_bytes: int
+    dram_pages: int
+    nvme_bytes: int
+    nvme_pages: int
+    dram_quota_bytes: int
+    nvme_quota_bytes: int
+    evictions: int
+    nvme_evictions: int
+    dram_refused_pages: int
+    nvme_refused_pages: int
+    def __init__(self, tenant: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_pages: _Optional[int] = ..., nvme_bytes: _Optional[int] = ..., nvme_pages: _Optional[int] = ..., dram_quota_bytes: _Optional[int] = ..., nvme_quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_evictions: _Optional[int] = ..., dram_refused_pages: _Optional[int] = ..., nvme_refused_pages: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("engine_id", "pages", "blocks_seen", "blocks_stored", "blocks_removed", "blocks_unattributable", "blocks_not_in_memory", "blocks_dropped", "batches", "batches_missed", "block_tokens")

@@ -1,0 +1,67 @@
+"""Tenant quotas: what each tenant may hold in DRAM and on NVMe, and what it holds now.
+
+A tenant's DRAM bytes are the arena slots it holds, whatever they hold: committed pages,
+slots reserved for its writes, slots filling from NVMe for its reads. The ledger records
+the owner of every slot as the store takes it and forgets it as the store frees it, so the
+figure is exact at every step and needs no walk of the index. NVMe bytes come from the
+index (`PageIndex.usage`), plus pages of the tenant being written down now.
+
+Enforcement is the store's and the controller's (store.py `_allocate`, `admit_nvme`): a
+tenant at its limit makes room by evicting its own least recently used pages, under the
+same rules as any eviction (leaf-first, prefix-closed, write_back never drops an unsaved
+page); what its own pages cannot make room for is refused, never taken from another tenant.
+
+Not thread-safe: the page store's lock guards every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TenantCounters:
+    evictions: int = 0           # DRAM copies of this tenant's pages dropped (by anyone's need)
+    nvme_evictions: int = 0
+    dram_refused_pages: int = 0  # pages a Reserve or promotion could not place within the DRAM quota
+    nvme_refused_pages: int = 0  # pages a write-down left in DRAM only, over the NVMe quota
+
+
+class TenantLedger:
+    def __init__(self, limits: dict[str, tuple[int, int]]):
+        self._limits = limits                              # tenant -> (dram_bytes, nvme_bytes); 0 = none
+        self._slots: dict[int, tuple[str, int]] = {}       # arena offset -> (tenant, slot bytes)
+        self.dram_bytes: dict[str, int] = {}
+        self.nvme_writing_bytes: dict[str, int] = {}       # admitted to a write-down still in flight
+        self.counters: dict[str, TenantCounters] = {}
+
+    def dram_limit(self, tenant: str) -> int:
+        return self._limits.get(tenant, (0, 0))[0]
+
+    def nvme_limit(self, tenant: str) -> int:
+        return self._limits.get(tenant, (0, 0))[1]
+
+    def tenants(self) -> set[str]:
+        """Tenants with a quota, a slot, or a counted event."""
+        return set(self._limits) | set(self.dram_bytes) | set(self.counters)
+
+    def took(self, tenant: str, slot_bytes: int, offsets: list[int]) -> None:
+        for offset in offsets:
+            self._slots[offset] = (tenant, slot_bytes)
+        self.dram_bytes[tenant] = self.dram_bytes.get(tenant, 0) + slot_bytes * len(offsets)
+
+    def freed(self, offset: int) -> None:
+        tenant, slot_bytes = self._slots.pop(offset)
+        self.dram_bytes[tenant] -= slot_bytes
+
+    def of(self, tenant: str) -> TenantCounters:
+        counters = self.counters.get(tenant)
+        if counters is None:
+            counters = self.counters[tenant] = TenantCounters()
+        return counters
+
+    def dram_refusal(self, tenant: str) -> str:
+        return (f"tenant {tenant!r} holds {self.dram_bytes.get(tenant, 0)} bytes of DRAM and its quota "
+                f"(tenants.quotas dram_bytes) is {self.dram_limit(tenant)}: none of its own pages can be "
+                "evicted for more (they are leased, moving, or not yet written down); release leases, "
+                "delete pages, or raise the quota")

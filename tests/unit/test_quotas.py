@@ -1,0 +1,165 @@
+"""Tenant quotas: a tenant at its DRAM or NVMe limit makes room from its own pages, never from another
+tenant's; what its own pages cannot make room for is refused, naming the quota; Stats show each tenant
+only itself."""
+
+import pytest
+
+from kvstore import config
+from kvstore.control.identity import ADMIN, TENANT, Caller, Identity
+from kvstore_client import errors
+from kvstore_client.proto import pb
+from node_parts import make_node
+from test_node_core import BIG, chain, get, open_ns, put, write_all_down
+
+PAGE = BIG                                   # 64 KiB pages: 64 KiB slots
+NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "limits.page_bytes_max=64KiB",
+        "nvme.map_bytes=64MiB", "controller.write_policy=write_through"]
+ALICE, BOB = Caller(Identity("alice", TENANT)), Caller(Identity("bob", TENANT))
+ADMIN_CALLER = Caller(Identity("ops", ADMIN))
+
+
+def quotas(alice_dram=0, alice_nvme=0, bob_dram=0):
+    return [f"tenants.quotas=alice:{alice_dram}:{alice_nvme},bob:{bob_dram}:0"]
+
+
+@pytest.fixture
+def make(tmp_path):
+    nodes = []
+
+    def build(overrides):
+        svc = make_node(tmp_path / str(len(nodes)), overrides)
+        nodes.append(svc)
+        return svc
+    yield build
+    for svc in nodes:
+        svc.nvme.close()
+        svc.store.arena.close()
+
+
+def stats_of(svc, caller):
+    return {t.tenant: t for t in svc.handle("Stats", pb.StatsRequest(), caller).tenants}
+
+
+def held(svc, ns, keys):
+    return svc.lookup(pb.LookupRequest(namespace_id=ns, keys=keys), None).hit_pages
+
+
+def test_quotas_are_read_from_a_toml_table_and_bad_entries_are_refused(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text('[tenants.quotas]\nalice = {dram_bytes = "1m", nvme_bytes = "4m"}\nbob = {dram_bytes = 65536}\n')
+    cfg = config.load(str(path), environ={})
+    assert cfg.tenants.quota_table() == {"alice": (1 << 20, 4 << 20), "bob": (65536, 0)}
+    path.write_text('[tenants.quotas]\nalice = {dram = "1m"}\n')
+    with pytest.raises(config.ConfigError, match="tenants.quotas.alice"):
+        config.load(str(path), environ={})
+    for bad, why in (("a:1g", "tenant:dram_bytes:nvme_bytes"), ("a:1:1,a:2:2", "listed twice"), ("a:x:0", "'x'")):
+        with pytest.raises(config.ConfigError, match=why):
+            config.load(environ={}, overrides=[f"tenants.quotas={bad}"])
+
+
+def test_a_tenant_at_its_dram_quota_evicts_its_own_pages_least_recently_used_first(make):
+    svc = make(NODE + quotas(alice_dram=8 * PAGE))
+    bob = open_ns(svc, PAGE, tenant="bob")
+    alice = open_ns(svc, PAGE, tenant="alice")
+    put(svc, bob, chain("b", 8), PAGE)
+    chains = [chain(f"a{i}", 4) for i in range(5)]      # 20 pages into a quota of 8
+    for keys in chains:
+        put(svc, alice, keys, PAGE)
+    assert held(svc, bob, chain("b", 8)) == 8, "bob lost pages to alice's quota"
+    assert get(svc, bob, chain("b", 8), PAGE) == 8
+    assert [held(svc, alice, keys) for keys in chains] == [0, 0, 0, 4, 4], "not the least recently used first"
+    mine = stats_of(svc, ALICE)["alice"]
+    assert mine.dram_bytes == 8 * PAGE and mine.dram_pages == 8 and mine.dram_quota_bytes == 8 * PAGE
+    assert mine.evictions == 12
+    assert stats_of(svc, BOB)["bob"].evictions == 0
+    svc.store.check_invariants()
+
+
+def test_eviction_within_a_tenant_is_leaf_first(make):
+    svc = make(NODE + quotas(alice_dram=6 * PAGE))
+    alice = open_ns(svc, PAGE, tenant="alice")
+    keys = chain("long", 6)
+    put(svc, alice, keys, PAGE)
+    put(svc, alice, chain("other", 2), PAGE)            # needs two slots: the chain loses its tail
+    assert held(svc, alice, keys) == 4
+    svc.store.check_invariants()
+
+
+def test_a_put_past_the_quota_is_refused_for_the_pages_past_it_naming_the_quota(make):
+    svc = make(NODE + quotas(alice_dram=4 * PAGE))
+    alice = open_ns(svc, PAGE, tenant="alice")
+    keys = chain("p", 6)
+    r = svc.reserve(pb.ReserveRequest(namespace_id=alice, keys=keys, page_bytes=PAGE), ALICE)
+    assert list(r.states) == [pb.RESERVED] * 4 + [pb.NO_SPACE] * 2
+    assert "tenants.quotas" in r.no_space_reason and "'alice'" in r.no_space_reason
+    svc.abort(pb.AbortRequest(lease_id=r.lease_id), None)
+    put(svc, alice, keys[:4], PAGE)
+    lease = svc.acquire(pb.AcquireRequest(namespace_id=alice, keys=keys[:4]), None)   # all four pinned
+    with pytest.raises(errors.CapacityExhausted, match=r"tenant 'alice' holds 262144 bytes .*tenants.quotas"):
+        svc.reserve(pb.ReserveRequest(namespace_id=alice, keys=chain("q", 1), page_bytes=PAGE), ALICE)
+    assert stats_of(svc, ALICE)["alice"].dram_refused_pages == 3
+    svc.release(pb.ReleaseRequest(lease_ids=[lease.lease_id]), None)
+    put(svc, alice, chain("q", 1), PAGE)                # unpinned again: its own LRU page makes room
+    assert held(svc, alice, keys) == 3
+    svc.store.check_invariants()
+
+
+def test_write_back_never_evicts_an_unsaved_page_for_a_quota(make):
+    svc = make(NODE[:-1] + ["controller.write_policy=write_back"] + quotas(alice_dram=8 * PAGE))
+    bob = open_ns(svc, PAGE, tenant="bob")
+    alice = open_ns(svc, PAGE, tenant="alice")
+    put(svc, bob, chain("b", 8), PAGE)
+    chains = [chain(f"a{i}", 4) for i in range(5)]
+    for keys in chains:
+        put(svc, alice, keys, PAGE)
+    assert [held(svc, alice, keys) for keys in chains] == [4] * 5, "write_back lost a page to the quota"
+    index = svc.store.index
+    assert all(index.get((bob, k)).in_dram and not index.get((bob, k)).on_nvme for k in chain("b", 8)), \
+        "bob's pages were written down or evicted for alice"
+    assert stats_of(svc, ADMIN_CALLER)["alice"].dram_bytes <= 8 * PAGE
+    assert [get(svc, alice, keys, PAGE) for keys in chains] == [4] * 5
+    svc.store.check_invariants()
+
+
+def test_a_tenant_over_its_nvme_quota_drops_its_own_lru_nvme_pages_and_nvme_stays_prefix_closed(make):
+    svc = make(NODE + quotas(alice_nvme=6 * PAGE))
+    bob = open_ns(svc, PAGE, tenant="bob")
+    alice = open_ns(svc, PAGE, tenant="alice")
+    put(svc, bob, chain("b", 4), PAGE)
+    index = svc.store.index
+    write_all_down(svc)
+    for i in range(3):                                   # as write_through writes each commit down
+        put(svc, alice, chain(f"a{i}", 4), PAGE)
+        svc.controller.make_durable([index.get((alice, k)) for k in chain(f"a{i}", 4)], deadline=float("inf"))
+    on_nvme = [r for r in index.records() if r.on_nvme]
+    assert all(r.parent is None or r.parent.on_nvme for r in on_nvme), "NVMe is no longer prefix-closed"
+    assert sum(r.page_id[0] == bob for r in on_nvme) == 4, "bob's NVMe pages were dropped for alice"
+    mine = stats_of(svc, ALICE)["alice"]
+    assert mine.nvme_bytes <= 6 * PAGE and mine.nvme_pages == mine.nvme_bytes // PAGE
+    assert mine.nvme_evictions > 0
+    assert index.get((alice, b"a2-3")).on_nvme, "the newest chain should be the one kept"
+    views = [memoryview(bytearray(PAGE)) for _ in range(4)]
+    assert not any(svc.nvme.read_into([(alice, k, v) for k, v in zip(chain("a0", 4), views)])), \
+        "an evicted page is still in LMDB"
+    svc.store.check_invariants()
+
+
+def test_a_durable_commit_past_the_nvme_quota_reports_only_the_pages_within_it(make):
+    svc = make(NODE + quotas(alice_nvme=2 * PAGE))
+    alice = open_ns(svc, PAGE, tenant="alice")
+    answer = put(svc, alice, chain("d", 4), PAGE, durable=True)
+    assert answer.durable_pages == 2
+    assert stats_of(svc, ALICE)["alice"].nvme_refused_pages >= 2
+    assert held(svc, alice, chain("d", 4)) == 4, "a page refused by the NVMe quota stays in DRAM"
+    svc.store.check_invariants()
+
+
+def test_a_tenant_sees_only_its_own_tenant_stats_and_an_admin_sees_all(make):
+    svc = make(NODE + quotas(alice_dram=8 * PAGE, bob_dram=4 * PAGE))
+    put(svc, open_ns(svc, PAGE, tenant="alice"), chain("a", 3), PAGE)
+    put(svc, open_ns(svc, PAGE, tenant="bob"), chain("b", 2), PAGE)
+    assert set(stats_of(svc, ALICE)) == {"alice"} and set(stats_of(svc, BOB)) == {"bob"}
+    everyone = stats_of(svc, ADMIN_CALLER)
+    assert {"alice", "bob"} <= set(everyone)
+    assert (everyone["alice"].dram_pages, everyone["bob"].dram_pages) == (3, 2)
+    assert (everyone["alice"].dram_quota_bytes, everyone["bob"].dram_quota_bytes) == (8 * PAGE, 4 * PAGE)
