@@ -915,11 +915,12 @@ class PageStore:
 
     def _dram_room(self, tenant: str, slot_bytes: int, count: int, evict: Evict) -> int:
         """How many of `count` slots the tenant's DRAM quota allows, after evicting its own least recently
-        used pages (any size, under the rules of `evict`) to make room. The quota only ever limits."""
+        used pages (any size) to make room. The quota only ever limits. Under write_back it never takes
+        an unsaved page, even when `evict` allows it: its own pages are written down first, or refused."""
         limit = self.ledger.dram_limit(tenant)
         if not limit:
             return count
-        keep_unsaved = evict is Evict.CLEAN
+        keep_unsaved = evict is Evict.CLEAN or self.protect_unsaved
         while self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes > limit:
             victim = self.index.evict_dram(None, keep_unsaved, tenant)
             if victim is None:

@@ -405,3 +405,24 @@ def test_auth_settings_that_cannot_work_stop_start_up(start_server, tmp_path, se
     with pytest.raises(RuntimeError, match=f"exited with {code}") as info:
         start_server({name: value})
     assert words.format(tmp=tmp_path) in str(info.value)
+
+
+def test_a_tenant_filling_its_dram_quota_evicts_only_its_own_pages(start_server, tokens):
+    quota = 8 * PAGE
+    node = start_server({"auth.tokens_file": str(tokens.path), "tenants.quotas": f"alice:{quota}:0"})
+    bob_keys, bob_data = [f"b{i}" for i in range(8)], pages(8, seed=7)
+    chains = [[f"a{c}-{i}" for i in range(4)] for c in range(6)]   # 24 pages into a quota of 8
+    with KVStoreClient(node.address, token=tokens.alice) as alice, \
+            KVStoreClient(node.address, token=tokens.bob) as bob:
+        assert bob.put(NS, bob_keys, bob_data) == 8
+        for c, keys in enumerate(chains):
+            assert alice.put(NS, keys, pages(4, seed=c)) == 4
+        out = np.zeros_like(bob_data)
+        assert bob.get(NS, bob_keys, out) == 8 and np.array_equal(out, bob_data), "alice's quota took bob's pages"
+        assert [alice.lookup(NS, keys) for keys in chains][-2:] == [4, 4]
+        mine = {t.tenant: t for t in alice.stats().tenants}
+        theirs = {t.tenant: t for t in bob.stats().tenants}
+    assert set(mine) == {"alice"} and set(theirs) == {"bob"}, "a tenant saw another tenant's figures"
+    assert mine["alice"].dram_quota_bytes == quota and 0 < mine["alice"].dram_bytes <= quota
+    assert mine["alice"].evictions >= 16
+    assert theirs["bob"].evictions == 0 and theirs["bob"].dram_pages == 8

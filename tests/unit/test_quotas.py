@@ -163,3 +163,16 @@ def test_a_tenant_sees_only_its_own_tenant_stats_and_an_admin_sees_all(make):
     assert {"alice", "bob"} <= set(everyone)
     assert (everyone["alice"].dram_pages, everyone["bob"].dram_pages) == (3, 2)
     assert (everyone["alice"].dram_quota_bytes, everyone["bob"].dram_quota_bytes) == (8 * PAGE, 4 * PAGE)
+
+
+def test_under_write_back_a_quota_refuses_rather_than_drop_an_unsaved_page(make):
+    svc = make(NODE[:-1] + ["controller.write_policy=write_back"] + quotas(alice_dram=4 * PAGE, alice_nvme=PAGE))
+    alice = open_ns(svc, PAGE, tenant="alice")
+    keys = chain("c", 4)
+    put(svc, alice, keys, PAGE)
+    put(svc, alice, chain("d", 1), PAGE)        # c-0 written down (all the NVMe quota holds), its DRAM copy dropped
+    assert svc.store.index.get((alice, b"c-0")).on_nvme
+    with pytest.raises(errors.CapacityExhausted, match="tenants.quotas"):
+        put(svc, alice, chain("e", 1), PAGE)    # nothing more can be written down, nothing unsaved may go
+    assert held(svc, alice, keys) == 4 and held(svc, alice, chain("d", 1)) == 1, "an unsaved page was dropped"
+    svc.store.check_invariants()
