@@ -106,6 +106,8 @@ class TcpConfig:
     write_buffer_high_bytes: int = 16 << 20  # stop reading a connection's requests above this queued output
     write_buffer_low_bytes: int = 4 << 20
     congestion: str = ""                    # TCP_CONGESTION of accepted sockets (e.g. cubic); "" = system's
+    tls_cert: str = ""                      # PEM certificate chain; with tls_key the data plane speaks TLS only
+    tls_key: str = ""                       # PEM private key of tls_cert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,6 +449,7 @@ def _validate(config: Config) -> None:
         ("controller.write_txn_bytes", config.controller.write_txn_bytes >= 4096, "must be at least 4KiB"),
         ("tcp.address", config.tcp.address.rpartition(":")[2].isdigit(), "must look like host:port"),
         ("tcp.connections_max", config.tcp.connections_max > 0, "must be positive"),
+        ("tcp.tls_key", bool(config.tcp.tls_cert) == bool(config.tcp.tls_key), "needs tcp.tls_cert with it (both or neither)"),
         ("tcp.idle_timeout_s", config.tcp.idle_timeout_s > 0, "must be positive"),
         ("shm.connections_max", config.shm.connections_max > 0, "must be positive"),
         ("limits.name_bytes_max", 16 <= config.limits.name_bytes_max <= 4096, "must be 16 to 4096"),

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -98,6 +99,7 @@ class Node:
                 self.tcp = _tcp_server(config, SlotGrants(self.store, self.auth))
                 self.tcp.start()
                 self.service.tcp_endpoint = f"{config.tcp.advertise_host or self.tcp.settings.host}:{self.tcp.port}"
+                self.service.tcp_tls = self.tcp.settings.tls is not None
             if config.rdma.enabled:
                 from kvstore.transport.rdma import RdmaServer  # pyverbs is optional: imported only when asked for
                 try:
@@ -220,7 +222,19 @@ def _tcp_server(config: Config, resolver: SlotGrants) -> TcpServer:
         host=host, port=int(port), body_bytes_max=limits.page_bytes_max, connections_max=config.tcp.connections_max,
         idle_timeout_s=config.tcp.idle_timeout_s, write_buffer_high_bytes=config.tcp.write_buffer_high_bytes,
         write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion,
-        hello_required=config.auth.enabled), resolver)
+        hello_required=config.auth.enabled, tls=_tcp_tls(config)), resolver)
+
+
+def _tcp_tls(config: Config) -> ssl.SSLContext | None:
+    """The data plane's TLS context, or None for plaintext; unreadable files stop start-up naming the setting."""
+    if not config.tcp.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(config.tcp.tls_cert, config.tcp.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(f"cannot load tcp.tls_cert {config.tcp.tls_cert} / tcp.tls_key {config.tcp.tls_key}: {exc}") from None
+    return context
 
 
 def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Config, auth: Authenticator) -> LocalServer:

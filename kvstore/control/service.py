@@ -44,6 +44,7 @@ class KVStoreService:
         self.engines = EngineIndex(self.config.events.blocks_max, self.config.events.hash_seed)
         self.instance_id = secrets.token_bytes(8)
         self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
+        self.tcp_tls = False                     # the TCP data plane speaks TLS (tcp.tls_cert)
         self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
         self.hbm: pb.HbmRegion | None = None     # set by the server when it holds an HBM pool
         self._methods: dict[str, Callable[[Any, object | None], Any]] = {
@@ -82,7 +83,7 @@ class KVStoreService:
                 lookup_pages_max=self.limits.lookup_pages_max,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
-            tcp_endpoint=self.tcp_endpoint, rdma_enabled=self.rdma is not None, instance_id=self.instance_id,
+            tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, rdma_enabled=self.rdma is not None, instance_id=self.instance_id,
             hbm=self.hbm)
 
     def open_namespace(self, request: pb.OpenNamespaceRequest, owner: object | None) -> pb.OpenNamespaceResponse:

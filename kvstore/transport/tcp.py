@@ -18,6 +18,9 @@ the gRPC server.
 - A grant is held until its bytes have moved: a PUT until its body is in, a GET until the
   transport's write queue has drained past it. A connection lost mid-body cuts the write,
   which ends the lease: the torn page is never visible and its slots are reclaimed.
+- With tcp.tls_cert the server speaks TLS only (uvloop's SSL transport under the same
+  protocol). A GET's slot view then waits in the TLS layer's backlog until it is encrypted;
+  that backlog counts in get_write_buffer_size, so its grant is held until then.
 - Backpressure and bounded memory: the transport pauses reading when its write queue is
   above write_buffer_high_bytes (queued GET answers are references into the arena, not
   copies), and a connection still holding a grant at its lease's deadline is aborted, so a
@@ -40,6 +43,7 @@ import collections
 import dataclasses
 import logging
 import socket
+import ssl
 import threading
 import time
 
@@ -75,6 +79,7 @@ class TcpSettings:
     write_buffer_low_bytes: int
     congestion: str = ""             # TCP_CONGESTION for accepted sockets; "" = system default
     hello_required: bool = False     # serve no frame before a HELLO with a data ticket
+    tls: ssl.SSLContext | None = None  # speak TLS only (tcp.tls_cert); None = plaintext
 
 
 class TcpServer:
@@ -118,7 +123,8 @@ class TcpServer:
         self._loop = loop
         try:
             self._server = loop.run_until_complete(loop.create_server(
-                self._accept, self.settings.host, self.settings.port, backlog=256, reuse_address=True))
+                self._accept, self.settings.host, self.settings.port, backlog=256, reuse_address=True,
+                ssl=self.settings.tls))
             self.port = self._server.sockets[0].getsockname()[1]
             if self.settings.congestion:  # fail at start-up, not on every accepted connection
                 self._server.sockets[0].setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION,

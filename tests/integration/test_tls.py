@@ -44,6 +44,37 @@ def test_token_over_tls(start_server, certs, tokens):
         KVStoreClient(node.address, token=tokens.alice, tls_ca=other.ca, timeout_s=2)
 
 
+def test_tls_on_the_tcp_data_plane(start_server, certs, tokens):
+    """With tcp.tls_cert the data plane speaks TLS only: the client checks it against the gRPC CA, the HELLO
+    and pages travel encrypted, and a plaintext HELLO gets no answer."""
+    import asyncio
+    import socket
+
+    from kvstore_client import AsyncKVStoreClient
+    from kvstore_client.tcp_framing import encode_hello
+
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.tls_cert": certs.server_cert,
+                         "auth.tls_key": certs.server_key, "tcp.tls_cert": certs.server_cert,
+                         "tcp.tls_key": certs.server_key})
+    data = np.random.default_rng(3).integers(0, 256, (3, PAGE), dtype=np.uint8)
+    with KVStoreClient(node.address, token=tokens.alice, tls_ca=certs.ca, transport="tcp") as alice:
+        hello = alice._conn.hello
+        assert hello.tcp_tls
+        assert alice.put(NS, ["t0", "t1", "t2"], data) == 3
+        out = np.zeros_like(data)
+        assert alice.get(NS, ["t0", "t1", "t2"], out) == 3 and np.array_equal(out, data)
+
+    async def read_async():
+        async with AsyncKVStoreClient(node.address, token=tokens.alice, tls_ca=certs.ca, transport="tcp") as client:
+            out = np.zeros_like(data)
+            assert await client.get(NS, ["t0", "t1", "t2"], out) == 3 and np.array_equal(out, data)
+    asyncio.run(read_async())
+    host, port = hello.tcp_endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:   # plaintext: not a TLS record
+        sock.sendall(encode_hello(hello.data_ticket))
+        assert sock.recv(64) == b""
+
+
 def test_mutual_tls_client_certificate_names_the_tenant(start_server, certs, tokens):
     node = start_server({"auth.tokens_file": str(tokens.path), "auth.tls_cert": certs.server_cert,
                          "auth.tls_key": certs.server_key, "auth.tls_client_ca": certs.ca})

@@ -205,9 +205,11 @@ class _ArenaPages:
 class _Connection:
     """What one Hello set up: the control channel, the data path (None where pages cannot move), namespace ids."""
 
-    def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel, timeout_s: float, token: str = ""):
+    def __init__(self, hello: pb.HelloResponse, grpc_channel: AsyncGrpcChannel, timeout_s: float,
+                 credentials: Credentials = Credentials()):
         self.hello, self.grpc, self.timeout_s = hello, grpc_channel, timeout_s
-        self.token = token                               # shown on the local socket too (framing.AUTHENTICATE)
+        self.credentials = credentials
+        self.token = credentials.token                   # shown on the local socket too (framing.AUTHENTICATE)
         self.control: AsyncLocalChannel | AsyncGrpcChannel = grpc_channel
         self.data: _ArenaPages | AsyncTcpDataPath | None = None
         self.no_data_reason = ""                         # why data is None, for put/get to say
@@ -221,7 +223,7 @@ class _Connection:
         conn = None
         try:
             hello = await grpc_channel.call("Hello", pb.HelloRequest(client_name=client_name), timeout_s)
-            conn = cls(hello, grpc_channel, timeout_s, credentials.token)
+            conn = cls(hello, grpc_channel, timeout_s, credentials)
             await conn._open_data_path(transport)
         except BaseException:
             await (conn.close() if conn is not None else grpc_channel.close())
@@ -247,7 +249,8 @@ class _Connection:
                 if name == "shm":
                     await self._open_shm()
                 else:
-                    self.data = await asyncio.wait_for(AsyncTcpDataPath.open(hello.tcp_endpoint, hello.data_ticket),
+                    tls = self.credentials.tcp_tls() if hello.tcp_tls else None
+                    self.data = await asyncio.wait_for(AsyncTcpDataPath.open(hello.tcp_endpoint, hello.data_ticket, tls),
                                                        self.timeout_s)
                 return
             except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable, TimeoutError) as exc:

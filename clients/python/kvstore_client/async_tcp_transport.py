@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import socket
+import ssl
 
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
@@ -41,11 +42,13 @@ class AsyncTcpDataPath:
         self._broken: errors.KVStoreError | None = None
 
     @classmethod
-    async def open(cls, endpoint: str, ticket: bytes = b"") -> "AsyncTcpDataPath":
-        """Connect (and show `ticket`, Hello's data_ticket, when the node handed one out)."""
+    async def open(cls, endpoint: str, ticket: bytes = b"", tls: ssl.SSLContext | None = None) -> "AsyncTcpDataPath":
+        """Connect (and show `ticket`, Hello's data_ticket, when the node handed one out); `tls`: the context of
+        a node whose data plane speaks TLS (Credentials.tcp_tls)."""
         host, _, port = endpoint.rpartition(":")
         try:
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await asyncio.open_connection(
+                host, int(port), ssl=tls, server_hostname=host.strip("[]") if tls is not None else None)
         except (OSError, ValueError) as exc:
             raise errors.Unavailable(f"cannot connect to the TCP data plane at {endpoint}: {exc}") from None
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -143,7 +143,8 @@ class NodeConnection:
                     return self._open_shm(options.timeout_s)
                 if name == "rdma":
                     return rdma_transport.RdmaDataPath(self.grpc, options.timeout_s, options.rdma)
-                return TcpDataPath(hello.tcp_endpoint, options.timeout_s, options.tcp_congestion, hello.data_ticket)
+                return TcpDataPath(hello.tcp_endpoint, options.timeout_s, options.tcp_congestion, hello.data_ticket,
+                                   options.credentials.tcp_tls() if hello.tcp_tls else None)
             except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable) as exc:
                 if options.transport != "auto":
                     raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from typing import Any, Mapping
 
 import grpc
@@ -58,6 +59,14 @@ class Credentials:
         if not self.tls_ca:
             return grpc.aio.insecure_channel(target, options=options)
         return grpc.aio.secure_channel(target, self._ssl(), options=options)
+
+    def tcp_tls(self) -> ssl.SSLContext:
+        """The TLS context for a node's TCP data plane (Hello's tcp_tls): the node's certificate is checked
+        against tls_ca, the CA trusted for gRPC (the system's CAs without one)."""
+        try:
+            return ssl.create_default_context(cafile=self.tls_ca or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgument(f"cannot read tls_ca {self.tls_ca}: {exc}") from None
 
     def _ssl(self) -> grpc.ChannelCredentials:
         files = [_read(path, name) if path else None for path, name in

@@ -4,7 +4,9 @@ Pages go out with sendmsg straight from the caller's buffers (a frame header and
 page's segments in one scatter-gather list, many pages per call) and come back with
 recv_into straight into them. Requests are answered in order, so a batch is sent ahead
 and its answers read after (GET headers within a bounded window, so neither side can
-block the other). Wire format: tcp_framing.py.
+block the other). Wire format: tcp_framing.py. A node with tcp.tls_cert speaks TLS
+(Hello's tcp_tls): the socket is wrapped before the HELLO, its certificate checked against
+the client's tls_ca, and pages go out piece by piece (an SSL socket has no sendmsg).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import ctypes
 import errno
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -39,6 +42,10 @@ def _view(segment: Segment) -> memoryview:
 
 def sendmsg_all(sock: socket.socket, iov: list) -> None:
     """Send every piece of a scatter-gather list, IOV_MAX pieces per sendmsg, resuming a piece cut part-way."""
+    if isinstance(sock, ssl.SSLSocket):
+        for piece in iov:
+            sock.sendall(piece)
+        return
     start = 0
     while start < len(iov):
         chunk = iov[start:start + IOV_MAX]
@@ -57,8 +64,10 @@ class TcpDataPath:
     rdma_qp_num = 0
     shape = SHAPE
 
-    def __init__(self, endpoint: str, timeout_s: float, congestion: str = "", ticket: bytes = b""):
-        """`ticket`: Hello's data_ticket; when the node handed one out, it opens the connection (its HELLO)."""
+    def __init__(self, endpoint: str, timeout_s: float, congestion: str = "", ticket: bytes = b"",
+                 tls: ssl.SSLContext | None = None):
+        """`ticket`: Hello's data_ticket; when the node handed one out, it opens the connection (its HELLO).
+        `tls`: the context of a node whose data plane speaks TLS (Credentials.tcp_tls)."""
         host, _, port = endpoint.rpartition(":")
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -69,6 +78,14 @@ class TcpDataPath:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if congestion:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+        if tls is not None:
+            try:
+                sock = self._sock = tls.wrap_socket(sock, server_hostname=host.strip("[]"))
+            except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
+                sock.close()
+                raise errors.Unavailable(
+                    f"TLS with the TCP data plane at {endpoint} failed: {exc} (tls_ca must be the CA that signed "
+                    "the node's tcp.tls_cert)") from None
         # Blocking calls bounded by kernel timeouts: no poll() before every recv, as settimeout() adds.
         sock.settimeout(None)
         self._timeout_s = timeout_s
@@ -180,7 +197,9 @@ class TcpDataPath:
         except FrameError as exc:
             self._break(errors.Internal(f"the TCP data plane sent an unreadable answer: {exc}"))
         except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            # a kernel timeout under TLS surfaces as OpenSSL's want-read/want-write, not EAGAIN
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or isinstance(exc, (ssl.SSLWantReadError,
+                                                                                  ssl.SSLWantWriteError)):
                 self._break(errors.DeadlineExceeded(
                     "no progress on the TCP data plane within the deadline" if self._deadline is None else
                     "the TCP data plane did not move the pages within the call's timeout_s"))
