@@ -426,3 +426,8 @@ def test_a_tenant_filling_its_dram_quota_evicts_only_its_own_pages(start_server,
     assert mine["alice"].dram_quota_bytes == quota and 0 < mine["alice"].dram_bytes <= quota
     assert mine["alice"].evictions >= 16
     assert theirs["bob"].evictions == 0 and theirs["bob"].dram_pages == 8
+    status, text = scrape(node, tokens.ops)
+    assert status == 200
+    assert f'kvstore_tenant_dram_quota_bytes{{tenant="alice"}} {float(quota)}' in text
+    assert 'kvstore_tenant_dram_pages{tenant="bob"} 8.0' in text
+    assert f'kvstore_tenant_evictions_total{{tenant="alice"}} {float(mine["alice"].evictions)}' in text

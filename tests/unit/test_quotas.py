@@ -176,3 +176,33 @@ def test_under_write_back_a_quota_refuses_rather_than_drop_an_unsaved_page(make)
         put(svc, alice, chain("e", 1), PAGE)    # nothing more can be written down, nothing unsaved may go
     assert held(svc, alice, keys) == 4 and held(svc, alice, chain("d", 1)) == 1, "an unsaved page was dropped"
     svc.store.check_invariants()
+
+
+def test_after_a_restart_each_tenant_owns_its_recovered_nvme_pages_and_its_quota_holds(tmp_path):
+    from kvstore.control import recovery
+
+    overrides = NODE + quotas(alice_nvme=4 * PAGE)
+    first = make_node(tmp_path, overrides)
+    alice, bob = open_ns(first, PAGE, tenant="alice"), open_ns(first, PAGE, tenant="bob")
+    put(first, alice, chain("a", 4), PAGE)
+    put(first, bob, chain("b", 3), PAGE)
+    write_all_down(first)
+    first.nvme.close()
+    first.store.arena.close()
+
+    svc = make_node(tmp_path, overrides)                 # the same LMDB files
+    try:
+        recovered = recovery.rebuild(svc.nvme)
+        svc.store.adopt_recovered(recovered.namespaces, recovered.records)
+        seen = stats_of(svc, ADMIN_CALLER)
+        assert (seen["alice"].nvme_pages, seen["alice"].nvme_bytes, seen["bob"].nvme_pages) == (4, 4 * PAGE, 3)
+        put(svc, alice, chain("n", 2), PAGE)             # the newer pages push alice's oldest off NVMe
+        index = svc.store.index
+        svc.controller.make_durable([index.get((alice, k)) for k in chain("n", 2)], deadline=float("inf"))
+        mine = stats_of(svc, ALICE)["alice"]
+        assert mine.nvme_bytes == 4 * PAGE and mine.nvme_evictions == 2
+        assert held(svc, alice, chain("a", 4)) == 2 and held(svc, bob, chain("b", 3)) == 3
+        svc.store.check_invariants()
+    finally:
+        svc.nvme.close()
+        svc.store.arena.close()
