@@ -3,14 +3,14 @@ TLS, as ratios to a node without authentication, in the same run.
 
     python bench/auth_overhead.py [--json bench/results/auth_overhead.json] [--calls 6000] [--working-set-mib 64]
 
-Three real servers run side by side: "none" (no auth.*), "token" (auth.tokens_file; the client sends a
+Four real servers run side by side: "none" (no auth.*), "token" (auth.tokens_file; the client sends a
 tenant's bearer token on every call and a HELLO with its data ticket on each TCP connection; every
 frame's lease is checked against the connection's tenant), "token+tls" (the same, gRPC over TLS with a
-P-256 certificate). The client alternates blocks of calls between them, so drift on a shared machine
+P-256 certificate), "tls+tcp" (the same, and the TCP data plane over TLS too: tcp.tls_cert). The client alternates blocks of calls between them, so drift on a shared machine
 hits all alike; ratios are per round, then the median. Client on CPU 0, servers on CPU 1 (taskset).
 - Lookup: one gRPC Lookup of 32 keys (a miss), median and p99 round trip.
 - TCP: 1 MiB pages of a working set put then got in batches of 16 over the TCP data plane (gRPC
-  control). The data plane itself is plaintext in every configuration (TLS covers gRPC only).
+  control). The data plane is plaintext except in "tls+tcp" (Python's ssl, OpenSSL's AES-GCM).
 """
 
 from __future__ import annotations
@@ -79,10 +79,13 @@ def main() -> None:
     common = (arena, "dram.slab_bytes=4MiB", "shm.enabled=false")
     token = (f"auth.tokens_file={tokens.path}",)
     tls = (f"auth.tls_cert={certs.server_cert}", f"auth.tls_key={certs.server_key}")
+    tcp_tls = (f"tcp.tls_cert={certs.server_cert}", f"tcp.tls_key={certs.server_key}")
     servers = {"none": ServerProcess(*common, cpus="1"), "token": ServerProcess(*common, *token, cpus="1"),
-               "token+tls": ServerProcess(*common, *token, *tls, cpus="1")}
+               "token+tls": ServerProcess(*common, *token, *tls, cpus="1"),
+               "tls+tcp": ServerProcess(*common, *token, *tls, *tcp_tls, cpus="1")}
     credentials = {"none": {}, "token": {"token": tokens.alice},
-                   "token+tls": {"token": tokens.alice, "tls_ca": certs.ca}}
+                   "token+tls": {"token": tokens.alice, "tls_ca": certs.ca},
+                   "tls+tcp": {"token": tokens.alice, "tls_ca": certs.ca}}
     ns = Namespace(model="auth-bench", page_bytes=PAGE)
     data = np.random.default_rng(0).integers(0, 256, (args.working_set_mib, PAGE), dtype=np.uint8)
     try:
@@ -94,12 +97,12 @@ def main() -> None:
             tcp_round(client, ns, data, -1)
         lookups: dict[str, list[float]] = {name: [] for name in clients}
         for block in range(args.calls // BLOCK):
-            order = list(clients)[block % 3:] + list(clients)[:block % 3]
+            order = list(clients)[block % len(clients):] + list(clients)[:block % len(clients)]
             for name in order:
                 lookups[name] += lookup_block(clients[name], ns_ids[name], BLOCK)
         tcp: dict[str, list[tuple[float, float]]] = {name: [] for name in clients}
         for round_ in range(args.rounds):
-            order = list(clients)[round_ % 3:] + list(clients)[:round_ % 3]
+            order = list(clients)[round_ % len(clients):] + list(clients)[:round_ % len(clients)]
             for name in order:
                 tcp[name].append(tcp_round(clients[name], ns, data, round_))
         for client in clients.values():
