@@ -304,8 +304,6 @@ class PageStore:
             reservation.wanted = reservation.wanted[len(granted):]
             if reservation.wanted:
                 self.listener.on_dram_short()
-                if reservation.refusal:
-                    self.ledger.of(reservation.tenant).dram_refused_pages += len(reservation.wanted)
         if granted:
             failpoints.hit("reserve.after_allocate")
         return len(reservation.wanted)
@@ -317,6 +315,8 @@ class PageStore:
             return
         with self._lock:
             lease.busy -= 1
+            if reservation.wanted and reservation.refusal:   # counted once, after any second try
+                self.ledger.of(reservation.tenant).dram_refused_pages += len(reservation.wanted)
             for i in reservation.wanted:   # claimed in step one, given no slot: free for others again
                 page_id = (lease.namespace_id, lease.keys[reservation.first_index + i])
                 if self._pending.get(page_id) == lease.lease_id:
