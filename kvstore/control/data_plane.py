@@ -29,7 +29,9 @@ class SlotGrants:
         self._standing = TokenStanding(self._auth, identity)
 
     def bind(self, ticket: bytes) -> "SlotGrants":
-        return SlotGrants(self._store, self._auth, self._auth.ticket_identity(ticket))
+        grants = SlotGrants(self._store, self._auth, self._auth.ticket_identity(ticket))
+        grants._standing.check("tcp")   # a ticket issued before its token was revoked opens nothing
+        return grants
 
     def resolve_write(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
         """The arena bytes of an uncommitted reserved slot."""

@@ -189,6 +189,8 @@ def test_a_token_revoked_on_sighup_refuses_the_next_frame_of_its_open_tcp_connec
     revoke(node, tokens, "bob")
     with pytest.raises(errors.Unauthenticated, match="revoked"):
         path.put(write.lease_id, write.data_token, [(1, 0, [(data[1].ctypes.data, PAGE)])], PAGE)
+    with pytest.raises(errors.Unauthenticated, match="revoked"):   # its ticket, still sealed, opens no new one
+        tcp_path(node, hello)
     # alice's connection, opened the same way, still moves pages
     with KVStoreClient(node.address, token=tokens.alice, transport="tcp") as alice:
         assert alice.put(NS, ["a0"], pages(1)) == 1
