@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 
-import xxhash
 
 from kvstore import failpoints
 from kvstore.config import ControllerConfig
@@ -218,8 +217,8 @@ class CacheController:
     def _read_pages(self, records: list[PageRecord], slots: list[int]) -> list[bool]:
         """Copy pages from NVMe into their new slots; True where the bytes match the checksum."""
         views = [self._store.slot_view(r, slot) for r, slot in zip(records, slots)]
-        found = self._nvme.read_into([(*r.page_id, view) for r, view in zip(records, views)])
-        return [ok and xxhash.xxh3_64_intdigest(view) == r.checksum for r, view, ok in zip(records, views, found)]
+        sums = self._nvme.read_into([(*r.page_id, view) for r, view in zip(records, views)])
+        return [checksum == r.checksum for r, checksum in zip(records, sums)]
 
     # -- write-down -------------------------------------------------------------------
 

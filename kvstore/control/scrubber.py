@@ -16,7 +16,6 @@ import threading
 import time
 
 import numpy as np
-import xxhash
 
 from kvstore.control.store import PageStore
 from kvstore.invariants import stop_node
@@ -89,8 +88,7 @@ class Scrubber:
         ok = self._store.dram_checksum_ok(record)
         if ok and record.on_nvme and self._nvme is not None:
             scratch = np.empty(page_bytes, np.uint8)
-            found = self._nvme.read_into([(*record.page_id, memoryview(scratch))])[0]
-            ok = found and xxhash.xxh3_64_intdigest(scratch) == record.checksum
+            ok = self._nvme.read_into([(*record.page_id, memoryview(scratch))])[0] == record.checksum
             return ok, 2 * page_bytes
         return ok, page_bytes
 

@@ -20,6 +20,8 @@ LMDB flags, chosen for a cache whose pages must never be served corrupt:
   only as pages are written (map_bytes is an upper bound, not an allocation).
 - readahead=False: pages are not read through the mapping at all (see read_into), and
   B-tree lookups are random, so readahead on the mapping would only pull in neighbours.
+Large page bodies are read with O_DIRECT (read_into): the file's layout stays LMDB's own, so
+crash safety and start-up are LMDB's alone.
 - max_readers sized for the server's threads; lock=True (readers and the writer in one process
   may be several threads).
 """
@@ -41,6 +43,8 @@ import lmdb
 import numpy as np
 import xxhash
 
+from kvstore_client import native
+
 log = logging.getLogger(__name__)
 
 # py-lmdb holds the GIL through every LMDB call unless told otherwise, so a write-down's
@@ -53,6 +57,10 @@ HEADER = struct.Struct("<HHIQQQ")
 PARENT_BYTES_MAX = 64
 # In each shard directory, flocked by the one node that uses it (its pid inside).
 LOCK_FILE = "kvstore.lock"
+# Page bodies at least this large are read with O_DIRECT, smaller ones through the page cache
+# (for those, the block-aligned read and the extra copy would cost more than they save).
+DIRECT_READ_MIN_BYTES = 64 << 10
+DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: multiples of this
 
 
 class NvmeError(OSError):
@@ -133,6 +141,7 @@ class _Shard:
             raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
         self.data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         self.map_address = _map_address(os.path.join(path, "data.mdb"), self.data_fd)
+        self.direct_fd = _open_direct(os.path.join(path, "data.mdb"))
         self.meta = self.env.open_db(b"meta")
         self.data = self.env.open_db(b"data")
         self.namespaces = self.env.open_db(b"namespaces")
@@ -141,8 +150,41 @@ class _Shard:
 
     def close(self) -> None:
         os.close(self.data_fd)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
         self.env.close()
         os.close(self._lock_fd)  # releases the flock, only once LMDB is closed
+
+
+def _open_direct(path: str) -> int | None:
+    """data.mdb opened with O_DIRECT, or None where its filesystem refuses direct reads (tmpfs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        fd = None
+    else:
+        try:
+            os.preadv(fd, [_aligned_buffer(DIRECT_ALIGN)], 0)
+            return fd
+        except OSError:
+            os.close(fd)
+    log.info("NVMe shard file %s does not take O_DIRECT reads; pages are read through the page cache", path)
+    return None
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
+    start = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[start:start + nbytes]
+
+
+def _copy_hashed(out: memoryview, source: np.ndarray) -> int:
+    """Copy `source` into `out`; the xxh3-64 of the bytes, taken in the same pass where the
+    native module is built."""
+    if native.module is not None:
+        return native.module.copy_hash(np.frombuffer(out, np.uint8).ctypes.data, [(source.ctypes.data, len(out))])
+    np.frombuffer(out, np.uint8)[:] = source
+    return xxhash.xxh3_64_intdigest(out)
 
 
 def _lock_shard(path: str) -> int:
@@ -189,6 +231,7 @@ class NvmeTier:
                 shard.close()
             raise
         self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
+        self._bounce = threading.local()  # each I/O thread's block-aligned buffer for O_DIRECT reads
 
     @property
     def capacity_bytes(self) -> int:
@@ -227,17 +270,23 @@ class NvmeTier:
         with target.lock:
             target.page_bytes += incoming
 
-    def read_into(self, pages: list[tuple[int, bytes, memoryview]]) -> list[bool]:
-        """Copy each page's bytes from disk into its `out` view; False where absent or mis-sized.
+    def read_into(self, pages: list[tuple[int, bytes, memoryview]]) -> list[int | None]:
+        """Copy each page's bytes from disk into its `out` view; returns the xxh3-64 of the bytes
+        copied, None where the page is absent, mis-sized or could not be read whole.
 
-        The value is located through LMDB (its place in the map is its offset in data.mdb) and
-        read with one pread straight into `out`: the kernel sees a sequential read of the
-        whole page (readahead works, unlike 4 KiB faults on a mapping) and the bytes are
-        copied once, from the page cache into the slot. The reads of a batch run on
-        `io_threads` threads, so the disk sees several at once. The read transactions stay
-        open across the reads, so LMDB cannot reuse those file pages meanwhile.
+        The value is located through LMDB (its place in the map is its offset in data.mdb), then
+        read with pread, not through the mapping (which would fault it in 4 KiB at a time). A
+        large page is read with O_DIRECT: the page cache on a cold read costs more than the disk
+        (allocating and filling it, readahead in small windows), and pages promoted to DRAM need
+        no second copy in it. LMDB puts a value 16 bytes past a page boundary, so the read
+        covers the value's whole overflow pages (block-aligned, none shared with another record)
+        into a buffer, and the page is copied out of it into `out` and hashed in one pass. The
+        reads of a batch run on `io_threads` threads, so the disk sees several at once. The read
+        transactions stay open across the reads, so LMDB cannot reuse those file pages meanwhile;
+        O_DIRECT sees every committed write (LMDB writes with pwrite and syncs at commit, and a
+        direct read flushes any dirty page cache of its range first).
         """
-        found: list[bool] = []
+        sums: list[int | None] = []
         reads = []
         txns: dict[int, lmdb.Transaction] = {}
         try:
@@ -248,20 +297,36 @@ class NvmeTier:
                     txn = txns[shard.index] = shard.env.begin(buffers=True)
                 value = txn.get(record_key(ns_id, key), db=shard.data)
                 if value is None or len(value) != len(out):
-                    found.append(False)
+                    sums.append(None)
                 elif shard.map_address is None:  # mapping not found: copy through it instead
                     out[:] = value
-                    found.append(True)
+                    sums.append(xxhash.xxh3_64_intdigest(out))
                 else:
                     offset = np.frombuffer(value, dtype=np.uint8).ctypes.data - shard.map_address
-                    reads.append((len(found), self._io.submit(os.preadv, shard.data_fd, [out], offset)))
-                    found.append(False)
+                    reads.append((len(sums), self._io.submit(self._read_page, shard, offset, out)))
+                    sums.append(None)
             for position, read in reads:
-                found[position] = read.result() == len(pages[position][2])
+                sums[position] = read.result()
         finally:
             for txn in txns.values():
                 txn.abort()
-        return found
+        return sums
+
+    def _read_page(self, shard: _Shard, offset: int, out: memoryview) -> int | None:
+        """One page's bytes, at `offset` in the shard's data.mdb, into `out`; their xxh3-64, or None if short."""
+        if shard.direct_fd is None or len(out) < DIRECT_READ_MIN_BYTES:
+            if os.preadv(shard.data_fd, [out], offset) != len(out):
+                return None
+            return xxhash.xxh3_64_intdigest(out)
+        start = offset - offset % DIRECT_ALIGN
+        length = -(-(offset + len(out) - start) // DIRECT_ALIGN) * DIRECT_ALIGN
+        bounce = getattr(self._bounce, "buffer", None)
+        if bounce is None or len(bounce) < length:
+            bounce = self._bounce.buffer = _aligned_buffer(length)
+        skip = offset - start
+        if os.preadv(shard.direct_fd, [bounce[:length]], start) < skip + len(out):
+            return None
+        return _copy_hashed(out, bounce[skip:skip + len(out)])
 
     def delete(self, pages: list[tuple[int, bytes]]) -> None:
         by_shard: dict[int, list[bytes]] = {}

@@ -1,7 +1,11 @@
-"""An NVMe shard refuses pages before LMDB's map is full, so a full shard can always evict."""
+"""An NVMe shard refuses pages before LMDB's map is full, so a full shard can always evict; pages read
+back whole, through the page cache or with O_DIRECT, with the checksum of the bytes that landed."""
 
+import numpy as np
 import pytest
+import xxhash
 
+from kvstore.tiers import nvme
 from kvstore.tiers.nvme import NvmeFull, NvmeTier, StoredPage
 
 PAGE = 64 << 10
@@ -21,4 +25,29 @@ def test_a_full_shard_still_deletes_and_takes_pages_again(tmp_path):
     assert not list(tier.scan())
     tier.write(0, [(StoredPage(1, b"again", b"", PAGE, 0), page)])
     assert [rkey[8:] for rkey, *_ in tier.scan()] == [b"again"]
+    tier.close()
+
+
+@pytest.mark.parametrize("copy", ["native", "python"])
+def test_pages_of_every_size_read_back_whole_with_their_checksum(tmp_path, monkeypatch, copy):
+    if copy == "python":
+        monkeypatch.setattr(nvme.native, "module", None)
+    elif nvme.native.module is None:
+        pytest.skip("kvstore_native is not built")
+    tier = NvmeTier((str(tmp_path / "shard"),), map_bytes=64 << 20, io_threads=4)
+    # Below, at and above the O_DIRECT threshold; sizes that end mid-block and mid-page.
+    sizes = [4096, nvme.DIRECT_READ_MIN_BYTES - 1, nvme.DIRECT_READ_MIN_BYTES, (1 << 20) + 5, 1 << 20, 3 << 20]
+    rng = np.random.default_rng(7)
+    pages = {b"k%d" % i: rng.integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)}
+    tier.write(0, [(StoredPage(1, key, b"", len(data), 0), memoryview(data)) for key, data in pages.items()])
+    direct = tier.shards[0].direct_fd is not None
+    outs = {key: np.zeros(len(data), np.uint8) for key, data in pages.items()}
+    for _ in range(2):  # the second time, each I/O thread's buffer is reused
+        sums = tier.read_into([(1, key, memoryview(out)) for key, out in outs.items()])
+        for (key, data), checksum in zip(pages.items(), sums):
+            assert np.array_equal(outs[key], data), (len(data), direct)
+            assert checksum == xxhash.xxh3_64_intdigest(data)
+    wrong_size = np.zeros(1 << 20, np.uint8)
+    assert tier.read_into([(1, b"absent", memoryview(wrong_size)), (1, b"k4", memoryview(wrong_size[:-1]))]) == [
+        None, None]
     tier.close()
