@@ -3,7 +3,8 @@
 A page goes to the shard its key hashes to. Each shard has three named databases, and a
 page's header and bytes are written in one transaction, so a page is on disk whole or not
 at all:
-    meta        ns_id(8 LE) + key -> header (format version, namespace, page size, checksum, parent key)
+    meta        ns_id(8 LE) + key -> header (format version, where the bytes are, namespace, page size,
+                                          checksum, parent key)
     data        ns_id(8 LE) + key -> page bytes
     namespaces  ns_id(8 LE)       -> namespace spec (JSON), so a restart knows what pages mean
 Start-up rebuilds the index from `meta` alone: dense B-tree leaves, no page bytes read.
@@ -20,8 +21,8 @@ LMDB flags, chosen for a cache whose pages must never be served corrupt:
   only as pages are written (map_bytes is an upper bound, not an allocation).
 - readahead=False: pages are not read through the mapping at all (see read_into), and
   B-tree lookups are random, so readahead on the mapping would only pull in neighbours.
-Large page bodies are read with O_DIRECT (read_into): the file's layout stays LMDB's own, so
-crash safety and start-up are LMDB's alone.
+Large page bodies are read with O_DIRECT at the place the header records (read_into): the
+file's layout stays LMDB's own, so crash safety and start-up are LMDB's alone.
 - max_readers sized for the server's threads; lock=True (readers and the writer in one process
   may be several threads).
 """
@@ -52,8 +53,15 @@ log = logging.getLogger(__name__)
 lmdb.enable_drop_gil()
 
 FORMAT_VERSION = 1
-# version, parent key length, reserved, namespace id, page bytes, checksum; then the parent key
+# version, parent key length, body page, namespace id, page bytes, checksum; then the parent key.
+# The body page is the first LMDB page of the page's bytes in data.mdb (0: not recorded; page 0
+# is LMDB's meta page, never a value's), so a read need not go through LMDB's value at all.
 HEADER = struct.Struct("<HHIQQQ")
+# LMDB's page header, at the start of each run of overflow pages holding a large value: the
+# value's bytes follow it. A read checks its page number (bytes 0-8) and its count of pages
+# (bytes 12-16) against what it expects.
+LMDB_PAGE_HEADER = 16
+BODY_PAGE_MAX = (1 << 32) - 1
 PARENT_BYTES_MAX = 64
 # In each shard directory, flocked by the one node that uses it (its pid inside).
 LOCK_FILE = "kvstore.lock"
@@ -88,9 +96,20 @@ def record_key(namespace_id: int, key: bytes) -> bytes:
     return namespace_id.to_bytes(8, "little") + key
 
 
-def encode_header(page: StoredPage) -> bytes:
-    return HEADER.pack(FORMAT_VERSION, len(page.parent_key), 0, page.namespace_id, page.page_bytes,
+def encode_header(page: StoredPage, body_page: int = 0) -> bytes:
+    return HEADER.pack(FORMAT_VERSION, len(page.parent_key), body_page, page.namespace_id, page.page_bytes,
                        page.checksum) + page.parent_key
+
+
+def _body_page(value: memoryview) -> int:
+    """The LMDB page a value just put in this write transaction starts on, from the header of
+    its overflow page (the dirty copy that commit writes at that page); 0 for a value small
+    enough to sit in a B-tree leaf, or past what the header can record."""
+    if len(value) < DIRECT_READ_MIN_BYTES:
+        return 0
+    address = np.frombuffer(value, np.uint8).ctypes.data - LMDB_PAGE_HEADER
+    page = int.from_bytes(ctypes.string_at(address, 8), "little")
+    return page if page <= BODY_PAGE_MAX else 0
 
 
 def _free_bytes(path: str) -> int:
@@ -142,6 +161,7 @@ class _Shard:
         self.data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         self.map_address = _map_address(os.path.join(path, "data.mdb"), self.data_fd)
         self.direct_fd = _open_direct(os.path.join(path, "data.mdb"))
+        self.page_size = self.env.stat()["psize"]
         self.meta = self.env.open_db(b"meta")
         self.data = self.env.open_db(b"data")
         self.namespaces = self.env.open_db(b"namespaces")
@@ -254,11 +274,12 @@ class NvmeTier:
         if target.page_bytes + incoming > self.page_bytes_max:
             raise NvmeFull(shard)
         try:
-            with target.env.begin(write=True) as txn:
+            with target.env.begin(write=True, buffers=True) as txn:
                 for page, view in pages:
                     rkey = record_key(page.namespace_id, page.key)
                     txn.put(rkey, view, db=target.data)
-                    txn.put(rkey, encode_header(page), db=target.meta)
+                    body_page = _body_page(txn.get(rkey, db=target.data))
+                    txn.put(rkey, encode_header(page, body_page), db=target.meta)
         except lmdb.MapFullError:
             raise NvmeFull(shard) from None
         except lmdb.Error as exc:  # the transaction was aborted: nothing of it is on disk
@@ -274,17 +295,19 @@ class NvmeTier:
         """Copy each page's bytes from disk into its `out` view; returns the xxh3-64 of the bytes
         copied, None where the page is absent, mis-sized or could not be read whole.
 
-        The value is located through LMDB (its place in the map is its offset in data.mdb), then
-        read with pread, not through the mapping (which would fault it in 4 KiB at a time). A
-        large page is read with O_DIRECT: the page cache on a cold read costs more than the disk
-        (allocating and filling it, readahead in small windows), and pages promoted to DRAM need
-        no second copy in it. LMDB puts a value 16 bytes past a page boundary, so the read
-        covers the value's whole overflow pages (block-aligned, none shared with another record)
-        into a buffer, and the page is copied out of it into `out` and hashed in one pass. The
-        reads of a batch run on `io_threads` threads, so the disk sees several at once. The read
-        transactions stay open across the reads, so LMDB cannot reuse those file pages meanwhile;
-        O_DIRECT sees every committed write (LMDB writes with pwrite and syncs at commit, and a
-        direct read flushes any dirty page cache of its range first).
+        A large page is found through its header, which records the LMDB page its bytes start
+        on, and read with O_DIRECT, never through LMDB's value: py-lmdb touches every 4 KiB of
+        a value it returns, one page fault and one small disk read each, and the page cache on a
+        cold read costs more than the disk (pages promoted to DRAM need no second copy in it
+        either). LMDB puts a value 16 bytes past a page boundary, so the read covers the value's
+        whole overflow pages (block-aligned, none shared with another record) into a buffer; the
+        page header read with them must name the recorded page, and the bytes are copied out
+        into `out` and hashed in one pass. Small pages, and pages whose header records no place,
+        are located through LMDB (their place in the map is their offset in data.mdb) and read
+        with pread. The reads of a batch run on `io_threads` threads, so the disk sees several
+        at once. The read transactions stay open across the reads, so LMDB cannot reuse those
+        file pages meanwhile; O_DIRECT sees every committed write (LMDB writes with pwrite and
+        syncs at commit, and a direct read flushes any dirty page cache of its range first).
         """
         sums: list[int | None] = []
         reads = []
@@ -295,7 +318,13 @@ class NvmeTier:
                 txn = txns.get(shard.index)
                 if txn is None:
                     txn = txns[shard.index] = shard.env.begin(buffers=True)
-                value = txn.get(record_key(ns_id, key), db=shard.data)
+                rkey = record_key(ns_id, key)
+                body_page = self._direct_body_page(shard, txn.get(rkey, db=shard.meta), len(out))
+                if body_page:
+                    reads.append((len(sums), shard, body_page, out))
+                    sums.append(None)
+                    continue
+                value = txn.get(rkey, db=shard.data)
                 if value is None or len(value) != len(out):
                     sums.append(None)
                 elif shard.map_address is None:  # mapping not found: copy through it instead
@@ -303,30 +332,43 @@ class NvmeTier:
                     sums.append(xxhash.xxh3_64_intdigest(out))
                 else:
                     offset = np.frombuffer(value, dtype=np.uint8).ctypes.data - shard.map_address
-                    reads.append((len(sums), self._io.submit(self._read_page, shard, offset, out)))
+                    reads.append((len(sums), shard, -offset, out))
                     sums.append(None)
-            for position, read in reads:
+            futures = [(position, self._io.submit(self._read_page, shard, where, out))
+                       for position, shard, where, out in reads]
+            for position, read in futures:
                 sums[position] = read.result()
         finally:
             for txn in txns.values():
                 txn.abort()
         return sums
 
-    def _read_page(self, shard: _Shard, offset: int, out: memoryview) -> int | None:
-        """One page's bytes, at `offset` in the shard's data.mdb, into `out`; their xxh3-64, or None if short."""
-        if shard.direct_fd is None or len(out) < DIRECT_READ_MIN_BYTES:
-            if os.preadv(shard.data_fd, [out], offset) != len(out):
+    @staticmethod
+    def _direct_body_page(shard: _Shard, header: bytes | None, nbytes: int) -> int:
+        """The LMDB page to read this page's bytes from with O_DIRECT, or 0 to go through LMDB."""
+        if (shard.direct_fd is None or nbytes < DIRECT_READ_MIN_BYTES or header is None
+                or len(header) < HEADER.size):
+            return 0
+        _, _, body_page, _, page_bytes, _ = HEADER.unpack_from(header)
+        return body_page if page_bytes == nbytes else 0
+
+    def _read_page(self, shard: _Shard, where: int, out: memoryview) -> int | None:
+        """One page's bytes into `out`: `where` > 0 is the LMDB page they start on (O_DIRECT),
+        `where` <= 0 minus their offset in data.mdb (pread). Their xxh3-64, or None if short."""
+        if where <= 0:
+            if os.preadv(shard.data_fd, [out], -where) != len(out):
                 return None
             return xxhash.xxh3_64_intdigest(out)
-        start = offset - offset % DIRECT_ALIGN
-        length = -(-(offset + len(out) - start) // DIRECT_ALIGN) * DIRECT_ALIGN
+        start = where * shard.page_size   # page sizes are multiples of DIRECT_ALIGN
+        length = -(-(LMDB_PAGE_HEADER + len(out)) // DIRECT_ALIGN) * DIRECT_ALIGN
         bounce = getattr(self._bounce, "buffer", None)
         if bounce is None or len(bounce) < length:
             bounce = self._bounce.buffer = _aligned_buffer(length)
-        skip = offset - start
-        if os.preadv(shard.direct_fd, [bounce[:length]], start) < skip + len(out):
+        if (os.preadv(shard.direct_fd, [bounce[:length]], start) < LMDB_PAGE_HEADER + len(out)
+                or int.from_bytes(bounce[:8], "little") != where
+                or int.from_bytes(bounce[12:16], "little") * shard.page_size < LMDB_PAGE_HEADER + len(out)):
             return None
-        return _copy_hashed(out, bounce[skip:skip + len(out)])
+        return _copy_hashed(out, bounce[LMDB_PAGE_HEADER:LMDB_PAGE_HEADER + len(out)])
 
     def delete(self, pages: list[tuple[int, bytes]]) -> None:
         by_shard: dict[int, list[bytes]] = {}
