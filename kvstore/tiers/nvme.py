@@ -55,7 +55,9 @@ lmdb.enable_drop_gil()
 FORMAT_VERSION = 1
 # version, parent key length, body page, namespace id, page bytes, checksum; then the parent key.
 # The body page is the first LMDB page of the page's bytes in data.mdb (0: not recorded; page 0
-# is LMDB's meta page, never a value's), so a read need not go through LMDB's value at all.
+# is LMDB's meta page, never a value's), so a read need not go through LMDB's value at all. It
+# stays true because a header and its bytes are only ever written and deleted together, in one
+# transaction, by the one node that holds the shard's lock.
 HEADER = struct.Struct("<HHIQQQ")
 # LMDB's page header, at the start of each run of overflow pages holding a large value: the
 # value's bytes follow it. A read checks its page number (bytes 0-8) and its count of pages
