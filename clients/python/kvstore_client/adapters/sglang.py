@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -218,54 +218,56 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
-        results: dict[str, List[bool]] = {}
-        for transfer in transfers:
-            keys = list(transfer.keys or [])
-            if str(transfer.name) == str(PoolName.KV):
-                results[transfer.name] = self.batch_set_v1(keys, transfer.host_indices, extra_info)
-                continue
-            pool = self._sidecar(transfer.name)
-            if not keys:
-                results[transfer.name] = []
-                continue
-            client = self._clients.get()
-            if not self.is_writer and not pool.per_rank:
-                # A pool the ranks share (as MLA KV is): the writer rank stores it; answered as batch_set_v1 does.
-                stored = self._stored_already(pool.namespace, keys)
-                results[transfer.name] = [i < stored for i in range(len(keys))]
-                continue
-            if pool.zero_copy:
-                pages = pool.page_segments(keys, transfer.host_indices)
-            else:
-                pages = [pool.host_pool.get_data_page(i, flat=True).contiguous()
-                         for i in pool.first_indices(keys, transfer.host_indices)]
-            stored = client.put(pool.namespace, keys, pages, anchor=parent_of(extra_info))
-            results[transfer.name] = [i < stored for i in range(len(keys))]
-        return results
+        return self._each_pool(transfers,
+                               lambda keys, host_indices: self.batch_set_v1(keys, host_indices, extra_info),
+                               lambda pool, keys, host_indices: self._set_sidecar(pool, keys, host_indices,
+                                                                                   extra_info))
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        results = self._each_pool(transfers,
+                                  lambda keys, host_indices: self.batch_get_v1(keys, host_indices, extra_info),
+                                  self._get_sidecar)
+        return whole_positions(transfers, results)   # a position loads in every pool or in none
+
+    def _each_pool(self, transfers: List[PoolTransfer], kv_pages: Callable[[List[str], Any], List[bool]],
+                   sidecar_pages: Callable[[SidecarPool, List[str], Any], int]) -> dict[str, List[bool]]:
+        """Each transfer's flags: the KV pool's from its v1 call, a sidecar pool's from how many of its keys,
+        in order, `sidecar_pages` moved."""
         results: dict[str, List[bool]] = {}
         for transfer in transfers:
             keys = list(transfer.keys or [])
             if str(transfer.name) == str(PoolName.KV):
-                results[transfer.name] = self.batch_get_v1(keys, transfer.host_indices, extra_info)
+                results[transfer.name] = kv_pages(keys, transfer.host_indices)
                 continue
             pool = self._sidecar(transfer.name)
-            if not keys:
-                results[transfer.name] = []
-                continue
-            client = self._clients.get()
-            if pool.zero_copy:
-                loaded = client.get(pool.namespace, keys, pool.page_segments(keys, transfer.host_indices))
-            else:
-                firsts = pool.first_indices(keys, transfer.host_indices)
-                pages = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
-                loaded = client.get(pool.namespace, keys, pages)
-                for first, page in zip(firsts[:loaded], pages[:loaded]):
-                    pool.host_pool.set_from_flat_data_page(first, page)
-            results[transfer.name] = [i < loaded for i in range(len(keys))]
-        return whole_positions(transfers, results)   # a position loads in every pool or in none
+            moved = sidecar_pages(pool, keys, transfer.host_indices) if keys else 0
+            results[transfer.name] = [i < moved for i in range(len(keys))]
+        return results
+
+    def _set_sidecar(self, pool: SidecarPool, keys: List[str], host_indices: Any,
+                     extra_info: Optional[HiCacheStorageExtraInfo]) -> int:
+        client = self._clients.get()
+        if not self.is_writer and not pool.per_rank:
+            # A pool the ranks share (as MLA KV is): the writer rank stores it; answered as batch_set_v1 does.
+            return self._stored_already(pool.namespace, keys)
+        if pool.zero_copy:
+            pages = pool.page_segments(keys, host_indices)
+        else:
+            pages = [pool.host_pool.get_data_page(i, flat=True).contiguous()
+                     for i in pool.first_indices(keys, host_indices)]
+        return client.put(pool.namespace, keys, pages, anchor=parent_of(extra_info))
+
+    def _get_sidecar(self, pool: SidecarPool, keys: List[str], host_indices: Any) -> int:
+        client = self._clients.get()
+        if pool.zero_copy:
+            return client.get(pool.namespace, keys, pool.page_segments(keys, host_indices))
+        firsts = pool.first_indices(keys, host_indices)
+        pages = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
+        loaded = client.get(pool.namespace, keys, pages)
+        for first, page in zip(firsts[:loaded], pages[:loaded]):
+            pool.host_pool.set_from_flat_data_page(first, page)
+        return loaded
 
     def _sidecar(self, name: Any) -> SidecarPool:
         pool = self._sidecars.get(str(name))
