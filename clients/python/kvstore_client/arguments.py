@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvstore_client import checksums, errors
+from kvstore_client.buffers import Segment, page_segments
 from kvstore_client.keys import Key, Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
 from kvstore_client.tokens import token_array
@@ -61,3 +62,16 @@ def prefetch_policy(policy: str) -> int:
 def check_verify(verify: bool) -> None:
     if verify and not checksums.available():
         raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
+
+
+def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, tokens: Any, verify: bool,
+              parent: Key | None, anchor: Key | None) -> tuple[list[bytes], list[list[Segment]], list[Any]]:
+    """A put's keys, its pages' segments and the objects that keep those segments' memory alive."""
+    check_verify(verify)
+    raw_keys = page_keys(namespace, keys, tokens)
+    if buffers is None:
+        raise errors.InvalidArgument("put needs the pages' buffers")
+    segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
+    if parent is not None and anchor is not None:
+        raise errors.InvalidArgument("give parent or anchor, not both: anchor is a parent the node may not hold")
+    return raw_keys, segments, keepalive

@@ -38,7 +38,7 @@ import grpc.aio
 
 from kvstore_client import errors, framing
 from kvstore_client.arguments import (check_verify, engine_id_list, keys_or_tokens, node_target, page_keys,
-                                      prefetch_policy)
+                                      prefetch_policy, put_pages)
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.buffers import page_segments
 from kvstore_client.channel import LocalChannel
@@ -318,13 +318,7 @@ class AsyncKVStoreClient:
                   parent: Key | None = None, verify: bool = False, durable: bool = False, *,
                   tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
         """KVStoreClient.put: store pages; a PutResult counts the leading keys stored and says why it is short."""
-        check_verify(verify)
-        raw_keys = page_keys(namespace, keys, tokens)
-        if buffers is None:
-            raise errors.InvalidArgument("put needs the pages' buffers")
-        segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
-        if parent is not None and anchor is not None:
-            raise errors.InvalidArgument("give parent or anchor, not both: anchor is a parent the node may not hold")
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
         before = parent if parent is not None else anchor   # the page before keys[0]; anchor: maybe not held
         parent_key = encode_key(before) if before is not None else b""
 

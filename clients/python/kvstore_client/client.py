@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from kvstore_client import errors, lookup
 from kvstore_client.arguments import (check_verify, engine_id_list, keys_or_tokens, node_target, page_keys,
-                                      prefetch_policy)
+                                      prefetch_policy, put_pages)
 from kvstore_client.buffers import page_segments
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
@@ -122,13 +122,7 @@ class KVStoreClient:
         written by another client (those count as stored, whether or not they are on NVMe
         yet). A page this call wrote that is committed but not on NVMe ends the count.
         """
-        check_verify(verify)
-        raw_keys = page_keys(namespace, keys, tokens)
-        if buffers is None:
-            raise errors.InvalidArgument("put needs the pages' buffers")
-        segments, keepalive = page_segments(buffers, len(raw_keys), namespace.page_bytes, writable=False)
-        if parent is not None and anchor is not None:
-            raise errors.InvalidArgument("give parent or anchor, not both: anchor is a parent the node may not hold")
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
         parent_key = encode_key(parent) if parent is not None else b""
         anchor_key = encode_key(anchor) if anchor is not None else b""
         stored, reason = 0, ""
