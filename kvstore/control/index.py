@@ -39,7 +39,8 @@ NO_SLOT = -1
 
 class PageRecord:
     __slots__ = ("page_id", "parent", "children", "offset", "slot_bytes", "checksum",
-                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor", "tenant")
+                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor", "tenant",
+                 "nvme_refused_bytes")
 
     def __init__(self, page_id: PageId, parent: "PageRecord | None", offset: int, slot_bytes: int, checksum: int):
         self.page_id = page_id
@@ -57,6 +58,7 @@ class PageRecord:
         self.queued = False        # waiting in the controller's write-down queue
         self.anchor = b""          # the absent parent's key this root waits for (see the module docstring)
         self.tenant = ""           # its namespace's tenant (set as the index takes the page)
+        self.nvme_refused_bytes = -1  # its tenant's NVMe bytes when that quota last refused it; -1: never
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -314,8 +316,11 @@ class PageIndex:
         used first (write-back)."""
         # Popped in order from the DRAM-only heaps (O(count log n), not a scan: this runs
         # under the store's lock on every write-back pass), then pushed back, still offered.
+        # A page its tenant's NVMe quota refused is passed over until that tenant holds less on
+        # NVMe: else the same oldest pages would fill every pass and no other tenant's get written.
         heaps = [heap for (owner, _, clean), heap in self._dram.items() if not clean and tenant in (None, owner)]
         taken: list[tuple[_Entry, list[_Entry]]] = []
+        passed: list[tuple[_Entry, list[_Entry]]] = []
         while len(taken) < count:
             best: list[_Entry] | None = None
             for heap in heaps:
@@ -325,10 +330,16 @@ class PageIndex:
                     best = heap
             if best is None:
                 break
-            taken.append((heapq.heappop(best), best))
-        for entry, heap in taken:
+            entry = heapq.heappop(best)
+            (passed if self._nvme_refused(entry[2]) else taken).append((entry, best))
+        for entry, heap in taken + passed:
             heapq.heappush(heap, entry)
         return [entry[2] for entry, _ in taken]
+
+    def _nvme_refused(self, record: PageRecord) -> bool:
+        """Its tenant's NVMe quota refused it and the tenant holds no fewer NVMe bytes since."""
+        refused_bytes = record.nvme_refused_bytes
+        return refused_bytes >= 0 and self._usage(record.tenant).nvme_bytes >= refused_bytes
 
     def remove_subtree(self, record: PageRecord) -> list[PageRecord]:
         """Remove a page and every page that extends it; returns them."""

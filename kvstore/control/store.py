@@ -645,7 +645,9 @@ class PageStore:
         """The pages of a claimed write-down batch (chain order) their tenants' NVMe quotas allow, and
         the pages taken off NVMe to make that room: each tenant's own least recently used NVMe pages,
         never one the batch extends (its children would then be written for nothing). The caller
-        deletes the victims first; pages refused stay in DRAM only, unsaved. Returns (admitted, victims)."""
+        deletes the victims first; pages refused (and the pages of the batch that extend them) stay in
+        DRAM only, unsaved, marked so that write-back passes them over until their tenant holds less
+        on NVMe. Returns (admitted, victims)."""
         admitted: list[PageRecord] = []
         victims: list[PageRecord] = []
         with self._lock:
@@ -656,11 +658,17 @@ class PageStore:
             for record in kept:
                 record.pins += 1     # not victims of this batch's own room
             writing = self.ledger.nvme_writing_bytes
+            refused: set[PageRecord] = set()
             for record in batch:
                 tenant = record.tenant
-                if self.ledger.nvme_limit(tenant) and not self._nvme_room(tenant, record.slot_bytes, victims):
+                if self.ledger.nvme_limit(tenant) and (record.parent in refused or not self._nvme_room(
+                        tenant, record.slot_bytes, victims)):
+                    refused.add(record)
+                    usage = self.index.usage.get(tenant)
+                    record.nvme_refused_bytes = (usage.nvme_bytes if usage else 0) + writing.get(tenant, 0)
                     self.ledger.of(tenant).nvme_refused_pages += 1
                     continue
+                record.nvme_refused_bytes = -1
                 if self.ledger.nvme_limit(tenant):
                     writing[tenant] = writing.get(tenant, 0) + record.slot_bytes
                     self._nvme_admitted.add(record)

@@ -178,6 +178,22 @@ def test_under_write_back_a_quota_refuses_rather_than_drop_an_unsaved_page(make)
     svc.store.check_invariants()
 
 
+def test_under_write_back_a_tenant_at_its_nvme_quota_does_not_stall_other_tenants_write_down(make):
+    svc = make(NODE[:-1] + ["controller.write_policy=write_back", "controller.write_batch_pages=2"]
+               + quotas(alice_nvme=2 * PAGE))
+    alice, bob = open_ns(svc, PAGE, tenant="alice"), open_ns(svc, PAGE, tenant="bob")
+    put(svc, alice, chain("a", 4), PAGE, durable=True)   # a-0, a-1 fill the quota; a-2, a-3 cannot evict them
+    put(svc, bob, chain("b", 4), PAGE)                    # newer: behind alice's pages in LRU order
+    index = svc.store.index
+    assert [index.get((alice, k)).on_nvme for k in chain("a", 4)] == [True, True, False, False]
+    for _ in range(3):
+        svc.controller.clean(1)
+    assert all(index.get((bob, k)).on_nvme for k in chain("b", 4)), "alice's refused pages stalled bob's write-down"
+    assert held(svc, alice, chain("a", 4)) == 4, "an unsaved page was dropped"
+    assert stats_of(svc, ALICE)["alice"].nvme_refused_pages >= 2
+    svc.store.check_invariants()
+
+
 def test_after_a_restart_each_tenant_owns_its_recovered_nvme_pages_and_its_quota_holds(tmp_path):
     from kvstore.control import recovery
 
