@@ -44,3 +44,16 @@ def make_node(tmp_path, overrides: list[str], clock: ManualClock | None = None) 
     service.grants = SlotGrants(store)
     service.nvme = nvme
     return service
+
+
+def write_all_down(svc: KVStoreService) -> None:
+    """Write every DRAM-only page down (the controller's thread is not running in these tests)."""
+    svc.controller.make_durable(list(svc.store.index.records()), deadline=float("inf"))
+
+
+def drop_dram_copies(svc: KVStoreService) -> None:
+    """Evict every DRAM copy of a page that is on NVMe (as pressure would)."""
+    with svc.store._lock:
+        for size in {r.slot_bytes for r in svc.store.index.records()}:
+            while svc.store.index.evict_dram(size, clean_only=True) is not None:
+                pass

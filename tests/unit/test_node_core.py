@@ -12,7 +12,7 @@ from kvstore.tiers.nvme import record_key
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
-from node_parts import ManualClock, make_node, make_service
+from node_parts import ManualClock, drop_dram_copies, make_node, make_service, write_all_down
 
 SMALL, BIG = 8 << 10, 64 << 10
 NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "limits.page_bytes_max=64KiB",
@@ -54,20 +54,6 @@ def get(svc, ns, keys, page_bytes, policy=pb.WAIT_COMPLETE):
 
 def chain(name, n):
     return [f"{name}-{i}".encode() for i in range(n)]
-
-
-def write_all_down(svc):
-    """Write every DRAM-only page down (the controller's thread is not running in these tests)."""
-    records = list(svc.store.index.records())
-    svc.controller.make_durable(records, deadline=float("inf"))
-
-
-def drop_dram_copies(svc):
-    """Evict every DRAM copy of a page that is on NVMe (as pressure would)."""
-    with svc.store._lock:
-        for size in {r.slot_bytes for r in svc.store.index.records()}:
-            while svc.store.index.evict_dram(size, clean_only=True) is not None:
-                pass
 
 
 @pytest.fixture

@@ -8,21 +8,10 @@ import xxhash
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
-from node_parts import make_node
+from node_parts import drop_dram_copies, make_node, write_all_down
 
 SMALL = 8 << 10
 NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "nvme.map_bytes=64MiB"]
-
-
-def write_all_down(svc):
-    svc.controller.make_durable(list(svc.store.index.records()), deadline=float("inf"))
-
-
-def drop_dram_copies(svc):
-    """Evict every DRAM copy of a page that is on NVMe (as pressure would)."""
-    with svc.store._lock:
-        while svc.store.index.evict_dram(SMALL, clean_only=True) is not None:
-            pass
 
 
 @pytest.fixture
