@@ -1,8 +1,8 @@
 """Which data plane a cluster client picks for each node: shared memory on its host, RDMA where the node
 advertises it and the client was given RdmaOptions, else TCP; a node whose RDMA cannot start is reached over TCP.
 
-No NIC here: the node's RDMA side and the client's share one verbs model (kvstore_client/verbs_model.py), as
-in tests/rdma/test_rdma_fallback.py. etcd is real; the member records point at one in-process node with
+No NIC here: the node's RDMA side and the client's share one verbs model (kvstore_client/verbs_model.py; the
+fixtures are tests/rdma_node.py's, as in tests/rdma/test_rdma_fallback.py). etcd is real; the member records point at one in-process node with
 shared memory off (standing for a node on another host) and are written by hand, so a record can say RDMA.
 """
 
@@ -12,15 +12,12 @@ import numpy as np
 import pytest
 
 from cluster_parts import etcd  # noqa: F401  (fixture)
-from kvstore import config
-from kvstore.server import Node
-from kvstore.transport.rdma import RdmaServer
-from kvstore_client import Namespace, rdma_transport
+from kvstore_client import Namespace
 from kvstore_client.cluster import KVStoreCluster, data_plane
 from kvstore_client.etcd import EtcdSession
 from kvstore_client.membership import Member, node_key
 from kvstore_client.rdma_transport import RdmaOptions
-from kvstore_client.verbs_model import VerbsModel
+from rdma_node import model, node  # noqa: F401  (fixtures)
 
 PAGE = 4096
 HERE, THERE = "this-host", "another-host"
@@ -40,27 +37,6 @@ def member(host_id, rdma):
 ])
 def test_the_plane_each_node_gets(host_id, advertises, rdma_given, transport, plane):
     assert data_plane(member(host_id, advertises), HERE, transport, rdma_given) == plane
-
-
-@pytest.fixture
-def node():
-    cfg = config.load(environ={}, overrides=[
-        "server.grpc_address=127.0.0.1:0", "shm.enabled=false", "nvme.enabled=false", "ops.metrics_address=",
-        "dram.arena_bytes=16MiB", "dram.slab_bytes=1MiB", "server.drain_timeout_s=1"])
-    node = Node(cfg)
-    node.start()
-    yield node
-    node.drain_and_stop()
-    if node.service.rdma is not None:
-        node.service.rdma.close()
-
-
-@pytest.fixture
-def model(node, monkeypatch):
-    model = VerbsModel()
-    node.service.rdma = RdmaServer("", 1, -1, 8, node.arena.view, allowed_peers=("10.0.0.0/8",), verbs=model)
-    monkeypatch.setattr(rdma_transport, "default_verbs", lambda: model)
-    return model
 
 
 @pytest.fixture

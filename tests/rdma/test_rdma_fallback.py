@@ -7,34 +7,11 @@ RDMA server and the client's RDMA path share one verbs model (kvstore_client/ver
 import numpy as np
 import pytest
 
-from kvstore import config
-from kvstore.server import Node
 from kvstore.transport.rdma import RdmaServer
 from kvstore_client import KVStoreClient, Namespace, errors, rdma_transport
-from kvstore_client.verbs_model import VerbsModel
+from rdma_node import model, node  # noqa: F401  (fixtures)
 
 PAGE = 4096
-
-
-@pytest.fixture
-def node():
-    cfg = config.load(environ={}, overrides=[
-        "server.grpc_address=127.0.0.1:0", "shm.enabled=false", "nvme.enabled=false", "ops.metrics_address=",
-        "dram.arena_bytes=16MiB", "dram.slab_bytes=1MiB", "server.drain_timeout_s=1"])
-    node = Node(cfg)
-    node.start()
-    yield node
-    node.drain_and_stop()
-    if node.service.rdma is not None:
-        node.service.rdma.close()
-
-
-@pytest.fixture
-def model(node, monkeypatch):
-    model = VerbsModel()
-    node.service.rdma = RdmaServer("", 1, -1, 8, node.arena.view, allowed_peers=("10.0.0.0/8",), verbs=model)
-    monkeypatch.setattr(rdma_transport, "default_verbs", lambda: model)
-    return model
 
 
 def roundtrip(client, name, count=8):
