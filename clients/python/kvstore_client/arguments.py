@@ -75,3 +75,14 @@ def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, to
     if parent is not None and anchor is not None:
         raise errors.InvalidArgument("give parent or anchor, not both: anchor is a parent the node may not hold")
     return raw_keys, segments, keepalive
+
+
+def get_pages(namespace: Namespace, keys: Sequence[Key] | None, out: Any, tokens: Any,
+              verify: bool) -> tuple[list[bytes], list[list[Segment]], list[Any]]:
+    """A get's keys, the segments of `out` its pages are copied into and the objects that keep them alive."""
+    check_verify(verify)
+    raw_keys = page_keys(namespace, keys, tokens)
+    if out is None:
+        raise errors.InvalidArgument("get needs the buffers to copy pages into (out)")
+    segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
+    return raw_keys, segments, keepalive

@@ -37,10 +37,9 @@ import grpc
 import grpc.aio
 
 from kvstore_client import errors, framing
-from kvstore_client.arguments import (check_verify, engine_id_list, keys_or_tokens, node_target, page_keys,
-                                      prefetch_policy, put_pages)
+from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens, node_target, prefetch_policy,
+                                      put_pages)
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
-from kvstore_client.buffers import page_segments
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
@@ -346,11 +345,7 @@ class AsyncKVStoreClient:
                   tokens: Any = None, timeout_s: float | None = None, wait_ms: int = 0) -> int:
         """KVStoreClient.get: copy the leading stored pages into `out`; returns how many were loaded."""
         prefetch = prefetch_policy(policy)
-        check_verify(verify)
-        raw_keys = page_keys(namespace, keys, tokens)
-        if out is None:
-            raise errors.InvalidArgument("get needs the buffers to copy pages into (out)")
-        segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
+        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens, verify)
 
         async def get_all(conn: _Connection) -> int:
             loaded, step = 0, conn.hello.limits.batch_pages_max

@@ -38,9 +38,8 @@ import threading
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from kvstore_client import errors, lookup
-from kvstore_client.arguments import (check_verify, engine_id_list, keys_or_tokens, node_target, page_keys,
-                                      prefetch_policy, put_pages)
-from kvstore_client.buffers import page_segments
+from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens, node_target, prefetch_policy,
+                                      put_pages)
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
@@ -154,11 +153,7 @@ class KVStoreClient:
         decode engine); the count is then what was committed by the deadline.
         """
         prefetch = prefetch_policy(policy)
-        check_verify(verify)
-        raw_keys = page_keys(namespace, keys, tokens)
-        if out is None:
-            raise errors.InvalidArgument("get needs the buffers to copy pages into (out)")
-        segments, keepalive = page_segments(out, len(raw_keys), namespace.page_bytes, writable=True)
+        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens, verify)
         loaded = 0
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:
