@@ -46,6 +46,12 @@ def make_node(tmp_path, overrides: list[str], clock: ManualClock | None = None) 
     return service
 
 
+def close_node(svc: KVStoreService) -> None:
+    """Close what make_node opened: the LMDB shards and the arena."""
+    svc.nvme.close()
+    svc.store.arena.close()
+
+
 def write_all_down(svc: KVStoreService) -> None:
     """Write every DRAM-only page down (the controller's thread is not running in these tests)."""
     svc.controller.make_durable(list(svc.store.index.records()), deadline=float("inf"))

@@ -12,7 +12,7 @@ from kvstore.tiers.nvme import record_key
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
-from node_parts import ManualClock, drop_dram_copies, make_node, make_service, write_all_down
+from node_parts import ManualClock, close_node, drop_dram_copies, make_node, make_service, write_all_down
 
 SMALL, BIG = 8 << 10, 64 << 10
 NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "limits.page_bytes_max=64KiB",
@@ -60,8 +60,7 @@ def chain(name, n):
 def node(tmp_path):
     svc = make_node(tmp_path, NODE)
     yield svc
-    svc.nvme.close()
-    svc.store.arena.close()
+    close_node(svc)
 
 
 def test_promotion_gives_each_page_a_slot_of_its_own_size(node):
@@ -129,8 +128,7 @@ def test_write_back_makes_room_with_no_disk_io_under_the_lock(tmp_path):
     lost = [i for i in range(12) if svc.lookup(pb.LookupRequest(namespace_id=ns, keys=chain(f"w{i}", 8)),
                                                None).hit_pages < 8]
     assert not lost, f"write_back lost committed chains {lost}"
-    svc.nvme.close()
-    svc.store.arena.close()
+    close_node(svc)
 
 
 def test_a_durable_commit_answers_once_its_pages_are_on_disk(node, tmp_path):
@@ -183,8 +181,7 @@ def test_idle_namespaces_are_reclaimed_and_busy_ones_are_not(tmp_path):
         open_ns(svc, SMALL, "one-too-many", tenant="a")
     assert open_ns(svc, SMALL, "other-tenant", tenant="b")
     assert len(svc.store.namespaces) <= NAMESPACES_MAX
-    svc.nvme.close()
-    svc.store.arena.close()
+    close_node(svc)
 
 
 def test_waits_are_capped_by_promote_wait_ms_max(node):
@@ -203,8 +200,7 @@ def test_stats_answers_namespaces_in_pages(tmp_path):
     assert seen == ids
     with pytest.raises(errors.InvalidArgument, match="stats_namespaces_max"):
         svc.stats(pb.StatsRequest(namespaces_max=21), None)
-    svc.nvme.close()
-    svc.store.arena.close()
+    close_node(svc)
 
 
 def test_the_scrubber_drops_pages_whose_bytes_rotted(node, tmp_path):
@@ -276,8 +272,7 @@ def test_gets_beyond_the_waiter_cap_are_answered_best_effort(tmp_path):
     assert len(svc.controller._prefetch) == 4    # and the rest is promoted in the background
     svc.controller.leave_waiter()
     assert get(svc, ns, keys, SMALL) == 4
-    svc.nvme.close()
-    svc.store.arena.close()
+    close_node(svc)
 
 
 def test_a_delete_answers_only_once_a_write_down_in_flight_cannot_bring_its_pages_back(node):
@@ -357,8 +352,7 @@ def test_a_read_lease_runs_its_ttl_from_the_answer_not_from_before_promotion(tmp
     assert svc.reap_expired() == 0, "the lease expired 0.5 s after it was answered"
     clock.advance(0.6)
     assert svc.reap_expired() == 1
-    svc.nvme.close()
-    svc.store.arena.close()
+    close_node(svc)
 
 
 def test_no_data_plane_write_starts_while_a_commit_hashes_its_slots(node, monkeypatch):

@@ -8,7 +8,7 @@ from kvstore import config
 from kvstore.control.identity import ADMIN, TENANT, Caller, Identity
 from kvstore_client import errors
 from kvstore_client.proto import pb
-from node_parts import make_node
+from node_parts import close_node, make_node
 from test_node_core import BIG, chain, get, open_ns, put, write_all_down
 
 PAGE = BIG                                   # 64 KiB pages: 64 KiB slots
@@ -32,8 +32,7 @@ def make(tmp_path):
         return svc
     yield build
     for svc in nodes:
-        svc.nvme.close()
-        svc.store.arena.close()
+        close_node(svc)
 
 
 def stats_of(svc, caller):
@@ -203,8 +202,7 @@ def test_after_a_restart_each_tenant_owns_its_recovered_nvme_pages_and_its_quota
     put(first, alice, chain("a", 4), PAGE)
     put(first, bob, chain("b", 3), PAGE)
     write_all_down(first)
-    first.nvme.close()
-    first.store.arena.close()
+    close_node(first)
 
     svc = make_node(tmp_path, overrides)                 # the same LMDB files
     try:
@@ -220,5 +218,4 @@ def test_after_a_restart_each_tenant_owns_its_recovered_nvme_pages_and_its_quota
         assert held(svc, alice, chain("a", 4)) == 2 and held(svc, bob, chain("b", 3)) == 3
         svc.store.check_invariants()
     finally:
-        svc.nvme.close()
-        svc.store.arena.close()
+        close_node(svc)

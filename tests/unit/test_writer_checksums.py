@@ -8,7 +8,7 @@ import xxhash
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
-from node_parts import drop_dram_copies, make_node, write_all_down
+from node_parts import close_node, drop_dram_copies, make_node, write_all_down
 
 SMALL = 8 << 10
 NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "nvme.map_bytes=64MiB"]
@@ -18,8 +18,7 @@ NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "nvme.map_bytes=64MiB
 def node(tmp_path):
     svc = make_node(tmp_path, NODE)
     yield svc
-    svc.nvme.close()
-    svc.store.arena.close()
+    close_node(svc)
 
 
 def open_ns(svc):
