@@ -272,7 +272,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def _sidecar(self, name: Any) -> SidecarPool:
         pool = self._sidecars.get(str(name))
         if pool is None:
-            raise ValueError(f"pool {name} was not registered with register_mem_host_pool_v2")
+            raise ValueError(f"pool {name} is not registered: call register_mem_host_pool_v2(pool, {name}) first")
         return pool
 
     def _sidecar_present(self, name: str, keys: List[str]) -> List[bool]:
@@ -406,7 +406,8 @@ def _segments_in_one_buffer(host_pool: Any) -> bool:
 def _pages(locations: Any, sizes: Optional[Any]) -> list:
     """Pages as the generic get/set name them: flat tensors, or host pointers with their byte sizes."""
     if locations is None:
-        raise ValueError("no values and no target_locations")
+        raise ValueError("no pages given: pass values (a flat page tensor per key) or target_locations "
+                         "(flat page tensors, or host pointers with target_sizes)")
     if sizes is None:
         return list(locations)
     return [(int(pointer), int(size)) if isinstance(pointer, int) else pointer

@@ -134,7 +134,8 @@ def pool_hits(keys: Sequence[str], kv_pages: int, transfers: Sequence[PoolTransf
                                if all(found[max(0, length - trailing):length])}
             boundary = max(pool_restorable, default=0)
         else:
-            raise ValueError(f"unsupported pool hit policy {transfer.hit_policy} for pool {name}")
+            raise ValueError(f"unsupported pool hit policy {transfer.hit_policy} for pool {name}: "
+                             "kvstore serves ALL_PAGES and TRAILING_PAGES")
         if boundary:
             hit_count[transfer.name] = boundary
         restorable = [length for length in restorable if length in pool_restorable]
