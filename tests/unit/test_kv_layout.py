@@ -24,13 +24,18 @@ def _case(name: str, dtype=torch.float16):
     return next(c for c in cases(dtype=dtype, seed=hash(name) % 1000) if c.name == name)
 
 
+def _plan_for(case_name: str, page_format: str, seed: int, blocks: int):
+    """A case, its page format and plan, a seeded generator, and `blocks` distinct cache blocks in random order."""
+    case, fmt = _case(case_name), kv_layout.PAGE_FORMATS[page_format]
+    rng = np.random.default_rng(seed)
+    plan = kv_layout.plan(case.shape, fmt, case.cache)
+    return case, fmt, rng, plan, rng.permutation(BLOCKS)[:blocks].astype(np.int64)
+
+
 @pytest.mark.parametrize("page_format", FORMATS)
 @pytest.mark.parametrize("case_name", CASES)
 def test_gather_matches_plain_copy(case_name, page_format):
-    case, fmt = _case(case_name), kv_layout.PAGE_FORMATS[page_format]
-    rng = np.random.default_rng(1)
-    plan = kv_layout.plan(case.shape, fmt, case.cache)
-    blocks = rng.permutation(BLOCKS)[:4].astype(np.int64)
+    case, fmt, rng, plan, blocks = _plan_for(case_name, page_format, seed=1, blocks=4)
     arena, addrs = _arena(len(blocks), plan.page_bytes, rng, misalign=0)
     kv_layout.reference_cache_to_pages(plan, addrs, blocks)
     for addr, block in zip(addrs.tolist(), blocks.tolist()):
@@ -41,10 +46,7 @@ def test_gather_matches_plain_copy(case_name, page_format):
 @pytest.mark.parametrize("page_format", FORMATS)
 @pytest.mark.parametrize("case_name", CASES)
 def test_scatter_matches_plain_copy_and_touches_only_its_blocks(case_name, page_format):
-    case, fmt = _case(case_name), kv_layout.PAGE_FORMATS[page_format]
-    rng = np.random.default_rng(2)
-    plan = kv_layout.plan(case.shape, fmt, case.cache)
-    blocks = rng.permutation(BLOCKS)[:3].astype(np.int64)
+    case, fmt, rng, plan, blocks = _plan_for(case_name, page_format, seed=2, blocks=3)
     before = {b: case.logical(b).clone() for b in range(BLOCKS)}
     arena, addrs = _arena(len(blocks), plan.page_bytes, rng, misalign=0)
     kv_layout.reference_pages_to_cache(plan, addrs, blocks)
