@@ -290,12 +290,7 @@ class PageIndex:
         heaps = [heap for owner, heap in self._nvme.items() if tenant in (None, owner)]
         taken, passed = [], []
         while len(taken) < count:
-            best: list[_Entry] | None = None
-            for heap in heaps:
-                while heap and not self._nvme_evictable(heap[0]):
-                    heapq.heappop(heap)
-                if heap and (best is None or heap[0][:2] < best[0][:2]):
-                    best = heap
+            best = _oldest_heap(heaps, self._nvme_evictable)
             if best is None:
                 break
             entry = heapq.heappop(best)
@@ -322,12 +317,7 @@ class PageIndex:
         taken: list[tuple[_Entry, list[_Entry]]] = []
         passed: list[tuple[_Entry, list[_Entry]]] = []
         while len(taken) < count:
-            best: list[_Entry] | None = None
-            for heap in heaps:
-                while heap and not self._dram_evictable(heap[0], False):
-                    heapq.heappop(heap)
-                if heap and (best is None or heap[0][:2] < best[0][:2]):
-                    best = heap
+            best = _oldest_heap(heaps, lambda entry: self._dram_evictable(entry, False))
             if best is None:
                 break
             entry = heapq.heappop(best)
@@ -470,6 +460,17 @@ class PageIndex:
         return (record.alive and record.tick == tick and record.on_nvme and record.pins == 0 and not record.busy
                 and not any(child.on_nvme for child in record.children or ())
                 and (record.in_dram or record.is_leaf()))
+
+
+def _oldest_heap(heaps: list[list[_Entry]], evictable: Callable[[_Entry], bool]) -> list[_Entry] | None:
+    """The heap whose top is the least recently used evictable entry, dropping stale tops on the way."""
+    best: list[_Entry] | None = None
+    for heap in heaps:
+        while heap and not evictable(heap[0]):
+            heapq.heappop(heap)
+        if heap and (best is None or heap[0][:2] < best[0][:2]):
+            best = heap
+    return best
 
 
 def _post_order(record: PageRecord) -> Iterator[PageRecord]:
