@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from _server import ServerProcess  # noqa: E402
+from _timing import call_times  # noqa: E402
 from identities import Certificates, Tokens  # noqa: E402
 from kvstore_client import KVStoreClient, Namespace  # noqa: E402
 from kvstore_client.proto import pb  # noqa: E402
@@ -39,14 +40,8 @@ BATCH = 16
 
 
 def lookup_block(client: KVStoreClient, ns_id: int, calls: int) -> list[float]:
-    channel = client._grpc
     request = pb.LookupRequest(namespace_id=ns_id, keys=[f"miss{i:04d}".encode() for i in range(32)])
-    samples = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        channel.call("Lookup", request)
-        samples.append(time.perf_counter() - started)
-    return samples
+    return call_times(client._grpc, "Lookup", request, calls)
 
 
 def tcp_round(client: KVStoreClient, ns: Namespace, data: np.ndarray, round_: int) -> tuple[float, float]:

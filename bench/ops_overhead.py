@@ -19,6 +19,7 @@ import time
 import urllib.request
 
 from _server import ServerProcess
+from _timing import call_times
 from kvstore_client import KVStoreClient, Namespace
 from kvstore_client.proto import pb
 
@@ -26,13 +27,7 @@ BLOCK = 500
 
 
 def round_trips(client: KVStoreClient, request: pb.LookupRequest, calls: int) -> list[float]:
-    channel = client._local
-    samples = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        channel.call("Lookup", request)
-        samples.append(time.perf_counter() - started)
-    return samples
+    return call_times(client._local, "Lookup", request, calls)
 
 
 def summary(samples: list[float]) -> dict:
