@@ -22,7 +22,8 @@ import ssl
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
 from kvstore_client.data_path import Page
-from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_hello, encode_request
+from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
+                                        encode_request)
 
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers, as tcp_transport.py
 
@@ -150,15 +151,8 @@ class AsyncTcpDataPath:
         if status:
             text = await self._reader.readexactly(length)
             return errors.error_from_code(status, text.decode(errors="replace"))
-        if answered_op != op:
-            raise FrameError(f"answer for op {answered_op} where op {int(op)} was asked")
-        if segments is None:
-            if length:
-                raise FrameError(f"a {op.name} answer with {length} bytes")
-            return None
-        if length != sum(n for _, n in segments):
-            raise FrameError(f"a page of {length} bytes for a buffer of {sum(n for _, n in segments)}")
-        for segment in segments:
+        check_answer(op, answered_op, length, None if segments is None else sum(n for _, n in segments))
+        for segment in segments or ():
             view, got = _view(segment), 0
             while got < len(view):   # StreamReader.read hands back what is buffered, up to the limit asked
                 chunk = await self._reader.read(len(view) - got)

@@ -101,6 +101,17 @@ def decode_response(header: bytes | bytearray | memoryview) -> tuple[int, int, i
     return status, op, length
 
 
+def check_answer(op: Op, answered_op: int, length: int, page_bytes: int | None) -> None:
+    """Raise FrameError unless an accepted answer to `op` carries `page_bytes` (None: no body)."""
+    if answered_op != op:
+        raise FrameError(f"answer for op {answered_op} where op {int(op)} was asked")
+    if page_bytes is None:
+        if length:
+            raise FrameError(f"a {op.name} answer with {length} bytes")
+    elif length != page_bytes:
+        raise FrameError(f"a page of {length} bytes for a buffer of {page_bytes}")
+
+
 class Event(enum.Enum):
     BODY_DONE = 1       # the accepted PUT body is all in its slot
     BODY_SKIPPED = 2    # the refused PUT body was read and dropped

@@ -25,7 +25,8 @@ from kvstore_client import errors
 from kvstore_client.buffers import Segment
 from kvstore_client.channel import call_deadline_at, peer_open
 from kvstore_client.data_path import Page, PipelineShape
-from kvstore_client.tcp_framing import RESPONSE, FrameError, Op, decode_response, encode_hello, encode_request
+from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
+                                        encode_request)
 
 IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
@@ -220,15 +221,8 @@ class TcpDataPath:
             text = bytearray(length)
             self._recv_into(memoryview(text))
             return errors.error_from_code(status, text.decode(errors="replace"))
-        if answered_op != op:
-            raise FrameError(f"answer for op {answered_op} where op {int(op)} was asked")
-        if segments is None:
-            if length:
-                raise FrameError(f"a PUT answer with {length} bytes")
-            return None
-        if length != sum(n for _, n in segments):
-            raise FrameError(f"a page of {length} bytes for a buffer of {sum(n for _, n in segments)}")
-        for segment in segments:
+        check_answer(op, answered_op, length, None if segments is None else sum(n for _, n in segments))
+        for segment in segments or ():
             self._recv_into(_view(segment))
         return None
 
