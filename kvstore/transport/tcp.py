@@ -10,8 +10,9 @@ the gRPC server.
   cache, the next one queues in the socket) and hands it back with the slot; the Commit
   records it instead of reading the slot again, unless a later write to the slot voided it.
   PUT answers are gathered over one pass of the loop (pages read back to back) and sent
-  together: on loopback each send costs about half a page's receive. GET answers are written straight out of the slot: uvloop keeps a
-  reference to the arena view until the kernel has taken its bytes, no copy.
+  together: on loopback each send costs about half a page's receive. GET answers are
+  written straight out of the slot: uvloop keeps a reference to the arena view until the
+  kernel has taken its bytes, no copy.
 - Each frame is resolved through a SlotResolver (the service, wired by server.py): the
   token must be the lease's and the slot one of its slots. A refused frame gets an error
   answer and the connection goes on.
