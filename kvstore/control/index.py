@@ -16,12 +16,13 @@ DRAM (an arena slot), on NVMe, or both:
 
 A page may be committed after a parent the index no longer holds, when its writer asked for it
 (ReserveRequest.anchor_absent_parent: an engine backs up the pages after its own cache hit, and
-this store evicted the page before them). It is then a root *anchored* at the parent key it names: `anchor` holds that key, and `_anchored` maps the
-absent parent's page id to the pages waiting for it. Nothing else is recorded for the absent
-parent (no record, no bytes). Lookups are unchanged: from the chain's start they stop at the
-gap, and from the anchored page on they count it. When the parent page is committed again,
-it adopts its anchored pages as children, so from then on it is evicted only after them
-(leaf-first). An anchored page that leaves the index leaves its anchor entry too.
+this store evicted the page before them). It is then a root *anchored* at the parent key it
+names: `anchor` holds that key, and `_anchored` maps the absent parent's page id to the pages
+waiting for it. Nothing else is recorded for the absent parent (no record, no bytes). Lookups
+are unchanged: from the chain's start they stop at the gap, and from the anchored page on they
+count it. When the parent page is committed again, it adopts its anchored pages as children, so
+from then on it is evicted only after them (leaf-first). An anchored page that leaves the index
+leaves its anchor entry too.
 
 Not thread-safe: the page store's lock guards every call (store.py).
 """

@@ -3,7 +3,8 @@
 gRPC (grpc_server.py) and the local Unix-socket channel (local_server.py) both call
 `handle(method, request, owner)`, the owner being the caller (identity.Caller: the
 connection or call its leases end with, and who it is). What the caller's identity may name
-is checked first (tenancy.py), then methods check their input whole (checks.py) before any work, then ask the page store (store.py), which owns all page state and its lock, and the
+is checked first (tenancy.py), then methods check their input whole (checks.py) before any
+work, then ask the page store (store.py), which owns all page state and its lock, and the
 cache controller (controller.py), which does the disk I/O. The service itself holds no
 lock and touches no disk. Methods raise the exceptions of kvstore_client.errors; the
 carriers turn them into statuses.
@@ -83,8 +84,8 @@ class KVStoreService:
                 lookup_pages_max=self.limits.lookup_pages_max,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
-            tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, rdma_enabled=self.rdma is not None, instance_id=self.instance_id,
-            hbm=self.hbm)
+            tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, rdma_enabled=self.rdma is not None,
+            instance_id=self.instance_id, hbm=self.hbm)
 
     def open_namespace(self, request: pb.OpenNamespaceRequest, owner: object | None) -> pb.OpenNamespaceResponse:
         namespace = checks.namespace_spec(request.spec, self.limits, self.config.limits.name_bytes_max)
