@@ -247,12 +247,11 @@ class KVStoreService:
         return pb.ScrubResponse(pages_checked=checked, pages_bad=bad)
 
     def rdma_connect(self, request: pb.RdmaConnectRequest, owner: object | None) -> pb.RdmaConnectResponse:
-        if self.rdma is None:
-            raise errors.TransportUnavailable("this node offers no RDMA data plane (rdma.enabled is off or no device)")
+        rdma = self._rdma_plane()
         qp = request.queue_pair
         if len(qp.gid) not in (0, 16) or not qp.qp_num:
             raise errors.InvalidArgument("queue_pair needs a qp_num and a 16-byte gid (or none)")
-        local, arena_addr, rkey = self.rdma.accept(
+        local, arena_addr, rkey = rdma.accept(
             QueuePairAddress(qp.lid, bytes(qp.gid), qp.qp_num, qp.psn, qp.mtu, qp.gid_type))
         return pb.RdmaConnectResponse(
             queue_pair=pb.RdmaQueuePair(lid=local.lid, gid=local.gid, qp_num=local.qp_num, psn=local.psn,
@@ -260,10 +259,14 @@ class KVStoreService:
             arena_addr=arena_addr, rkey=rkey, arena_bytes=self.store.arena.nbytes)
 
     def rdma_disconnect(self, request: pb.RdmaDisconnectRequest, owner: object | None) -> pb.RdmaDisconnectResponse:
-        if self.rdma is None:
-            raise errors.TransportUnavailable("this node offers no RDMA data plane (rdma.enabled is off or no device)")
-        self.rdma.disconnect(request.qp_num)
+        self._rdma_plane().disconnect(request.qp_num)
         return pb.RdmaDisconnectResponse()
+
+    def _rdma_plane(self) -> RdmaAcceptor:
+        if self.rdma is None:
+            raise errors.TransportUnavailable("this node offers no RDMA data plane (rdma.enabled is off or no device): "
+                                              "move pages over TCP or shared memory")
+        return self.rdma
 
     def _touch_rdma(self, qp_num: int) -> None:
         if qp_num and self.rdma is not None:
