@@ -123,7 +123,8 @@ def commit_wait_s(request: pb.AcquireRequest, config: Config) -> float:
     """How long an Acquire may wait for pages not yet committed: wait_ms, at most controller.promote_wait_ms_max."""
     most = config.controller.promote_wait_ms_max
     if request.wait_ms > most:
-        raise errors.InvalidArgument(f"wait_ms {request.wait_ms} exceeds controller.promote_wait_ms_max ({most})")
+        raise errors.InvalidArgument(f"wait_ms {request.wait_ms} exceeds controller.promote_wait_ms_max ({most}): "
+                                     f"ask for at most {most}")
     return request.wait_ms / 1000
 
 

@@ -407,7 +407,8 @@ class PageStore:
                 raise errors.SlotBusy(f"index {index} of lease {lease.lease_id:#x} is still being written "
                                       "over the data plane: commit it after its transfer is answered")
             if index in lease.committing:
-                raise errors.SlotBusy(f"index {index} of lease {lease.lease_id:#x} is already being committed")
+                raise errors.SlotBusy(f"index {index} of lease {lease.lease_id:#x} is already being committed: "
+                                      "wait for that Commit's answer")
         return indices
 
     def _publish(self, lease: Lease, indices: list[int], sums: list[int]) -> tuple[list[int], list[PageRecord]]:
