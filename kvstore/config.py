@@ -230,7 +230,7 @@ class TenantsConfig:
                 raise ValueError(f"{entry!r} is not tenant:dram_bytes:nvme_bytes")
             tenant, dram, nvme = parts
             if tenant in table:
-                raise ValueError(f"tenant {tenant!r} is listed twice")
+                raise ValueError(f"tenant {tenant!r} is listed twice: give each tenant one entry")
             sizes = tuple(_parse(f"tenants.quotas[{tenant}]", int, size) for size in (dram, nvme))
             if min(sizes) < 0:
                 raise ValueError(f"{entry!r}: a quota is a byte count, 0 for no limit")
