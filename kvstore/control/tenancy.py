@@ -17,6 +17,7 @@ from typing import Any
 from kvstore.control.identity import Identity
 from kvstore.control.store import PageStore, lease_not_found, namespace_not_found
 from kvstore_client import errors
+from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
 
 # Methods whose request names a namespace by id, and those that name leases.
@@ -67,15 +68,20 @@ def admit(store: PageStore, method: str, request: Any, identity: Identity) -> No
 
 def own_namespace(store: PageStore, namespace_id: int, identity: Identity) -> None:
     namespace = store.namespaces.get(namespace_id)
-    if namespace is None or (namespace.tenant != identity.tenant and not identity.admin):
+    if namespace is None or _foreign(namespace, identity):
         raise namespace_not_found(namespace_id)
 
 
 def own_lease(store: PageStore, lease_id: int, identity: Identity) -> None:
     namespace_id = store.lease_namespace(lease_id)
     namespace = store.namespaces.get(namespace_id) if namespace_id is not None else None
-    if namespace is not None and namespace.tenant != identity.tenant and not identity.admin:
+    if namespace is not None and _foreign(namespace, identity):
         raise lease_not_found(lease_id)
+
+
+def _foreign(namespace: Namespace, identity: Identity) -> bool:
+    """Another tenant's namespace, which this identity may not name (an admin names any)."""
+    return namespace.tenant != identity.tenant and not identity.admin
 
 
 def tenant_stats(store: PageStore, request: pb.StatsRequest, identity: Identity, most: int) -> pb.StatsResponse:
