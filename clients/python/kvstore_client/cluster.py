@@ -69,8 +69,7 @@ class KVStoreCluster:
         (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are reached over it; None = TCP."""
         if transport not in ("auto", "tcp"):
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
-        if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
-            raise ValueError("segment_pages and replicas must be positive, replicated_segments not negative")
+        placement.check_layout(segment_pages, replicas, replicated_segments)
         endpoints, self.cluster = parse_cluster_url(url)
         self._credentials = Credentials.resolve(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.segment_pages = segment_pages

@@ -63,12 +63,16 @@ def placeable(members: Sequence[Member], now: float) -> dict[str, float]:
     return {m.node_id: weight(m, now) for m in members if m.state == "serving"}
 
 
+def check_layout(segment_pages: int, replicas: int, replicated_segments: int) -> None:
+    if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
+        raise ValueError("segment_pages and replicas must be positive, replicated_segments not negative")
+
+
 def plan(keys: Sequence[bytes], weights: dict[str, float], segment_pages: int, replicas: int,
          replicated_segments: int = 1) -> list[Segment]:
     """The segments of one chain (keys from its first page) and the nodes of each: the first
     `replicated_segments` on `replicas` nodes, the others on one."""
-    if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
-        raise ValueError("segment_pages and replicas must be positive, replicated_segments not negative")
+    check_layout(segment_pages, replicas, replicated_segments)
     segments = []
     for start in range(0, len(keys), segment_pages):
         count = replicas if start < replicated_segments * segment_pages else 1
