@@ -104,9 +104,7 @@ class KVStoreCluster:
         hold the pages of keys[skip_pages:] only: the leading `skip_pages` were stored by an
         earlier call (a prefill engine storing each chunk as soon as it is computed).
         """
-        raw = encode_keys(keys)
-        if not 0 <= skip_pages <= len(raw):
-            raise errors.InvalidArgument(f"skip_pages {skip_pages} is outside the chain of {len(raw)} pages")
+        raw = _chain_keys(keys, skip_pages)
         pages, keepalive = page_segments(buffers, len(raw) - skip_pages, namespace.page_bytes, writable=False)
         segments = self._plan(raw)
 
@@ -133,9 +131,7 @@ class KVStoreCluster:
         leading pages the caller already holds; `out` then holds keys[skip_pages:] only and
         the count is of those (a decode engine asking again for the rest).
         """
-        raw = encode_keys(keys)
-        if not 0 <= skip_pages <= len(raw):
-            raise errors.InvalidArgument(f"skip_pages {skip_pages} is outside the chain of {len(raw)} pages")
+        raw = _chain_keys(keys, skip_pages)
         pages, keepalive = page_segments(out, len(raw) - skip_pages, namespace.page_bytes, writable=True)
         segments = [s for s in self._plan(raw) if s.stop > skip_pages]
 
@@ -264,6 +260,13 @@ def data_plane(member: Member, host_id: str, transport: str, rdma_given: bool) -
 def _reader(segment: placement.Segment) -> str:
     """The replica one read goes to: any of them, so a shared prefix's reads spread."""
     return segment.nodes[0] if len(segment.nodes) == 1 else random.choice(segment.nodes)
+
+
+def _chain_keys(keys: Sequence[Key], skip_pages: int) -> list[bytes]:
+    raw = encode_keys(keys)
+    if not 0 <= skip_pages <= len(raw):
+        raise errors.InvalidArgument(f"skip_pages {skip_pages} is outside the chain of {len(raw)} pages")
+    return raw
 
 
 def _leading(segments: list[placement.Segment], counts: dict[int, int]) -> int:
