@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kvstore_client.errors import InvalidArgument
 from kvstore_client.membership import Member
 from kvstore_client.placement import RAMP_FLOOR, placeable, plan, rank, weight
 
@@ -70,8 +71,13 @@ def test_cluster_url_names_endpoints_and_cluster():
 
     assert parse_cluster_url("etcd://h1:2379,h2:2379/prod") == (["h1:2379", "h2:2379"], "prod")
     for bad in ("http://h1:2379/prod", "etcd://h1:2379", "etcd://h1:2379/a/b", "etcd:///prod"):
-        with pytest.raises(ValueError, match="etcd://host:2379"):
+        with pytest.raises(InvalidArgument, match="etcd://host:2379"):
             parse_cluster_url(bad)
+
+
+def test_a_bad_segment_layout_is_the_sdks_invalid_argument():
+    with pytest.raises(InvalidArgument, match=r"segment_pages \(0\)"):
+        plan(KEYS[:5], {"a": 1.0}, 0, 3)
 
 
 def test_member_record_round_trips_and_ignores_unknown_fields():

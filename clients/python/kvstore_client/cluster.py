@@ -55,7 +55,7 @@ def parse_cluster_url(url: str) -> tuple[list[str], str]:
     parts = urlsplit(url)
     cluster = parts.path.strip("/")
     if parts.scheme != "etcd" or not parts.netloc or not cluster or "/" in cluster:
-        raise ValueError(f"cluster URL {url!r} must look like etcd://host:2379[,host:2379]/<cluster>")
+        raise errors.InvalidArgument(f"cluster URL {url!r} must look like etcd://host:2379[,host:2379]/<cluster>")
     return parts.netloc.split(","), cluster
 
 
@@ -68,7 +68,7 @@ class KVStoreCluster:
         `token`, `tls_*`: who this client is to every node (see above). `rdma`: this host's NIC settings
         (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are reached over it; None = TCP."""
         if transport not in ("auto", "tcp"):
-            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+            raise errors.InvalidArgument(f"transport must be 'auto' or 'tcp', got {transport!r}")
         placement.check_layout(segment_pages, replicas, replicated_segments)
         endpoints, self.cluster = parse_cluster_url(url)
         self._credentials = Credentials.resolve(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)

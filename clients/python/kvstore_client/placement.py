@@ -25,6 +25,7 @@ import math
 import struct
 from typing import Sequence
 
+from kvstore_client.errors import InvalidArgument
 from kvstore_client.membership import Member
 
 RAMP_FLOOR = 0.05
@@ -65,7 +66,8 @@ def placeable(members: Sequence[Member], now: float) -> dict[str, float]:
 
 def check_layout(segment_pages: int, replicas: int, replicated_segments: int) -> None:
     if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
-        raise ValueError("segment_pages and replicas must be positive, replicated_segments not negative")
+        raise InvalidArgument(f"segment_pages ({segment_pages}) and replicas ({replicas}) must be positive, "
+                              f"replicated_segments ({replicated_segments}) not negative")
 
 
 def plan(keys: Sequence[bytes], weights: dict[str, float], segment_pages: int, replicas: int,
