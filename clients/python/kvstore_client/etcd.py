@@ -17,6 +17,8 @@ import threading
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
+from kvstore_client.errors import InvalidArgument
+
 T = TypeVar("T")
 
 
@@ -28,7 +30,7 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     """'http://10.0.0.1:2379', '10.0.0.1:2379' or '10.0.0.1' -> (host, port)."""
     parts = urlsplit(text if "://" in text else f"http://{text}")
     if not parts.hostname:
-        raise ValueError(f"etcd endpoint {text!r} must look like host:port or http://host:port")
+        raise InvalidArgument(f"etcd endpoint {text!r} must look like host:port or http://host:port")
     return parts.hostname, parts.port or 2379
 
 
@@ -37,7 +39,7 @@ class EtcdSession:
         import aetcd  # imported here: only clustered nodes and cluster clients need it
 
         if not endpoints:
-            raise ValueError("no etcd endpoint given")
+            raise InvalidArgument("no etcd endpoint given")
         self._aetcd = aetcd
         self.endpoints = [parse_endpoint(e) for e in endpoints]
         self.timeout_s = timeout_s

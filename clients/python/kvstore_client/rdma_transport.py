@@ -78,9 +78,10 @@ class RdmaOptions:
     def __post_init__(self) -> None:
         for name in ("port", "queue_depth", "sge_max", "rd_atomic", "signal_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"RdmaOptions.{name} must be positive, got {getattr(self, name)}")
+                raise errors.InvalidArgument(f"RdmaOptions.{name} must be positive, got {getattr(self, name)}")
         if not 1 <= self.hop_limit <= 255 or not 0 <= self.traffic_class <= 255 or not 0 <= self.service_level <= 15:
-            raise ValueError("RdmaOptions: hop_limit in 1..255, traffic_class in 0..255, service_level in 0..15")
+            raise errors.InvalidArgument(
+                "RdmaOptions: hop_limit in 1..255, traffic_class in 0..255, service_level in 0..15")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ TRANSPORTS = ("auto", "shm", "rdma", "tcp")
 def candidates(requested: str, shm_offered: bool, rdma_offered: bool, tcp_offered: bool,
                rdma_device_here: bool) -> list[str]:
     if requested not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {requested!r}")
+        raise errors.InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}; got {requested!r}")
     offered = {"shm": shm_offered, "rdma": rdma_offered, "tcp": tcp_offered}
     if requested != "auto":
         if not offered[requested]:
