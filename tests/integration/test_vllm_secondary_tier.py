@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvstore_client import KVStoreClient
 from kvstore_client.adapters.vllm import KVStoreSecondaryTier, Metric
 
 BLOCK_TOKENS = 16
@@ -265,3 +266,17 @@ def test_stores_beyond_jobs_max_are_refused_and_counted(server, engines):
         engine.manager.on_request_finished(context)
     counters = engine.tier.counters()
     assert counters[Metric.STORES_REFUSED] == 1
+
+
+def test_a_job_that_fails_unexpectedly_still_reports_back_to_vllm(server, engines, monkeypatch):
+    """Not only the SDK's own errors: any exception in a tier job fails that job, so vLLM never waits forever."""
+    engine = engines(kvstore_tier(server))
+    keys = chunk_keys(list(range(300, 300 + 2 * BLOCK_TOKENS)))
+
+    def broken_put(*args, **kwargs):
+        raise RuntimeError("an unexpected failure inside the client")
+
+    monkeypatch.setattr(KVStoreClient, "put", broken_put)   # the tier's clients live in this process
+    engine.offload("broken", keys, random_pages(2, seed=10))   # settles only when every job reported back
+    assert engine.tier.counters()[Metric.ERRORS] == 1
+    assert not engine.tier.has_pending_work()

@@ -180,10 +180,22 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         with self._in_flight_lock:
             if not always and len(self._in_flight) >= self._jobs_max:
                 return False
-            future = self._pool.submit(run, job_id, keys, rows)
+            future = self._pool.submit(self._run_job, run, job_id, keys, rows)
             self._in_flight.add(future)
         future.add_done_callback(self._job_done)
         return True
+
+    def _run_job(self, run: Any, job_id: JobId, keys: list[OffloadKey], rows: list[tuple[int, int]]) -> None:
+        """Run a store or load; whatever it raises, vLLM hears that the job failed.
+
+        vLLM waits for every submitted job to report back, so an exception that escaped the
+        worker thread would leave the request (and its blocks) waiting forever."""
+        try:
+            run(job_id, keys, rows)
+        except Exception:
+            log.exception("kvstore tier job %s of %d chunks failed", job_id, len(keys))
+            self._counts.add(Metric.ERRORS)
+            self._finished.put(JobResult(job_id=job_id, success=False))
 
     def _job_done(self, future: concurrent.futures.Future) -> None:
         with self._in_flight_lock:
