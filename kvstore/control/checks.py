@@ -69,6 +69,27 @@ def lookup_keys(namespace: Namespace, request: pb.LookupRequest | pb.RouteReques
     return encode_keys(prefix_hashes(request.tokens, namespace.page_tokens, seed))
 
 
+def lookup_packed_keys(request: pb.LookupRequest, limits: Limits) -> tuple[bytes, int]:
+    """A Lookup's keys_packed and key_bytes, checked by size alone before any key is read: keys of
+    1 to key_bytes_max bytes, a whole number of them, at most lookup_pages_max."""
+    if request.keys or request.tokens or request.parent_key:
+        raise errors.InvalidArgument("keys_packed holds the whole chain: send it without keys, tokens or parent_key")
+    key_bytes, packed = request.key_bytes, request.keys_packed
+    if not 0 < key_bytes <= limits.key_bytes_max:
+        raise errors.InvalidArgument(f"key_bytes={key_bytes}; keys are 1 to {limits.key_bytes_max} bytes "
+                                     "(limits.key_bytes_max): set key_bytes to the length of each packed key")
+    pages, rest = divmod(len(packed), key_bytes)
+    if rest:
+        raise errors.InvalidArgument(f"keys_packed holds {len(packed)} bytes, not a whole number of "
+                                     f"key_bytes={key_bytes}: pack keys of one length back to back")
+    if not pages:
+        raise errors.InvalidArgument("keys_packed is empty: send at least one key")
+    if pages > limits.lookup_pages_max:
+        raise errors.BatchTooLarge(f"{pages} keys in one call; limits.lookup_pages_max is {limits.lookup_pages_max}: "
+                                   "split it")
+    return packed, key_bytes
+
+
 def _keys(batch: Sequence[bytes], limits: Limits, most: int, limit_name: str, what: str) -> list[bytes]:
     if not batch:
         raise errors.InvalidArgument(f"{what} is empty: send at least one key")

@@ -81,7 +81,7 @@ class KVStoreService:
             server_version=__version__, shm_socket=self.shm_socket, arena_bytes=self.store.arena.nbytes,
             limits=pb.Limits(
                 batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
-                lookup_pages_max=self.limits.lookup_pages_max,
+                lookup_pages_max=self.limits.lookup_pages_max, lookup_keys_packed=True,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
             tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, rdma_enabled=self.rdma is not None,
@@ -93,6 +93,10 @@ class KVStoreService:
 
     def lookup(self, request: pb.LookupRequest, owner: object | None) -> pb.LookupResponse:
         namespace = self.store.namespace(request.namespace_id)
+        if request.keys_packed or request.key_bytes:
+            packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
+            tiers_packed = self.store.tiers_packed(request.namespace_id, packed, key_bytes)
+            return pb.LookupResponse(hit_pages=len(tiers_packed), tiers_packed=tiers_packed)
         keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
         tiers = self.store.tiers(request.namespace_id, keys)
         last_key = keys[-1] if request.tokens and keys else b""

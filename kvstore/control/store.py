@@ -25,6 +25,7 @@ import hmac
 import itertools
 import logging
 import operator
+import struct
 import threading
 import time
 from typing import Callable, Iterable, Protocol
@@ -45,6 +46,7 @@ from kvstore_client.proto import pb
 log = logging.getLogger(__name__)
 
 _OFFSET = operator.attrgetter("offset")
+_DRAM_BYTE = bytes([pb.DRAM])
 
 # Namespaces over all tenants; beyond it (and a tenant's own limit) idle ones are reclaimed.
 NAMESPACES_MAX = 4096
@@ -227,11 +229,24 @@ class PageStore:
 
     def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
         """The tier of each leading page held here (DRAM when it is in both)."""
-        with self._lock:
-            offsets = list(map(_OFFSET, self.index.leading(ns_id, keys)))
+        offsets = self._leading_offsets(ns_id, keys)
         if NO_SLOT not in offsets:   # the usual answer, without a per-page step
             return [pb.DRAM] * len(offsets)
         return [pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets]
+
+    def tiers_packed(self, ns_id: int, keys_packed: bytes, key_bytes: int) -> bytes:
+        """tiers() of keys of one length back to back, as one byte (a Tier) per leading page held."""
+        # The index takes a list of keys, so the buffer is split here (struct cuts it in C); an index
+        # that reads the buffer whole makes this split, and an object per key, go away.
+        keys = list(struct.unpack(f"{key_bytes}s" * (len(keys_packed) // key_bytes), keys_packed))
+        offsets = self._leading_offsets(ns_id, keys)
+        if NO_SLOT not in offsets:
+            return _DRAM_BYTE * len(offsets)
+        return bytes(pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets)
+
+    def _leading_offsets(self, ns_id: int, keys: list[bytes]) -> list[int]:
+        with self._lock:
+            return list(map(_OFFSET, self.index.leading(ns_id, keys)))
 
     def keys(self, ns_id: int) -> list[bytes]:
         """Keys of the namespace's pages, in no order (copied under the lock; the caller sorts them)."""

@@ -177,7 +177,7 @@ class KVStoreClient:
         One call for a prompt of any length: parts beyond the node's limit go as several Lookups
         (lookup.py). Extends no lease.
         """
-        chain = lookup.chain_keys(namespace, keys, tokens)
+        chain = lookup.lookup_chain(namespace, keys, tokens)
         if tokens is not None and not chain:
             return 0   # fewer tokens than one page
         return self._on_node(lambda conn: conn.reopening(

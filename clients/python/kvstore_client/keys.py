@@ -134,3 +134,25 @@ def encode_keys(keys: Iterable[Key]) -> list[bytes]:
         bad = next(len(k) for k in raw if not 0 < len(k) <= KEY_BYTES_MAX)
         raise InvalidArgument(f"a key must be 1 to {KEY_BYTES_MAX} bytes, got {bad}")
     return raw
+
+
+def pack_keys(keys: Sequence[Key]) -> tuple[bytes, int] | None:
+    """Keys of one length back to back, and that length: a long chain as one buffer (a Lookup's
+    keys_packed). None when they are not all str or all bytes-like, or lengths differ or are out of
+    range; encode_keys then takes them one by one (and says which key is wrong)."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or not keys:
+        return None
+    try:   # one join in C checks every element's type: str for all, or bytes-like for all
+        packed = "".join(keys) if isinstance(keys[0], str) else b"".join(keys)
+    except TypeError:
+        return None
+    if isinstance(packed, str):
+        if not packed.isascii():   # a non-ASCII key's UTF-8 is longer than its characters
+            return None
+        packed = packed.encode("ascii")
+    key_bytes = len(packed) // len(keys)
+    if not 0 < key_bytes <= KEY_BYTES_MAX or len(packed) != key_bytes * len(keys):
+        return None
+    if set(map(len, keys)) != {key_bytes}:   # the right total from keys of different lengths
+        return None
+    return packed, key_bytes

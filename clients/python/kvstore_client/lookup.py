@@ -6,35 +6,70 @@ add up until the first part that is not wholly present. A lookup by tokens is ha
 the namespace's chain (keys.prefix_hashes: the node's own, native where kvstore_native is built),
 and looked up by keys: hashing 128k tokens costs about a millisecond, shipping them as protobuf
 varints several.
+
+Keys of one length travel packed (LookupRequest.keys_packed): one buffer instead of a field, and
+an object on each side, per key. Keys of mixed lengths, and any key to a node from before
+keys_packed, go as the repeated field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Sequence, Union
 
 from kvstore_client import errors
-from kvstore_client.keys import Key, Namespace, encode_keys, prefix_hashes
+from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes
 from kvstore_client.proto import pb
+
+HEX_KEY_BYTES = 64   # a token chain's key: a SHA-256 digest in hex
+
+@dataclasses.dataclass(frozen=True)
+class PackedKeys:
+    """A chain of keys of one length, back to back."""
+
+    buffer: bytes
+    key_bytes: int
+
+    def __len__(self) -> int:
+        return len(self.buffer) // self.key_bytes
+
+    def unpacked(self) -> list[bytes]:
+        step = self.key_bytes
+        return [self.buffer[i:i + step] for i in range(0, len(self.buffer), step)]
+
+
+Chain = Union[PackedKeys, list]
 
 
 def chain_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> list[bytes]:
-    """The keys a lookup names: as given, or the namespace's chain over the tokens."""
+    """The keys a lookup names, one by one: as given, or the namespace's chain over the tokens."""
+    chain = lookup_chain(namespace, keys, tokens)
+    return chain.unpacked() if isinstance(chain, PackedKeys) else chain
+
+
+def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Chain:
+    """The keys a lookup names, packed where they have one length (a token chain always has)."""
     if (keys is None) == (tokens is None):
         raise errors.InvalidArgument("pass exactly one of keys or tokens=")
-    if keys is not None:
-        return encode_keys(keys)
-    if not namespace.page_tokens:
-        raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
-    return [key.encode() for key in prefix_hashes(tokens, namespace.page_tokens, namespace.hash_seed)]
+    if keys is None:
+        if not namespace.page_tokens:
+            raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
+        digests = prefix_hashes(tokens, namespace.page_tokens, namespace.hash_seed)
+        # SHA-256 hex digests: ASCII, HEX_KEY_BYTES each, so they pack without a check per key
+        return PackedKeys("".join(digests).encode("ascii"), HEX_KEY_BYTES) if digests else []
+    packed = pack_keys(keys)
+    return PackedKeys(*packed) if packed is not None else encode_keys(keys)
 
 
-def leading_hits(control: Any, limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> int:
-    """Leading pages of `keys` the node holds, over as many Lookups as its limit needs."""
+def leading_hits(control: Any, limits: pb.Limits, namespace_id: int, chain: Chain) -> int:
+    """Leading pages of `chain` the node holds, over as many Lookups as its limit needs."""
     most = limits.lookup_pages_max or limits.batch_pages_max   # 0: a node from before lookup_pages_max
-    if len(keys) <= most:
-        return control.call("Lookup", pb.LookupRequest(namespace_id=namespace_id, keys=keys)).hit_pages
-    parts = [control.submit("Lookup", pb.LookupRequest(namespace_id=namespace_id, keys=keys[start:start + most]))
-             for start in range(0, len(keys), most)]
+    if isinstance(chain, PackedKeys) and not limits.lookup_keys_packed:
+        chain = chain.unpacked()   # a node from before keys_packed
+    if len(chain) <= most:
+        return control.call("Lookup", _request(namespace_id, chain, 0, len(chain))).hit_pages
+    parts = [control.submit("Lookup", _request(namespace_id, chain, start, start + most))
+             for start in range(0, len(chain), most)]
     hits = 0
     for part in parts:
         part_hits = part.result().hit_pages
@@ -42,3 +77,11 @@ def leading_hits(control: Any, limits: pb.Limits, namespace_id: int, keys: list[
         if part_hits < most:
             break
     return hits
+
+
+def _request(namespace_id: int, chain: Chain, start: int, stop: int) -> pb.LookupRequest:
+    if isinstance(chain, PackedKeys):
+        step = chain.key_bytes
+        return pb.LookupRequest(namespace_id=namespace_id, keys_packed=chain.buffer[start * step:stop * step],
+                                key_bytes=step)
+    return pb.LookupRequest(namespace_id=namespace_id, keys=chain[start:stop])

@@ -121,7 +121,7 @@ class NamespaceSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_tokens: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[str] = ..., page_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max")
+    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed")
     BATCH_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class Limits(_message.Message):
     WRITE_LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     FRAME_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     batch_pages_max: int
     page_bytes_max: int
     key_bytes_max: int
@@ -136,7 +137,8 @@ class Limits(_message.Message):
     write_lease_ttl_ms: int
     frame_bytes_max: int
     lookup_pages_max: int
-    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ...) -> None: ...
+    lookup_keys_packed: bool
+    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -191,26 +193,32 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tokens", "parent_key")
+    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parent_key: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
+    keys_packed: bytes
+    key_bytes: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_pages", "tiers", "last_key")
+    __slots__ = ("hit_pages", "tiers", "last_key", "tiers_packed")
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAST_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIERS_PACKED_FIELD_NUMBER: _ClassVar[int]
     hit_pages: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     last_key: bytes
-    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ...) -> None: ...
+    tiers_packed: bytes
+    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent")
