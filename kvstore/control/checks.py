@@ -16,6 +16,8 @@ from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
 
 _NAME_FIELDS = ("model", "tenant", "kv_dtype", "layout")
+# Parts of one page group: a KV pool and its sidecar pools (SGLang has at most a handful).
+GROUP_PARTS_MAX = 16
 
 
 def namespace_spec(spec: pb.NamespaceSpec, limits: Limits, name_bytes_max: int) -> Namespace:
@@ -163,3 +165,48 @@ def stats_page(request: pb.StatsRequest, config: Config) -> tuple[int, int]:
         raise errors.InvalidArgument(
             f"namespaces_max={request.namespaces_max} exceeds limits.stats_namespaces_max={most}: page through")
     return request.namespaces_offset, request.namespaces_max or most
+
+
+def group_parts(parts: Sequence, what: str) -> None:
+    """A group request names 1 to GROUP_PARTS_MAX parts."""
+    if not parts:
+        raise errors.InvalidArgument(f"{what} is empty: name at least one part")
+    if len(parts) > GROUP_PARTS_MAX:
+        raise errors.BatchTooLarge(f"{len(parts)} parts in one group; a group has at most {GROUP_PARTS_MAX}")
+
+
+def commit_group(request: pb.CommitGroupRequest) -> list[list[int]]:
+    """Each part's indices, as commit_indices checks them; every lease once, none durable."""
+    group_parts(request.parts, "parts")
+    if len({part.lease_id for part in request.parts}) != len(request.parts):
+        raise errors.InvalidArgument("a lease appears twice in parts: name each lease once, with all its indices")
+    if any(part.durable for part in request.parts):
+        raise errors.InvalidArgument("durable is not taken by CommitGroup: commit the group, then ask for "
+                                     "durability with a get or by waiting for write-down")
+    return [commit_indices(part) for part in request.parts]
+
+
+def lookup_group(request: pb.LookupGroupRequest, limits: Limits) -> list[bytes]:
+    """The chain a LookupGroup names; its parts, each a namespace once, the first one bounding the answer."""
+    group_parts(request.parts, "parts")
+    if len({part.namespace_id for part in request.parts}) != len(request.parts):
+        raise errors.InvalidArgument("a namespace appears twice in parts: a group has one part per namespace")
+    if request.parts[0].hit_policy != pb.GROUP_ALL_PAGES:
+        raise errors.InvalidArgument("parts[0] bounds the answer with its leading pages: its hit_policy must be "
+                                     "GROUP_ALL_PAGES (put the KV pool first)")
+    for i, part in enumerate(request.parts):
+        if part.hit_policy not in (pb.GROUP_ALL_PAGES, pb.GROUP_TRAILING_PAGES):
+            raise errors.InvalidArgument(f"parts[{i}].hit_policy={part.hit_policy} is not a GroupHitPolicy")
+    return _keys(request.keys, limits, limits.lookup_pages_max, "lookup_pages_max", "keys")
+
+
+def acquire_group(request: pb.AcquireGroupRequest, limits: Limits) -> list[list[bytes]]:
+    """Each part's keys; a part waits for no commit and names no queue pair (those are single Acquire's)."""
+    group_parts(request.parts, "parts")
+    for i, part in enumerate(request.parts):
+        if part.wait_ms or part.rdma_qp_num:
+            raise errors.InvalidArgument(f"parts[{i}] sets wait_ms or rdma_qp_num, which AcquireGroup does not take: "
+                                         "send 0")
+    if len({part.namespace_id for part in request.parts}) != len(request.parts):
+        raise errors.InvalidArgument("a namespace appears twice in parts: a group has one part per namespace")
+    return [keys(part.keys, limits, what=f"parts[{i}].keys") for i, part in enumerate(request.parts)]

@@ -19,12 +19,12 @@ import time
 from typing import Any, Callable
 
 from kvstore import __version__
-from kvstore.control import checks, route, tenancy
+from kvstore.control import checks, groups, route, tenancy
 from kvstore.control.controller import CacheController
 from kvstore.control.engine_index import EngineIndex
 from kvstore.control.identity import TRUSTED, Caller
 from kvstore.control.scrubber import Scrubber
-from kvstore.control.store import Counters, Evict, PageStore
+from kvstore.control.store import CommitPart, Counters, Evict, PageStore
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
 from kvstore_client import errors
 from kvstore_client.proto import pb
@@ -54,6 +54,7 @@ class KVStoreService:
             "Acquire": self.acquire, "Release": self.release, "Delete": self.delete, "Stats": self.stats,
             "RdmaConnect": self.rdma_connect, "Route": self.route, "Scrub": self.scrub,
             "RdmaDisconnect": self.rdma_disconnect, "ListKeys": self.list_keys,
+            "CommitGroup": self.commit_group, "LookupGroup": self.lookup_group, "AcquireGroup": self.acquire_group,
         }
 
     @property
@@ -159,14 +160,19 @@ class KVStoreService:
         keys = checks.keys(request.keys, self.limits)
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.read_ttl_ms, self.config)
         commit_wait_s = checks.commit_wait_s(request, self.config)
-        promote_wait_s = checks.promote_wait_s(request, self.config)
-        store = self.store
         self._touch_rdma(request.rdma_qp_num)
         if commit_wait_s:
-            store.wait_committed(request.namespace_id, keys, time.monotonic() + commit_wait_s)
-        deadline = time.monotonic() + promote_wait_s   # its own budget: the wait above does not use it up
+            self.store.wait_committed(request.namespace_id, keys, time.monotonic() + commit_wait_s)
         # Every leading page is pinned first, so promoting the tail never evicts the head.
-        lease = store.hold_chain(request.namespace_id, keys, ttl_ms, owner)
+        lease = self.store.hold_chain(request.namespace_id, keys, ttl_ms, owner)
+        return self._answer_acquire(request, keys, lease, ttl_ms, namespace.page_bytes)
+
+    def _answer_acquire(self, request: pb.AcquireRequest, keys: list[bytes], lease: Any, ttl_ms: int,
+                        page_bytes: int) -> pb.AcquireResponse:
+        """Bring a held chain's pages into DRAM as the request's policy allows, keep the leading ones in
+        DRAM under the lease and answer with them."""
+        store = self.store
+        deadline = time.monotonic() + checks.promote_wait_s(request, self.config)   # not used up by a commit wait
         promoted = from_dram = 0
         try:
             missing = store.missing(lease)
@@ -184,11 +190,11 @@ class KVStoreService:
         finally:
             held = store.trim_read_lease(lease, len(keys), from_dram)
         if held is None:
-            return pb.AcquireResponse(page_bytes=namespace.page_bytes)
+            return pb.AcquireResponse(page_bytes=page_bytes)
         pages = held.pinned
         return pb.AcquireResponse(
             lease_id=held.lease_id, hit_pages=len(pages), offsets=[r.offset for r in pages],
-            checksums=[r.checksum for r in pages], page_bytes=namespace.page_bytes, lease_ttl_ms=ttl_ms,
+            checksums=[r.checksum for r in pages], page_bytes=page_bytes, lease_ttl_ms=ttl_ms,
             promoted_pages=min(promoted, len(pages)), data_token=held.token)
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
@@ -208,6 +214,47 @@ class KVStoreService:
         if removed:
             log.info("pages deleted namespace=%016x pages=%d", request.namespace_id, len(removed))
         return pb.DeleteResponse(deleted_pages=len(removed))
+
+    # -- page groups (groups.py) ---------------------------------------------------------
+
+    def commit_group(self, request: pb.CommitGroupRequest, owner: object | None) -> pb.CommitGroupResponse:
+        """Publish every part's pages in one step, or none (store.commit_group)."""
+        indices = checks.commit_group(request)
+        parts = [CommitPart(part.lease_id, part_indices, list(part.checksums), part.checksums_from_writer)
+                 for part, part_indices in zip(request.parts, indices)]
+        results = self.store.commit_group(parts)
+        return pb.CommitGroupResponse(parts=[pb.CommitResponse(states=states, checksums=sums)
+                                             for states, sums, _ in results])
+
+    def lookup_group(self, request: pb.LookupGroupRequest, owner: object | None) -> pb.LookupGroupResponse:
+        """The prefixes restorable in every part, from one snapshot of the store."""
+        keys = checks.lookup_group(request, self.limits)
+        ns_ids = [part.namespace_id for part in request.parts]
+        for ns_id in ns_ids:
+            self.store.namespace(ns_id)
+        leading, present = self.store.group_presence(ns_ids, keys)
+        hits = groups.fold(leading, present, request.parts)
+        return pb.LookupGroupResponse(hit_pages=hits.hit_pages, part_hit_pages=hits.part_hit_pages,
+                                      restorable_pages=hits.restorable_pages)
+
+    def acquire_group(self, request: pb.AcquireGroupRequest, owner: object | None) -> pb.AcquireGroupResponse:
+        """Read leases on every part's leading pages, all pinned in one step, then each part brought into
+        DRAM and answered as Acquire answers it."""
+        part_keys = checks.acquire_group(request, self.limits)
+        page_bytes = [self.store.namespace(part.namespace_id).page_bytes for part in request.parts]
+        ttl_ms = max(checks.lease_ttl_ms(part.lease_ttl_ms, self.config.leases.read_ttl_ms, self.config)
+                     for part in request.parts)
+        leases = self.store.hold_group([(part.namespace_id, keys) for part, keys in zip(request.parts, part_keys)],
+                                       ttl_ms, owner)
+        answers: list[pb.AcquireResponse] = []
+        try:
+            for part, keys, lease, size in zip(request.parts, part_keys, leases, page_bytes):
+                answers.append(self._answer_acquire(part, keys, lease, ttl_ms, size))
+        except BaseException:   # no lease of a group that is not answered outlives the call
+            self.store.release([answer.lease_id for answer in answers if answer.lease_id])
+            self.store.drop_held(leases[len(answers) + 1:])
+            raise
+        return pb.AcquireGroupResponse(parts=answers)
 
     def list_keys(self, request: pb.ListKeysRequest, owner: object | None) -> pb.ListKeysResponse:
         self.store.namespace(request.namespace_id)

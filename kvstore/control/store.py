@@ -137,6 +137,16 @@ class Claim:
     short: int                   # pages that got no slot (DRAM is full of pinned or unsaved pages)
 
 
+@dataclasses.dataclass(frozen=True)
+class CommitPart:
+    """One lease of a group commit: as a Commit names it (indices, checksums, whose checksums)."""
+
+    lease_id: int
+    indices: list[int]
+    checksums: list[int]
+    from_writer: bool
+
+
 class PageStore:
     def __init__(self, config: Config, arena: Arena, clock: Clock = time.monotonic):
         self.config = config
@@ -247,6 +257,16 @@ class PageStore:
     def _leading_offsets(self, ns_id: int, keys: list[bytes]) -> list[int]:
         with self._lock:
             return list(map(_OFFSET, self.index.leading(ns_id, keys)))
+
+    def group_presence(self, ns_ids: list[int], keys: list[bytes]) -> tuple[int, list[list[bool]]]:
+        """One snapshot of a page group (groups.py): the leading pages of the first namespace, and whether
+        each other namespace holds its page of each of those positions. Under one lock, so a group
+        committed together (commit_group) is seen whole or not at all."""
+        with self._lock:
+            leading = len(self.index.leading(ns_ids[0], keys))
+            get = self.index.get
+            present = [[get((ns_id, key)) is not None for key in keys[:leading]] for ns_id in ns_ids[1:]]
+        return leading, present
 
     def keys(self, ns_id: int) -> list[bytes]:
         """Keys of the namespace's pages, in no order (copied under the lock; the caller sorts them)."""
@@ -411,6 +431,97 @@ class PageStore:
         failpoints.hit("commit.after_publish")
         return states, checksums, published
 
+    def commit_group(self, parts: list[CommitPart]) -> list[tuple[list[int], list[int], list[PageRecord]]]:
+        """Publish several write leases (one tenant's; a position's KV page and its sidecar pages, each in
+        its own namespace) in one step: every page each part names becomes visible, or none does.
+
+        Every lease, index and checksum is checked, and every page is checked to have its parent in
+        the store or earlier in the group, before anything is published; all of it then happens in
+        one lock section, so no Lookup, LookupGroup or Acquire sees part of the group. A failed check
+        raises naming the lease and leaves every lease as it was (open, its slots uncommitted).
+        Slots are hashed outside the lock, as in commit(). Returns commit()'s answer per part."""
+        with self._lock:
+            leases = self._group_leases(parts)
+            plans = []
+            for part, lease in zip(parts, leases):
+                indices = self._committable(lease, part.indices)
+                if (part.checksums or part.from_writer) and len(part.checksums) != len(indices):
+                    raise errors.InvalidArgument(
+                        f"{len(part.checksums)} checksums for {len(indices)} pages of lease {lease.lease_id:#x}: "
+                        "give one per page" + ("" if part.from_writer else " or none"))
+                page_bytes = self.namespaces[lease.namespace_id].page_bytes
+                known = list(part.checksums) if part.from_writer else [lease.arrived.get(i) for i in indices]
+                plans.append((lease, indices, page_bytes, [lease.slots[i] for i in indices], known))
+            for lease, indices, *_ in plans:
+                lease.busy += 1
+                lease.committing.update(indices)   # no data-plane write, no other commit, until published
+        try:
+            view = self.arena.view
+            sums = [[xxhash.xxh3_64_intdigest(view[o:o + page_bytes]) if k is None else k for o, k in zip(offsets, known)]
+                    for _, _, page_bytes, offsets, known in plans]
+            failpoints.hit("commit.before_publish")
+        except BaseException:
+            with self._lock:
+                self._unmark(plans)
+            raise
+        with self._lock:   # one section from the marks' release to publishing every part
+            self._unmark(plans)
+            for part, (lease, indices, *_), got in zip(parts, plans, sums):
+                if part.from_writer:
+                    continue
+                for position, (want, sum_) in enumerate(zip(part.checksums, got)):
+                    if want != sum_:
+                        self.counters.checksum_failures += 1
+                        raise errors.ChecksumMismatch(
+                            f"page at index {indices[position]} of lease {lease.lease_id:#x} hashes to {sum_:#018x}, "
+                            f"not {want:#018x}; nothing in this group was made visible: rewrite the slot or abort")
+            for lease, *_ in plans:
+                if self.leases.get(lease.lease_id) is not lease:
+                    raise errors.LeaseNotFound(f"lease {lease.lease_id:#x} of the group ended while its commit was "
+                                               "checked; nothing in this group was made visible")
+            self._check_publishable([(lease, indices) for lease, indices, *_ in plans])
+            results = []
+            for (lease, indices, *_), got in zip(plans, sums):
+                states, published = self._publish(lease, indices, got)
+                results.append((states, got, published))
+            for lease, *_ in plans:
+                if not lease.slots:
+                    self._end_lease(lease)
+        failpoints.hit("commit.after_publish")
+        return results
+
+    def _group_leases(self, parts: list[CommitPart]) -> list[Lease]:
+        """Lock held: the write leases of a group commit, each named once, all of one tenant."""
+        leases = [self._lease(part.lease_id, WRITE) for part in parts]
+        if len({lease.lease_id for lease in leases}) != len(leases):
+            raise errors.InvalidArgument("a lease appears twice in the group: name each lease once, with all its "
+                                         "indices")
+        tenants = {self.namespaces[lease.namespace_id].tenant for lease in leases}
+        if len(tenants) > 1:
+            raise errors.InvalidArgument(f"a group's leases are of one tenant; these are of {sorted(tenants)}")
+        return leases
+
+    def _unmark(self, plans: list[tuple]) -> None:
+        for lease, indices, *_ in plans:
+            lease.busy -= 1
+            lease.committing.difference_update(indices)
+
+    def _check_publishable(self, plans: list[tuple[Lease, list[int]]]) -> None:
+        """Lock held: raise GroupIncomplete unless _publish would make every page of the group visible
+        (each page's parent is in the store, published earlier in the group, or its anchor)."""
+        visible: set[PageId] = set()
+        for lease, indices in plans:
+            ns_id, keys = lease.namespace_id, lease.keys
+            for position in indices:
+                parent_key = keys[position - 1] if position else lease.parent_key
+                if (parent_key and (ns_id, parent_key) not in visible and self.index.get((ns_id, parent_key)) is None
+                        and (position or not lease.anchored)):
+                    raise errors.GroupIncomplete(
+                        f"page at index {position} of lease {lease.lease_id:#x} has no parent in the store (it was "
+                        "deleted, or its writer aborted); nothing in this group was made visible: abort the "
+                        "group's leases and put it again")
+                visible.add((ns_id, keys[position]))
+
     def _committable(self, lease: Lease, indices: list[int]) -> list[int]:
         """Lock held: the indices a commit names (none: every uncommitted one), each reserved and idle."""
         indices = indices or sorted(lease.slots)
@@ -482,16 +593,31 @@ class PageStore:
     def hold_chain(self, ns_id: int, keys: list[bytes], ttl_ms: int, owner: object | None) -> Lease:
         """A read lease pinning every leading page in any tier: none of them is a victim of the
         promotion that may follow (trim_read_lease then keeps only what is in DRAM)."""
+        return self.hold_group([(ns_id, keys)], ttl_ms, owner)[0]
+
+    def hold_group(self, parts: list[tuple[int, list[bytes]]], ttl_ms: int, owner: object | None) -> list[Lease]:
+        """hold_chain for several namespaces in one lock section: a read lease per part, all pinned at
+        once, so no part's page leaves the store between finding one part and pinning the next."""
         with self._lock:
             if self.draining:
                 raise errors.Draining("the server is draining for shutdown and takes no new leases")
-            records = self.index.leading(ns_id, keys)
-            lease = self.leases.open(READ, ns_id, self.clock(), ttl_ms, owner)
-            self.index.pin_all(records, hit=False)
-            lease.pinned = records
-            lease.busy += 1   # not reaped while pages are promoted for it
-            self._namespace_used[ns_id] = self.clock()
-            return lease
+            leases = []
+            for ns_id, keys in parts:
+                records = self.index.leading(ns_id, keys)
+                lease = self.leases.open(READ, ns_id, self.clock(), ttl_ms, owner)
+                self.index.pin_all(records, hit=False)
+                lease.pinned = records
+                lease.busy += 1   # not reaped while pages are promoted for it
+                self._namespace_used[ns_id] = self.clock()
+                leases.append(lease)
+            return leases
+
+    def drop_held(self, leases: list[Lease]) -> None:
+        """End read leases of hold_group that will never be answered (their group's call failed)."""
+        with self._lock:
+            for lease in leases:
+                lease.busy -= 1
+                self._end_lease(lease)
 
     def missing(self, lease: Lease) -> list[PageRecord]:
         """Pages of the lease's chain not in DRAM, in chain order."""

@@ -23,8 +23,10 @@ from kvstore_client.proto import pb
 # Methods whose request names a namespace by id, and those that name leases.
 _BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route", "ListKeys"})
 _BY_LEASE = frozenset({"Commit", "Abort", "Release"})
+# Methods whose request names several namespaces or leases, one per part (page groups).
+_BY_PARTS = frozenset({"CommitGroup", "LookupGroup", "AcquireGroup"})
 # What a tenant may call at all: a method added later stays admin-only until its rules are written here.
-_TENANT_METHODS = _BY_NAMESPACE | _BY_LEASE | {"Hello", "OpenNamespace", "Stats"}
+_TENANT_METHODS = _BY_NAMESPACE | _BY_LEASE | _BY_PARTS | {"Hello", "OpenNamespace", "Stats"}
 # Planes whose region is the whole arena (every tenant's pages): an RDMA rkey, like the shm fd, is
 # handed to admins only; a tenant's client moves its pages over TCP, where each frame is checked.
 _WHOLE_ARENA = frozenset({"RdmaConnect", "RdmaDisconnect"})
@@ -59,6 +61,15 @@ def admit(store: PageStore, method: str, request: Any, identity: Identity) -> No
                 "and move pages over TCP")
         if method == "Reserve" and request.lease_id:   # extending a lease: it must be the caller's too
             own_lease(store, request.lease_id, identity)
+    elif method == "CommitGroup":
+        for part in request.parts:
+            own_lease(store, part.lease_id, identity)
+    elif method in ("LookupGroup", "AcquireGroup"):
+        for part in request.parts:
+            own_namespace(store, part.namespace_id, identity)
+            if getattr(part, "rdma_qp_num", 0):
+                raise errors.PermissionDenied("rdma_qp_num names a queue pair of RdmaConnect, which only admin "
+                                              "identities open: send 0 and move pages over TCP")
     elif method in ("Commit", "Abort"):
         own_lease(store, request.lease_id, identity)
     elif method == "Release":

@@ -84,6 +84,10 @@ SlotBusy = _error(
 TransportUnavailable = _error(
     "TransportUnavailable", pb.TRANSPORT_UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
     "The asked-for data plane (shm, tcp, rdma) is not offered by the node or cannot run on this host.")
+GroupIncomplete = _error(
+    "GroupIncomplete", pb.GROUP_INCOMPLETE, grpc.StatusCode.FAILED_PRECONDITION,
+    "A page of a group commit could not be published (its parent left the store): nothing of the group "
+    "became visible. Abort its leases and put the group again.")
 Unavailable = _error(
     "Unavailable", pb.ERROR_CODE_UNSPECIFIED, grpc.StatusCode.UNAVAILABLE,
     "The node could not be reached, or stopped during the call. Treat it as a miss or retry: the client "
@@ -97,7 +101,7 @@ ERRORS_BY_CODE: dict[int, type[KVStoreError]] = {
     for cls in (InvalidArgument, NamespaceNotFound, PageSizeMismatch, LeaseNotFound,
                 ChecksumMismatch, DuplicateKey, BatchTooLarge, CapacityExhausted, Draining,
                 PermissionDenied, MalformedRequest, Internal, TokenMismatch, SlotNotInLease, LengthMismatch,
-                SlotBusy, TransportUnavailable, Unauthenticated)
+                SlotBusy, TransportUnavailable, Unauthenticated, GroupIncomplete)
 }
 
 # gRPC statuses that carry no kvstore code (raised by gRPC itself, not our server).

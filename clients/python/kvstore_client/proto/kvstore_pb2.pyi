@@ -28,6 +28,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SLOT_BUSY: _ClassVar[ErrorCode]
     TRANSPORT_UNAVAILABLE: _ClassVar[ErrorCode]
     UNAUTHENTICATED: _ClassVar[ErrorCode]
+    GROUP_INCOMPLETE: _ClassVar[ErrorCode]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +57,11 @@ class CommitState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMMITTED: _ClassVar[CommitState]
     COMMIT_PARENT_MISSING: _ClassVar[CommitState]
+
+class GroupHitPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_ALL_PAGES: _ClassVar[GroupHitPolicy]
+    GROUP_TRAILING_PAGES: _ClassVar[GroupHitPolicy]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 INVALID_ARGUMENT: ErrorCode
 NAMESPACE_NOT_FOUND: ErrorCode
@@ -75,6 +81,7 @@ LENGTH_MISMATCH: ErrorCode
 SLOT_BUSY: ErrorCode
 TRANSPORT_UNAVAILABLE: ErrorCode
 UNAUTHENTICATED: ErrorCode
+GROUP_INCOMPLETE: ErrorCode
 TIER_UNSPECIFIED: Tier
 HBM: Tier
 DRAM: Tier
@@ -91,6 +98,8 @@ BEST_EFFORT: PrefetchPolicy
 TIMEOUT: PrefetchPolicy
 COMMITTED: CommitState
 COMMIT_PARENT_MISSING: CommitState
+GROUP_ALL_PAGES: GroupHitPolicy
+GROUP_TRAILING_PAGES: GroupHitPolicy
 
 class NamespaceSpec(_message.Message):
     __slots__ = ("model", "tenant", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "page_tokens", "tp_rank", "tp_size", "layout", "page_bytes", "hash_seed")
@@ -611,3 +620,55 @@ class RdmaDisconnectRequest(_message.Message):
 class RdmaDisconnectResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CommitGroupRequest(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[CommitRequest]
+    def __init__(self, parts: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...) -> None: ...
+
+class CommitGroupResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[CommitResponse]
+    def __init__(self, parts: _Optional[_Iterable[_Union[CommitResponse, _Mapping]]] = ...) -> None: ...
+
+class GroupPart(_message.Message):
+    __slots__ = ("namespace_id", "hit_policy", "trailing_pages")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HIT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    hit_policy: GroupHitPolicy
+    trailing_pages: int
+    def __init__(self, namespace_id: _Optional[int] = ..., hit_policy: _Optional[_Union[GroupHitPolicy, str]] = ..., trailing_pages: _Optional[int] = ...) -> None: ...
+
+class LookupGroupRequest(_message.Message):
+    __slots__ = ("keys", "parts")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    parts: _containers.RepeatedCompositeFieldContainer[GroupPart]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., parts: _Optional[_Iterable[_Union[GroupPart, _Mapping]]] = ...) -> None: ...
+
+class LookupGroupResponse(_message.Message):
+    __slots__ = ("hit_pages", "part_hit_pages", "restorable_pages")
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PART_HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    hit_pages: int
+    part_hit_pages: _containers.RepeatedScalarFieldContainer[int]
+    restorable_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hit_pages: _Optional[int] = ..., part_hit_pages: _Optional[_Iterable[int]] = ..., restorable_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AcquireGroupRequest(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[AcquireRequest]
+    def __init__(self, parts: _Optional[_Iterable[_Union[AcquireRequest, _Mapping]]] = ...) -> None: ...
+
+class AcquireGroupResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    def __init__(self, parts: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
