@@ -35,15 +35,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-from kvstore_client import errors, lookup
+from kvstore_client import errors, groups, lookup
 from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens, node_target, prefetch_policy,
                                       put_pages)
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
+from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.pipeline import PutBatch, PutResult, get_batch
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
@@ -215,6 +217,120 @@ class KVStoreClient:
         return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
                              _always, timeout_s=timeout_s)
 
+    # -- page groups (groups.py): the parts of one position, visible and read together -----
+
+    def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
+              parent: Key | None = None, verify: bool = False, *, tokens: Any = None, anchor: Key | None = None,
+              timeout_s: float | None = None) -> StagedPages:
+        """Write pages into slots of the node (as put does) without making them visible: a part of a group,
+        published with the other parts by commit_group(). At most limits.batch_pages_max keys (one lease).
+        Pages staged and never committed are aborted by the node when their write lease expires."""
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
+        if len(raw_keys) > self.limits.batch_pages_max:
+            raise errors.InvalidArgument(f"{len(raw_keys)} keys: a staged part is one write lease of at most "
+                                         f"{self.limits.batch_pages_max} pages (limits.batch_pages_max)")
+        before = anchor if anchor is not None else parent
+        before_key = encode_key(before) if before is not None else b""
+        try:
+            return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: groups.stage_batch(
+                conn.control, conn.data, ns_id, namespace, raw_keys, segments, before_key, anchor is not None,
+                verify)), _never, timeout_s=timeout_s)
+        finally:
+            del keepalive
+
+    def commit_group(self, parts: Sequence[StagedPages], *, timeout_s: float | None = None) -> list[PutResult]:
+        """Make every staged page of every part visible in one step, or none (one CommitGroup); returns each
+        part's count. When the node refuses the group (a lease expired, a parent left: the error names it),
+        every lease of the group is aborted, the error raised, and nothing of the group is visible."""
+        request = groups.commit_group_request(parts)
+        if request is not None:
+            try:
+                self._on_node(lambda conn: conn.control.call("CommitGroup", request), _never, timeout_s=timeout_s)
+            except BaseException:
+                self._abort_quietly([part.lease_id for part in request.parts])
+                raise
+        return groups.committed(parts)
+
+    def abort_staged(self, parts: Sequence[StagedPages], *, timeout_s: float | None = None) -> None:
+        """Give up staged parts: their leases are aborted and their pages never become visible."""
+        lease_ids = {part.lease_id for part in parts if part.lease_id and part.slots}
+        for part in parts:
+            part.slots.clear()
+        self._abort_quietly(sorted(lease_ids), timeout_s)
+
+    def put_group(self, keys: Sequence[Key], parts: Sequence[tuple[Namespace, Any]], parent: Key | None = None,
+                  verify: bool = False, *, anchor: Key | None = None, timeout_s: float | None = None) -> PutResult:
+        """Store the pages of several namespaces under the same keys (a KV page and its sidecar pages per
+        key) so that each key's pages become visible together, in one commit; returns the leading keys
+        stored in every part. `parts`: (namespace, that namespace's pages for the keys)."""
+        if not parts:
+            raise errors.InvalidArgument("put_group needs at least one (namespace, pages) part")
+        with call_deadline(timeout_s):
+            staged: list[StagedPages] = []
+            try:
+                for namespace, buffers in parts:
+                    staged.append(self.stage(namespace, keys, buffers, parent, verify, anchor=anchor))
+            except BaseException:
+                self.abort_staged(staged)
+                raise
+            results = self.commit_group(staged)
+        return min(results, key=int)
+
+    def lookup_group(self, keys: Sequence[Key], parts: Sequence[GroupPart], *,
+                     timeout_s: float | None = None) -> GroupHits:
+        """Which prefixes of `keys` can be restored in every part (each under its hit policy), answered by the
+        node from one snapshot: a group committed together is seen whole or not at all. Extends no lease."""
+        request = groups.lookup_group_request(keys, parts, self.limits)
+
+        def in_namespaces(conn: NodeConnection, ns_ids: list[int]) -> GroupHits:
+            for part, ns_id in zip(request.parts, ns_ids):
+                part.namespace_id = ns_id
+            return groups.group_hits(conn.control.call("LookupGroup", request))
+        return self._on_node(lambda conn: _in_namespaces(conn, [p.namespace for p in parts], in_namespaces), _always,
+                             timeout_s=timeout_s)
+
+    def get_group(self, parts: Sequence[tuple[Namespace, Sequence[Key], Any]], verify: bool = False,
+                  policy: str = "wait_complete", *, timeout_s: float | None = None) -> list[int]:
+        """Copy the leading pages of several namespaces into their buffers, every part pinned in one step
+        (one AcquireGroup), a key loaded in every part that names it or in none; returns each part's count.
+        `parts`: (namespace, keys, out)."""
+        prefetch = prefetch_policy(policy)
+        if not parts:
+            raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
+        prepared = [get_pages(namespace, part_keys, out, None, verify) for namespace, part_keys, out in parts]
+        namespaces = [namespace for namespace, _, _ in parts]
+
+        def in_namespaces(conn: NodeConnection, ns_ids: list[int]) -> list[int]:
+            request = pb.AcquireGroupRequest(parts=[
+                pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys, policy=prefetch)
+                for ns_id, (raw_keys, _, _) in zip(ns_ids, prepared)])
+            sent_at = time.monotonic()
+            acquired = conn.control.call("AcquireGroup", request)
+            leases = [answer.lease_id for answer in acquired.parts if answer.lease_id]
+            try:
+                counts = groups.whole_positions([raw_keys for raw_keys, _, _ in prepared],
+                                                [answer.hit_pages for answer in acquired.parts])
+                for answer, count, (_, segments, _) in zip(acquired.parts, counts, prepared):
+                    if count:
+                        conn.data.get(answer.lease_id, answer.data_token,
+                                      [(i, answer.offsets[i], segments[i]) for i in range(count)], answer.page_bytes)
+            finally:
+                if leases:
+                    conn.control.post("Release", pb.ReleaseRequest(lease_ids=leases))
+            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify)
+            return counts
+        return self._on_node(lambda conn: _in_namespaces(conn, namespaces, in_namespaces), _always,
+                             timeout_s=timeout_s)
+
+    def _abort_quietly(self, lease_ids: Sequence[int], timeout_s: float | None = None) -> None:
+        """Abort write leases; one the node no longer holds (expired, or the node restarted) is gone already."""
+        for lease_id in lease_ids:
+            try:
+                self._on_node(lambda conn: conn.control.call("Abort", pb.AbortRequest(lease_id=lease_id)), _never,
+                              timeout_s=timeout_s)
+            except errors.KVStoreError as exc:
+                log.info("staged lease %#x not aborted (%s): the node ends it at its TTL", lease_id, exc)
+
     def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         return self._on_node(lambda conn: conn.control.call("Stats", pb.StatsRequest()), _always, timeout_s=timeout_s)
 
@@ -352,6 +468,16 @@ def _attempt(action: Callable[[NodeConnection], T], conn: NodeConnection) -> T:
             raise
         raise errors.Unavailable(f"the connection to the node was lost during the call "
                                  f"({type(exc).__name__}: {exc})") from exc
+
+
+def _in_namespaces(conn: NodeConnection, namespaces: Sequence[Namespace],
+                   action: Callable[[NodeConnection, list[int]], T]) -> T:
+    """Run action(conn, namespace ids), each namespace opened first (again, once, if the node forgot it)."""
+    def nest(rest: Sequence[Namespace], ids: list[int]) -> T:
+        if not rest:
+            return action(conn, ids)
+        return conn.reopening(rest[0], lambda ns_id: nest(rest[1:], [*ids, ns_id]))
+    return nest(list(namespaces), [])
 
 
 def _register_on(conn: NodeConnection, buffers: Sequence[tuple[int, int, Any]]) -> None:
