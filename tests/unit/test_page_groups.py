@@ -271,3 +271,25 @@ def test_acquire_group_brings_every_part_up_from_nvme(tmp_path):
         svc.release(pb.ReleaseRequest(lease_ids=[p.lease_id for p in held.parts]), None)
     finally:
         close_node(svc)
+
+
+def test_a_tenant_names_no_other_tenants_lease_or_namespace_in_a_group(service):
+    from kvstore.control.identity import TENANT, Caller, Identity
+
+    alice, bob = Caller(Identity("alice", TENANT)), Caller(Identity("bob", TENANT))
+    spec = Namespace(model="hybrid", page_bytes=KV, layout="kv").to_proto()
+    theirs = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), bob).namespace_id
+    mine = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), alice).namespace_id
+    their_lease = service.handle("Reserve", pb.ReserveRequest(namespace_id=theirs, keys=keys(1), page_bytes=KV),
+                                 bob).lease_id
+    my_lease = service.handle("Reserve", pb.ReserveRequest(namespace_id=mine, keys=keys(1), page_bytes=KV),
+                              alice).lease_id
+    with pytest.raises(errors.LeaseNotFound, match=f"{their_lease:#x}"):
+        service.handle("CommitGroup", pb.CommitGroupRequest(parts=[pb.CommitRequest(lease_id=my_lease),
+                                                                   pb.CommitRequest(lease_id=their_lease)]), alice)
+    with pytest.raises(errors.NamespaceNotFound):
+        service.handle("LookupGroup", pb.LookupGroupRequest(keys=keys(1), parts=[part(mine), part(theirs)]), alice)
+    with pytest.raises(errors.NamespaceNotFound):
+        service.handle("AcquireGroup", pb.AcquireGroupRequest(parts=[
+            pb.AcquireRequest(namespace_id=theirs, keys=keys(1))]), alice)
+    assert lookup(service, mine, keys(1)) == lookup(service, theirs, keys(1)) == 0
