@@ -178,7 +178,7 @@ class LocalServer:
             except AssertionError as exc:
                 stop_node("the local channel", exc)
 
-    def _answer(self, conn: socket.socket, kind: int, payload: bytes, owner: Caller) -> None:
+    def _answer(self, conn: socket.socket, kind: int, payload: bytearray, owner: Caller) -> None:
         method = framing.METHODS.get(kind)
         try:
             if method is None:
@@ -278,8 +278,9 @@ def _send_error(conn: socket.socket, exc: errors.KVStoreError) -> None:
     conn.sendall(framing.encode(exc.code, str(exc).encode()))
 
 
-def _recv_exact(conn: socket.socket, nbytes: int) -> bytes | None:
-    """Exactly nbytes, or None when the peer closed the connection."""
+def _recv_exact(conn: socket.socket, nbytes: int) -> bytearray | None:
+    """Exactly nbytes, or None when the peer closed the connection. The buffer itself, not a copy
+    of it: a payload is parsed once and dropped, and a long Lookup's is half a megabyte."""
     buf = bytearray(nbytes)
     view = memoryview(buf)
     got = 0
@@ -288,7 +289,7 @@ def _recv_exact(conn: socket.socket, nbytes: int) -> bytes | None:
         if n == 0:
             return None
         got += n
-    return bytes(buf)
+    return buf
 
 
 def _listen(path: str) -> socket.socket:

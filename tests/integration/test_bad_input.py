@@ -60,6 +60,12 @@ def test_malformed_grpc_message(server, client, stored):
      grpc.StatusCode.NOT_FOUND, pb.LEASE_NOT_FOUND, "expired"),
     (lambda ns: pb.DeleteRequest(namespace_id=ns, keys=[b"safe0"], all_pages=True),
      grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, "send no keys with it"),
+    (lambda ns: pb.LookupRequest(namespace_id=ns, keys_packed=b"x" * 130, key_bytes=65),
+     grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, "limits.key_bytes_max"),
+    (lambda ns: pb.LookupRequest(namespace_id=ns, keys_packed=b"safe0safe1saf", key_bytes=5),
+     grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, "not a whole number of key_bytes=5"),
+    (lambda ns: pb.LookupRequest(namespace_id=ns, keys_packed=b"k" * 4 * 40000, key_bytes=4),
+     grpc.StatusCode.INVALID_ARGUMENT, pb.BATCH_TOO_LARGE, "limits.lookup_pages_max is 32768"),
 ])
 def test_each_bad_request_gets_its_status(server, client, stored, make, status, code, words):
     ns_id = client._namespace_id(NS)
