@@ -3,6 +3,8 @@
  *   prefix_hashes(tokens, page_tokens, prior) -> list[str]   the SHA-256 prefix chain, as hex
  *   copy_hash(dst, segments) -> int                          copy a page into place and xxh3 it
  *   copy_hash_pages(base, pages) -> list[int]                the same for many pages, one call
+ *   copy_hash_into(base, offsets, pages) -> list[int]        the same, offsets and segments apart
+ *   copy_out(base, offsets, pages) -> None                   copy slots out into pages' segments
  *   xxh3_64(buffer) -> int                                   XXH3_64bits of a buffer
  *
  * Addresses are plain integers, as the SDK's segments already are (buffers.py); the caller keeps
@@ -191,6 +193,184 @@ static PyObject *py_copy_hash_pages(PyObject *self, PyObject *args) {
     return sums;
 }
 
+/* A batch of pages parsed up front, so that the copies run in one stretch without the GIL:
+ * page i is the arena slot base + offsets[i] and segments [first[i], first[i + 1]). */
+typedef struct {
+    size_t pages;
+    uint8_t **slots;
+    size_t *first;
+    segment_t *segments;
+    size_t total;
+} batch_t;
+
+static void batch_free(batch_t *b) {
+    free(b->slots);
+    free(b->first);
+    free(b->segments);
+}
+
+/* One (address, nbytes) pair; 0 and an exception if it is not one. */
+static int parse_pair(PyObject *pair, segment_t *segment) {
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_SetString(PyExc_TypeError, "a segment is an (address, nbytes) tuple");
+        return 0;
+    }
+    unsigned long long address = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 0));
+    if (address == (unsigned long long)-1 && PyErr_Occurred())
+        return 0;
+    Py_ssize_t nbytes = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+    if (nbytes == -1 && PyErr_Occurred())
+        return 0;
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "a segment's nbytes is negative");
+        return 0;
+    }
+    segment->src = (const uint8_t *)(uintptr_t)address;
+    segment->nbytes = (size_t)nbytes;
+    return 1;
+}
+
+/* offsets: a sequence of arena offsets; pages: as many lists of (address, nbytes) segments. */
+static int parse_batch(unsigned long long base, PyObject *offsets, PyObject *pages, batch_t *b) {
+    memset(b, 0, sizeof(*b));
+    int ok = 0;
+    size_t capacity = 0;
+    PyObject *offset_seq = PySequence_Fast(offsets, "offsets must be a sequence of ints");
+    PyObject *page_seq = offset_seq ? PySequence_Fast(pages, "pages must be a sequence of segment lists") : NULL;
+    if (!page_seq)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(page_seq);
+    if (PySequence_Fast_GET_SIZE(offset_seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd offsets for %zd pages", PySequence_Fast_GET_SIZE(offset_seq), n);
+        goto done;
+    }
+    b->pages = (size_t)n;
+    capacity = (size_t)n + 1;
+    b->slots = malloc(capacity * sizeof(*b->slots));
+    b->first = malloc(capacity * sizeof(*b->first));
+    b->segments = malloc(capacity * sizeof(*b->segments));
+    if (!b->slots || !b->first || !b->segments) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t used = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long offset = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(offset_seq, i));
+        if (offset == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        b->slots[i] = (uint8_t *)(uintptr_t)(base + offset);
+        b->first[i] = used;
+        PyObject *list = PySequence_Fast_GET_ITEM(page_seq, i);
+        if (!PyList_Check(list) && !PyTuple_Check(list)) {
+            PyErr_SetString(PyExc_TypeError, "each page is a list of (address, nbytes) segments");
+            goto done;
+        }
+        PyObject *seg_seq = PySequence_Fast(list, "each page is a list of (address, nbytes) segments");
+        if (!seg_seq)
+            goto done;
+        Py_ssize_t count = PySequence_Fast_GET_SIZE(seg_seq);
+        if (used + (size_t)count > capacity) {
+            capacity = (used + (size_t)count) * 2;
+            segment_t *grown = realloc(b->segments, capacity * sizeof(*b->segments));
+            if (!grown) {
+                Py_DECREF(seg_seq);
+                PyErr_NoMemory();
+                goto done;
+            }
+            b->segments = grown;
+        }
+        for (Py_ssize_t s = 0; s < count; s++) {
+            if (!parse_pair(PySequence_Fast_GET_ITEM(seg_seq, s), &b->segments[used])) {
+                Py_DECREF(seg_seq);
+                goto done;
+            }
+            b->total += b->segments[used++].nbytes;
+        }
+        Py_DECREF(seg_seq);
+    }
+    b->first[n] = used;
+    ok = 1;
+done:
+    Py_XDECREF(offset_seq);
+    Py_XDECREF(page_seq);
+    if (!ok)
+        batch_free(b);
+    return ok;
+}
+
+/* Below this many bytes in a batch, dropping and taking back the GIL costs more than the copy. */
+enum { UNLOCKED_BYTES_MIN = 64 << 10 };
+
+static void copy_hash_batch(const batch_t *b, uint64_t *sums) {
+    for (size_t i = 0; i < b->pages; i++)
+        sums[i] = copy_hash(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
+}
+
+static void copy_out_batch(const batch_t *b) {
+    for (size_t i = 0; i < b->pages; i++) {
+        const uint8_t *src = b->slots[i];
+        for (size_t s = b->first[i]; s < b->first[i + 1]; s++) {
+            memcpy((void *)(uintptr_t)b->segments[s].src, src, b->segments[s].nbytes);
+            src += b->segments[s].nbytes;
+        }
+    }
+}
+
+static PyObject *py_copy_hash_into(PyObject *self, PyObject *args) {
+    unsigned long long base;
+    PyObject *offsets, *pages;
+    if (!PyArg_ParseTuple(args, "KOO", &base, &offsets, &pages))
+        return NULL;
+    batch_t b;
+    if (!parse_batch(base, offsets, pages, &b))
+        return NULL;
+    PyObject *result = NULL;
+    uint64_t *sums = malloc((b.pages ? b.pages : 1) * sizeof(*sums));
+    if (!sums) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (b.total >= UNLOCKED_BYTES_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_hash_batch(&b, sums);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_hash_batch(&b, sums);
+    }
+    result = PyList_New((Py_ssize_t)b.pages);
+    for (size_t i = 0; result && i < b.pages; i++) {
+        PyObject *value = PyLong_FromUnsignedLongLong(sums[i]);
+        if (!value) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, (Py_ssize_t)i, value);
+    }
+done:
+    free(sums);
+    batch_free(&b);
+    return result;
+}
+
+static PyObject *py_copy_out(PyObject *self, PyObject *args) {
+    unsigned long long base;
+    PyObject *offsets, *pages;
+    if (!PyArg_ParseTuple(args, "KOO", &base, &offsets, &pages))
+        return NULL;
+    batch_t b;
+    if (!parse_batch(base, offsets, pages, &b))
+        return NULL;
+    if (b.total >= UNLOCKED_BYTES_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_out_batch(&b);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_out_batch(&b);
+    }
+    batch_free(&b);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "y*", &data))
@@ -210,6 +390,10 @@ static PyMethodDef methods[] = {
      "copy_hash(dst, segments) -> int: copy (address, nbytes) segments to dst; XXH3_64bits of the bytes"},
     {"copy_hash_pages", py_copy_hash_pages, METH_VARARGS,
      "copy_hash_pages(base, pages) -> list[int]: copy_hash of each (offset, segments) to base + offset"},
+    {"copy_hash_into", py_copy_hash_into, METH_VARARGS,
+     "copy_hash_into(base, offsets, pages) -> list[int]: copy_hash of pages[i]'s segments to base + offsets[i]"},
+    {"copy_out", py_copy_out, METH_VARARGS,
+     "copy_out(base, offsets, pages) -> None: copy the slot at base + offsets[i] out into pages[i]'s segments"},
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "xxh3_64(buffer) -> int: XXH3_64bits of the buffer"},
     {NULL, NULL, 0, NULL},
 };

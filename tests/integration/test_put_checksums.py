@@ -35,7 +35,7 @@ def test_the_sdk_takes_the_one_pass_copy_where_it_is_built():
     os.ftruncate(fd, 1 << 20)
     arena = ArenaMapping(fd)
     source = np.arange(8192, dtype=np.uint8)
-    sums = arena.write_hashed([(4096, [(source.ctypes.data, 8192)])])
+    sums = arena.write_hashed([4096], [[(source.ctypes.data, 8192)]])
     if native.available():
         import xxhash
         assert sums == [xxhash.xxh3_64_intdigest(source.tobytes())]

@@ -97,3 +97,76 @@ def test_bad_arguments_raise_not_crash():
         kvstore_native.prefix_hashes(np.zeros(4, dtype=np.uint32), 0, b"")
     with pytest.raises(TypeError):
         kvstore_native.copy_hash(0, [("x", 1)])
+
+
+def _random_pages(rng: np.random.Generator, count: int, page: int) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+    """`count` pages of random bytes, each cut into 1 to 4 segments at random points, far apart in memory."""
+    source = rng.integers(0, 256, size=count * page * 2, dtype=np.uint8)
+    pages = []
+    for i in range(count):
+        start = source.ctypes.data + 2 * i * page
+        bounds = [0, *sorted(rng.integers(0, page + 1, size=int(rng.integers(0, 4))).tolist()), page]
+        pages.append([(start + a, b - a) for a, b in zip(bounds, bounds[1:])])
+    return source, pages
+
+
+@pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
+def test_copy_hash_into_equals_the_python_path(page):
+    """copy_hash_into writes what ArenaMapping.write (memmove) writes and returns xxh3 of each page."""
+    rng = np.random.default_rng(page)
+    count = int(rng.integers(1, 40))
+    source, pages = _random_pages(rng, count, page)
+    offsets = (rng.permutation(count) * page).tolist()
+    native_arena, _ = _aligned(count * page, 0)
+    python_arena = np.zeros(count * page, dtype=np.uint8)
+    sums = kvstore_native.copy_hash_into(native_arena.ctypes.data + (-native_arena.ctypes.data % 64), offsets, pages)
+    for offset, segments in zip(offsets, pages):
+        dst = python_arena.ctypes.data + offset
+        for src, nbytes in segments:
+            ctypes.memmove(dst, src, nbytes)
+            dst += nbytes
+    start = -native_arena.ctypes.data % 64
+    assert native_arena[start:start + count * page].tobytes() == python_arena.tobytes()
+    assert sums == [xxhash.xxh3_64_intdigest(python_arena[o:o + page].tobytes()) for o in offsets]
+
+
+@pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
+def test_read_pages_natively_equals_the_memmove_path(page, monkeypatch):
+    """ArenaMapping.read_pages fills each page's segments from its slot, the same with kvstore_native
+    (copy_out) as without (memmove per segment)."""
+    import os
+
+    from kvstore_client.arena import ArenaMapping
+
+    rng = np.random.default_rng(page + 1)
+    count = int(rng.integers(1, 40))
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, count * page)
+    arena = ArenaMapping(fd)
+    arena.view[:] = rng.integers(0, 256, size=count * page, dtype=np.uint8).tobytes()
+    offsets = (rng.permutation(count) * page).tolist()
+    native_out, native_pages = _random_pages(rng, count, page)
+    python_out = native_out.copy()
+    shift = python_out.ctypes.data - native_out.ctypes.data
+    python_pages = [[(address + shift, nbytes) for address, nbytes in segments] for segments in native_pages]
+    arena.read_pages(offsets, native_pages)
+    monkeypatch.setattr(native, "module", None)
+    arena.read_pages(offsets, python_pages)
+    assert native_out.tobytes() == python_out.tobytes()
+    for offset, segments in zip(offsets, native_pages):
+        assert b"".join(ctypes.string_at(a, n) for a, n in segments) == arena.view[offset:offset + page].tobytes()
+    arena.close()
+
+
+def test_batch_copies_refuse_bad_batches():
+    page = np.zeros(64, dtype=np.uint8)
+    for copy in (kvstore_native.copy_hash_into, kvstore_native.copy_out):
+        with pytest.raises(ValueError, match="2 offsets for 1 pages"):
+            copy(page.ctypes.data, [0, 0], [[(page.ctypes.data, 8)]])
+        with pytest.raises(TypeError):
+            copy(page.ctypes.data, [0], [[(page.ctypes.data, "8")]])
+        with pytest.raises(TypeError):
+            copy(page.ctypes.data, [0], [(page.ctypes.data, 8)])
+        with pytest.raises(ValueError, match="negative"):
+            copy(page.ctypes.data, [0], [[(page.ctypes.data, -1)]])
+        assert copy(page.ctypes.data, [], []) in ([], None)

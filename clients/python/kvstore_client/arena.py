@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from typing import Sequence
 
 import numpy as np
 
@@ -42,12 +43,13 @@ class ArenaMapping:
                 _memmove(dst + done, src + done, min(CACHED_COPY_BYTES, nbytes - done))
             dst += nbytes
 
-    def write_hashed(self, pages: list[tuple[int, list[Segment]]]) -> list[int] | None:
-        """Copy each (offset, segments) page into its slot and return its xxh3, one pass over each page
-        (kvstore_native.copy_hash: non-temporal stores, nothing read back); None without kvstore_native."""
+    def write_hashed(self, offsets: Sequence[int], pages: Sequence[list[Segment]]) -> list[int] | None:
+        """Copy each page's segments into the slot at its offset and return its xxh3, one pass over each
+        page and one native call for them all (kvstore_native.copy_hash_into: non-temporal stores,
+        nothing read back); None without kvstore_native."""
         if native.module is None:
             return None
-        return native.module.copy_hash_pages(self.base, pages)
+        return native.module.copy_hash_into(self.base, offsets, pages)
 
     def read(self, offset: int, segments: list[Segment]) -> None:
         """Copy the slot at `offset` out into a page's segments."""
@@ -55,6 +57,14 @@ class ArenaMapping:
         for dst, nbytes in segments:
             _memmove(dst, src, nbytes)
             src += nbytes
+
+    def read_pages(self, offsets: Sequence[int], pages: Sequence[list[Segment]]) -> None:
+        """read() of each page from the slot at its offset; one native call for them all where kvstore_native is."""
+        if native.module is not None:
+            native.module.copy_out(self.base, offsets, pages)
+            return
+        for offset, segments in zip(offsets, pages):
+            self.read(offset, segments)
 
     def hold(self) -> np.ndarray:
         """A view of the whole mapping that keeps it mapped, even past close(), until the view is dropped

@@ -61,11 +61,11 @@ class PutBatch:
                 reserved = next_reserve.result()
                 group_states = list(reserved.states)
                 states += group_states
-                indices = [i for i, state in enumerate(group_states) if state == pb.RESERVED]
+                indices = _reserved_indices(group_states)
                 self.slots_reserved |= bool(indices)
                 if reserved.lease_id and reserved.lease_id not in move_until:
                     move_until[reserved.lease_id] = sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S
-                chain_goes_on = all(state in STORED_STATES for state in group_states)
+                chain_goes_on = len(indices) == len(group_states) or all(s in STORED_STATES for s in group_states)
                 if start + group < len(keys) and chain_goes_on:
                     extend = reserved.lease_id if in_order and indices else 0
                     sent_at, next_reserve = time.monotonic(), self._reserve(
@@ -98,15 +98,28 @@ class PutBatch:
         if time.monotonic() > move_until:
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
-        first = reserved.first_index
-        pages = [(first + i, reserved.offsets[i], self.segments[start + i]) for i in indices]
+        first, low, high = reserved.first_index, indices[0], indices[-1] + 1
+        if high - low == len(indices):   # a run without gaps: sliced, not gathered page by page
+            lease_indices = range(first + low, first + high)
+            pages = list(zip(lease_indices, reserved.offsets[low:high], self.segments[start + low:start + high]))
+        else:
+            lease_indices = [first + i for i in indices]
+            pages = [(first + i, reserved.offsets[i], self.segments[start + i]) for i in indices]
         written = data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
-        sums, from_writer = commit_checksums(written, [self.segments[start + i] for i in indices], self.verify)
+        sums, from_writer = commit_checksums(written, [page[2] for page in pages] if written is None else [],
+                                             self.verify)
         if after is not None:
             after.result()
-        return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=[p[0] for p in pages],
+        return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=lease_indices,
                                                          checksums=sums, durable=self.durable,
                                                          checksums_from_writer=from_writer))
+
+
+def _reserved_indices(states: list[int]) -> list[int]:
+    """Positions of the pages a Reserve gave this put a slot for (most often all of them)."""
+    if states.count(pb.RESERVED) == len(states):
+        return list(range(len(states)))
+    return [i for i, state in enumerate(states) if state == pb.RESERVED]
 
 
 def commit_checksums(written: list[int] | None, segments: list[list[Segment]], verify: bool) -> tuple[list[int], bool]:
@@ -160,6 +173,8 @@ def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], du
     its Commit's answer (on NVMe). Counting stops at the first key that does not count, and
     the result says why.
     """
+    if not durable and _all_stored(states, answers):
+        return PutResult(len(states), len(states))
     written = iter([(state, j < answer.durable_pages)
                     for answer in answers for j, state in enumerate(answer.states)])
     for stored, state in enumerate(states):
@@ -172,6 +187,15 @@ def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], du
             return PutResult(stored, len(states), _why_not_written(stored, commit_state))
         return PutResult(stored, len(states), _why_not_reserved(stored, state))
     return PutResult(len(states), len(states))
+
+
+def _all_stored(states: list[int], answers: Sequence[pb.CommitResponse]) -> bool:
+    """Whether every key was stored (the common case, counted without a loop in Python)."""
+    reserved = states.count(pb.RESERVED)
+    if reserved + states.count(pb.PRESENT) + states.count(pb.IN_FLIGHT) != len(states):
+        return False
+    written = [answer.states for answer in answers]
+    return sum(map(len, written)) == reserved and sum(list(w).count(pb.COMMITTED) for w in written) == reserved
 
 
 def _why_not_reserved(index: int, state: int) -> str:
@@ -202,7 +226,7 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments
     if not hits:
         return 0
     try:
-        pages = [(i, acquired.offsets[i], segments[i]) for i in range(hits)]
+        pages = list(zip(range(hits), acquired.offsets, segments))
         data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
     finally:
         control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
