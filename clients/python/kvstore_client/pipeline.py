@@ -189,8 +189,9 @@ def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], du
     return PutResult(len(states), len(states))
 
 
-def _all_stored(states: list[int], answers: Sequence[pb.CommitResponse]) -> bool:
+def _all_stored(states: Sequence[int], answers: Sequence[pb.CommitResponse]) -> bool:
     """Whether every key was stored (the common case, counted without a loop in Python)."""
+    states = list(states)
     reserved = states.count(pb.RESERVED)
     if reserved + states.count(pb.PRESENT) + states.count(pb.IN_FLIGHT) != len(states):
         return False
