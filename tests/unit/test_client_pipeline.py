@@ -20,6 +20,8 @@ def test_present_and_in_flight_pages_count_and_reserved_ones_count_once_committe
     assert stored_pages([P, R, R, F, R], [commit(C, X), commit(C)], durable=False) == 2
     assert stored_pages([R, R, N, R], [commit(C, C, C)], durable=False) == 2
     assert stored_pages([M, M], [], durable=False) == 0
+    assert stored_pages([R, R, R], [commit(C, C, C)], durable=False) == 3
+    assert stored_pages([R, R, R], [commit(C, C), commit(X)], durable=False) == 2
 
 
 def test_a_commit_answer_missing_for_a_reserved_page_ends_the_count():
@@ -35,6 +37,7 @@ def test_durable_counts_written_pages_only_up_to_each_commits_durable_pages():
 
 
 def test_shared_memory_groups_small_pages_and_commits_short_runs():
+    assert (SHM_SHAPE.group_pages(4 << 10), SHM_SHAPE.run_pages(4 << 10)) == (512, 512)
     assert (SHM_SHAPE.group_pages(64 << 10), SHM_SHAPE.run_pages(64 << 10)) == (32, 32)
     assert (SHM_SHAPE.group_pages(4 << 20), SHM_SHAPE.run_pages(4 << 20)) == (32, 1)
 
