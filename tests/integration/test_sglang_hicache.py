@@ -12,11 +12,14 @@ of SGLang's host pool runs here and what needs a GPU.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
 
 from kvstore_client import KVStoreClient, prefix_hashes
+from kvstore_client.groups import GroupPart
 from sglang_harness import SGLangHostPool, SGLangMambaPool, import_sglang
 
 import_sglang()
@@ -562,3 +565,120 @@ def exists_v2_indexer_mamba(backend, keys):
         PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
         PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
     return result.kv_hit_pages, result.restorable_prefix_pages
+
+
+def hybrid_pools(seed):
+    """A KV pool, a DSA indexer pool (a page beside every KV page) and a Mamba state pool (trailing pages)."""
+    kv = SGLangHostPool("page_first", pages=12, page_size=PAGE)
+    indexer = SGLangHostPool("page_first", pages=12, page_size=PAGE, layer_num=1, head_num=1, head_dim=16)
+    mamba = SGLangMambaPool(slots=12)
+    for offset, pool in enumerate((kv, indexer, mamba)):
+        pool.fill_random(seed=seed + offset)
+    return kv, indexer, mamba
+
+
+def back_up_position(backend, kv, keys, i):
+    """One backup of the page at position i as SGLang's hybrid controller makes it: the sidecars through
+    batch_set_v2 (the indexer page and the trailing Mamba state), then the KV page (v1, or the generic set)."""
+    info = HiCacheStorageExtraInfo(prefix_keys=keys[:i])
+    sidecars = backend.batch_set_v2([
+        PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(i, 1), keys=keys[i:i + 1],
+                     hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([i]), keys=keys[i:i + 1],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+    if isinstance(backend, KVStoreHiCacheStorage):
+        return sidecars, backend.batch_set_v1(keys[i:i + 1], host_indices(i, 1), info)
+    return sidecars, [backend.batch_set(keys[i:i + 1], [kv.get_data_page(i * PAGE, flat=True)])]
+
+
+def test_a_backup_makes_each_position_visible_whole_and_hits_like_the_file_backend(server, tmp_path):
+    """The sidecar pages SGLang backs up before their KV page are not visible until the KV page is, and then
+    all of them are, in one commit: a reader hammering the node's group lookup, with every part in turn as
+    the one that bounds the answer, never finds one part of a position ahead of another. At the end every
+    batch_exists_v2 answer equals SGLang's file backend's on the same backups."""
+    kv, indexer, mamba = hybrid_pools(seed=41)
+    ours = create(server, kv)
+    theirs = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
+    theirs.register_mem_pool_host(kv)
+    for backend in (ours, theirs):
+        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    keys = prefix_hashes(tokens(10 * PAGE, seed=41), PAGE)
+    namespaces = [ours.namespace, ours._sidecars[str(PoolName.INDEXER)].namespace,
+                  ours._sidecars[str(PoolName.MAMBA)].namespace]
+    client = ours._clients.get()
+
+    # Sidecars staged, KV not yet written: nothing of position 0 is visible, in any pool.
+    ours.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(0, 1), keys=keys[:1],
+                                    hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV),
+                       PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=keys[:1],
+                                    hit_policy=PoolHitPolicy.TRAILING_PAGES)], HiCacheStorageExtraInfo(prefix_keys=[]))
+    assert [client.lookup(ns, keys=keys[:1]) for ns in namespaces] == [0, 0, 0]
+    assert ours.batch_set_v1(keys[:1], host_indices(0, 1), HiCacheStorageExtraInfo(prefix_keys=[])) == [True]
+    assert [client.lookup(ns, keys=keys[:1]) for ns in namespaces] == [1, 1, 1]
+
+    done, ahead, failures = threading.Event(), [], []
+
+    def backup():
+        try:
+            for i in range(1, len(keys)):
+                assert back_up_position(ours, kv, keys, i) == ({PoolName.INDEXER: [True], PoolName.MAMBA: [True]},
+                                                               [True])
+        except Exception as exc:   # reported by the test's thread
+            failures.append(exc)
+        finally:
+            done.set()
+
+    with KVStoreClient(server.address, timeout_s=10) as reader:
+        orders = [[GroupPart(namespaces[0]), GroupPart(namespaces[1])],
+                  [GroupPart(namespaces[1]), GroupPart(namespaces[0])],
+                  [GroupPart(namespaces[2]), GroupPart(namespaces[0]), GroupPart(namespaces[1])]]
+        thread = threading.Thread(target=backup)
+        thread.start()
+        rounds = 0
+        while not done.is_set():
+            for parts in orders:
+                hits = reader.lookup_group(keys[1:], parts)
+                if hits.part_hit_pages[0] != hits.hit_pages:
+                    ahead.append((parts[0].namespace.layout, hits))
+            rounds += 1
+        thread.join()
+    assert not failures and rounds > 1
+    assert not ahead, f"a part was visible before its position's other parts: {ahead[:2]}"
+    assert len(ours._held) == 0
+
+    for i in range(len(keys)):
+        back_up_position(theirs, kv, keys, i)
+    for span, trailing in ((keys, 1), (keys[:5], 1), (keys, 3), (keys[:7], 2)):
+        answers = [backend.batch_exists_v2(span, [
+            PoolTransfer(name=PoolName.INDEXER, keys=span, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(name=PoolName.MAMBA, keys=span[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+            for backend in (ours, theirs)]
+        ours_answer, theirs_answer = [(a.kv_hit_pages, dict(a.extra_pool_hit_pages), a.restorable_prefix_pages)
+                                      for a in answers]
+        assert ours_answer == theirs_answer and ours_answer[0] == len(span)
+
+
+def test_sidecar_pages_whose_kv_page_never_comes_are_never_visible(start_server, tmp_path):
+    """A sidecar backup whose KV write never arrives: its pages stay staged until their write lease's TTL,
+    then the node aborts them, unseen. The KV page stored later stands alone, and the position answers
+    absent for a pool that needs the lost page (never a KV page paired with a missing state)."""
+    server = start_server({"leases.write_ttl_ms": 1000, "leases.reap_interval_ms": 50})
+    kv, indexer, mamba = hybrid_pools(seed=51)
+    ours = create(server, kv)
+    ours.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    keys = prefix_hashes(tokens(2 * PAGE, seed=51), PAGE)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert ours.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=host_indices(0, 2), keys=keys,
+                                           hit_policy=PoolHitPolicy.ALL_PAGES, indices_from_pool=PoolName.KV)],
+                             info) == {PoolName.INDEXER: [True, True]}
+    client = ours._clients.get()
+    assert client.stats().leases_open == 1
+    time.sleep(1.3)
+    assert client.stats().leases_open == 0 and client.stats().leases_expired == 1
+    assert ours.batch_set_v1(keys, host_indices(0, 2), info) == [True, True]
+    assert client.lookup(ours._sidecars[str(PoolName.INDEXER)].namespace, keys=keys) == 0
+    answer = ours.batch_exists_v2(keys, [PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                                      hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert (answer.kv_hit_pages, answer.restorable_prefix_pages) == (0, [])
+    assert ours.batch_exists(keys) == 2

@@ -63,8 +63,10 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTransferResult
 
 from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
-from kvstore_client.adapters.sglang_pools import SidecarPool, parent_of, pool_hits, sidecar_pool, whole_positions
+from kvstore_client.adapters.sglang_pools import (HeldSidecars, SidecarPool, exists_result, group_parts, parent_of,
+                                                  sidecar_pool)
 from kvstore_client.buffers import Segment
+from kvstore_client.errors import KVStoreError
 from kvstore_client.keys import Namespace, salt_seed
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._clients = ClientPerThread(self.settings, client_name=f"sglang-tp{storage_config.tp_rank}")
         self._metrics = _Metrics() if storage_config.enable_storage_metrics else None
         self._sidecars: dict[str, SidecarPool] = {}   # register_mem_host_pool_v2's pools, by name
+        self._held = HeldSidecars()   # sidecar pages waiting for their KV pages' commit (sglang_pools.py)
 
     # -- set-up -----------------------------------------------------------------------
 
@@ -128,8 +131,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not self.is_writer:
             return [i < self._stored_already(namespace, keys) for i in range(len(keys))]
         started = time.perf_counter()
-        stored = self._clients.get().put(namespace, keys, self._page_segments(keys, host_indices),
-                                         anchor=_parent_key(extra_info))
+        stored = self._put_kv(namespace, keys, self._page_segments(keys, host_indices), _parent_key(extra_info))
         if self._metrics is not None:
             self._metrics.backup(stored, stored * namespace.page_bytes, time.perf_counter() - started)
         return [i < stored for i in range(len(keys))]
@@ -181,10 +183,41 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return self._stored_already(namespace, keys) == len(keys)
         try:
             pages = [v.contiguous() for v in values] if values is not None else _pages(target_locations, target_sizes)
-            return self._clients.get().put(namespace, keys, pages) == len(keys)
+            return self._put_kv(namespace, keys, pages, None) == len(keys)
         except (TypeError, AttributeError, ValueError) as exc:   # the file backend answers False here too
             log.warning("kvstore cannot store %d pages from what SGLang passed: %s", len(keys), exc)
             return False
+
+    def _put_kv(self, namespace: Namespace, keys: List[str], pages: Any, anchor: Optional[str]) -> int:
+        """Store KV pages; those whose sidecar pages are held (batch_set_v2) are committed with them in one
+        group, a lease's worth of keys at a time, so each position becomes visible whole."""
+        client = self._clients.get()
+        step = client.limits.batch_pages_max
+        stored = 0
+        for start in range(0, len(keys), step):
+            batch = keys[start:start + step]
+            held = self._held.take(batch)
+            before = anchor if start == 0 else keys[start - 1]
+            if not held:
+                batch_stored = client.put(namespace, batch, pages[start:start + step], anchor=before)
+            else:
+                batch_stored = self._commit_with_sidecars(client, namespace, batch, pages[start:start + step],
+                                                          before, held)
+            stored += batch_stored
+            if batch_stored < len(batch):
+                break
+        return stored
+
+    def _commit_with_sidecars(self, client: Any, namespace: Namespace, keys: List[str], pages: Any,
+                              anchor: Optional[str], held: list) -> int:
+        kv = client.stage(namespace, keys, pages, anchor=anchor)
+        try:
+            return client.commit_group([kv, *held])[0]
+        except KVStoreError as exc:   # a held part's lease expired: its pages are gone; the KV stands alone
+            log.warning("kvstore could not publish %d KV pages with their sidecar pages (%s): storing the KV "
+                        "pages alone; those positions answer absent until their sidecar pages are backed up again",
+                        len(keys), exc)
+            return client.put(namespace, keys, pages, anchor=anchor)
 
     def _stored_already(self, namespace: Namespace, keys: List[str]) -> int:
         """A non-writer MLA rank's backup: nothing is written (the writer rank stores these pages); the
@@ -210,39 +243,62 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
-        """The usable prefix: positions whose KV page and every part their pools' hit policies require were
-        found by Lookups issued back to back, folded into one answer (see sglang_pools.py for what that
-        guarantees and what it does not)."""
-        kv_pages = self.batch_exists(keys, extra_info) if keys else 0
-        return pool_hits(keys, kv_pages, pool_transfers or [], self._sidecar_present)
+        """The usable prefix: one LookupGroup, the KV pool and every asked pool answered by the node from one
+        snapshot under each pool's hit policy (see sglang_pools.py)."""
+        namespace = self._require_namespace(flat=not self.zero_copy)
+        if not keys:
+            return PoolTransferResult(0, {}, [])
+        client = self._clients.get()
+        parts, asked = group_parts(namespace, pool_transfers or [], self._sidecar)
+        most = client.limits.lookup_pages_max or client.limits.batch_pages_max
+        return exists_result(asked, client.lookup_group(keys[:most], parts))   # one snapshot: at most `most` pages
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
-        return self._each_pool(transfers,
-                               lambda keys, host_indices: self.batch_set_v1(keys, host_indices, extra_info),
-                               lambda pool, keys, host_indices: self._set_sidecar(pool, keys, host_indices,
-                                                                                   extra_info))
+        """Sidecar pages first (held for their KV pages where this rank writes the KV), then a KV transfer,
+        which commits them with its pages."""
+        ordered = sorted(transfers, key=lambda transfer: str(transfer.name) == str(PoolName.KV))
+        results: dict[str, List[bool]] = {}
+        for transfer in ordered:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == str(PoolName.KV):
+                results[transfer.name] = self.batch_set_v1(keys, transfer.host_indices, extra_info)
+                continue
+            stored = self._set_sidecar(self._sidecar(transfer.name), keys, transfer.host_indices, extra_info) \
+                if keys else 0
+            results[transfer.name] = [i < stored for i in range(len(keys))]
+        return {transfer.name: results[transfer.name] for transfer in transfers}
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
-        results = self._each_pool(transfers,
-                                  lambda keys, host_indices: self.batch_get_v1(keys, host_indices, extra_info),
-                                  self._get_sidecar)
-        return whole_positions(transfers, results)   # a position loads in every pool or in none
-
-    def _each_pool(self, transfers: List[PoolTransfer], kv_pages: Callable[[List[str], Any], List[bool]],
-                   sidecar_pages: Callable[[SidecarPool, List[str], Any], int]) -> dict[str, List[bool]]:
-        """Each transfer's flags: the KV pool's from its v1 call, a sidecar pool's from how many of its keys,
-        in order, `sidecar_pages` moved."""
-        results: dict[str, List[bool]] = {}
+        """Every pool of the call read under one AcquireGroup; a key loads in every pool that names it or in none."""
+        reads, copy_back = [], []
         for transfer in transfers:
             keys = list(transfer.keys or [])
+            if not keys:
+                continue
             if str(transfer.name) == str(PoolName.KV):
-                results[transfer.name] = kv_pages(keys, transfer.host_indices)
+                reads.append((self._require_namespace(), keys, self._page_segments(keys, transfer.host_indices)))
+                copy_back.append(None)
                 continue
             pool = self._sidecar(transfer.name)
-            moved = sidecar_pages(pool, keys, transfer.host_indices) if keys else 0
-            results[transfer.name] = [i < moved for i in range(len(keys))]
+            if pool.zero_copy:
+                reads.append((pool.namespace, keys, pool.page_segments(keys, transfer.host_indices)))
+                copy_back.append(None)
+            else:
+                flat = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
+                reads.append((pool.namespace, keys, flat))
+                copy_back.append((pool, pool.first_indices(keys, transfer.host_indices), flat))
+        counts = self._clients.get().get_group(reads) if reads else []
+        for loaded, back in zip(counts, copy_back):
+            if back is not None:
+                pool, firsts, flat = back
+                for first, page in zip(firsts[:loaded], flat[:loaded]):
+                    pool.host_pool.set_from_flat_data_page(first, page)
+        answers, results = iter(counts), {}
+        for transfer in transfers:
+            loaded = next(answers) if transfer.keys else 0
+            results[transfer.name] = [i < loaded for i in range(len(transfer.keys or []))]
         return results
 
     def _set_sidecar(self, pool: SidecarPool, keys: List[str], host_indices: Any,
@@ -256,36 +312,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         else:
             pages = [pool.host_pool.get_data_page(i, flat=True).contiguous()
                      for i in pool.first_indices(keys, host_indices)]
-        return client.put(pool.namespace, keys, pages, anchor=parent_of(extra_info))
-
-    def _get_sidecar(self, pool: SidecarPool, keys: List[str], host_indices: Any) -> int:
-        client = self._clients.get()
-        if pool.zero_copy:
-            return client.get(pool.namespace, keys, pool.page_segments(keys, host_indices))
-        firsts = pool.first_indices(keys, host_indices)
-        pages = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
-        loaded = client.get(pool.namespace, keys, pages)
-        for first, page in zip(firsts[:loaded], pages[:loaded]):
-            pool.host_pool.set_from_flat_data_page(first, page)
-        return loaded
+        if not self.is_writer or len(keys) > client.limits.batch_pages_max:
+            # No KV write follows on this rank (or more than one lease's worth): committed as it is.
+            return client.put(pool.namespace, keys, pages, anchor=parent_of(extra_info))
+        staged = client.stage(pool.namespace, keys, pages, anchor=parent_of(extra_info))
+        self._held.hold(staged)   # published with the KV pages of the same keys (_put_kv)
+        return staged.stored
 
     def _sidecar(self, name: Any) -> SidecarPool:
         pool = self._sidecars.get(str(name))
         if pool is None:
             raise ValueError(f"pool {name} is not registered: call register_mem_host_pool_v2(pool, {name}) first")
         return pool
-
-    def _sidecar_present(self, name: str, keys: List[str]) -> List[bool]:
-        """Whether each key's page of this pool is stored: a Lookup for the leading run, again after each miss."""
-        pool, client = self._sidecar(name), self._clients.get()
-        answers: List[bool] = []
-        while len(answers) < len(keys):
-            rest = keys[len(answers):]
-            hits = client.lookup(pool.namespace, keys=rest)
-            answers += [True] * hits
-            if hits < len(rest):
-                answers.append(False)
-        return answers
 
     # -- lookups and housekeeping -----------------------------------------------------
 

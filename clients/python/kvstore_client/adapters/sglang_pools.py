@@ -10,41 +10,54 @@ before them: the store keeps them although it holds no state for that page).
 The ranks of an MLA model share a pool's pages as they share the KV (the writer rank backs
 them up), except Mamba states, which are TP-sharded: each rank keeps its own.
 
-A position is the KV page and the sidecar pages named by one prefix key: its page group.
-Each part is a page of its own namespace, committed by its own call (SGLang's hybrid backup
-writes the sidecars through batch_set_v2 first and the KV page afterwards through v1; a rank
-that is not the storage writer makes only the sidecar calls) and evicted on its own. What the
-adapter guarantees on top of that, so that a hit never pairs a KV page with a missing state:
+A position is the KV page and the sidecar pages named by one prefix key: its page group. The
+store holds each part as a page of its own namespace (evicted leaf-first on its own) and offers
+three group calls (kvstore/control/groups.py): CommitGroup publishes several write leases in one
+step, all or nothing; LookupGroup answers from one snapshot which prefixes every part can restore
+under its pool's hit policy; AcquireGroup pins every part's pages at once. On top of them:
 
-- batch_exists_v2 answers from one set of Lookups, the KV pool's and then every asked
-  pool's, issued back to back and folded into one answer after the last of them returns: a
-  position counts only when its KV page and every part its pools' hit policies require were
-  found (SGLang's own fold, the file backend's answer on the same pages).
-- batch_get_v2 reports a position all or nothing: when any part named in the call failed to
-  load (evicted or deleted since the lookup), the position fails in every pool of the call,
-  and so does every later position (SGLang counts each pool's leading run of successes).
-  The host slots of a failed position may hold some parts' bytes; SGLang does not use them.
-- batch_exists (v1) answers the KV pages alone, as the file backend does: SGLang asks it only
-  for a prefetch that moves no sidecar (one with no pool transfers).
+- A backup becomes visible one position whole. SGLang's hybrid backup writes the sidecars through
+  batch_set_v2 first and the KV pages afterwards through batch_set_v1 (or batch_set), in batches.
+  On a rank that writes the KV, batch_set_v2 stages each sidecar page (copied into its slot under a
+  write lease, not visible) and answers True; the KV batch that names the same keys stages its
+  pages and commits them with the held sidecar pages of those keys in one CommitGroup. Where the
+  KV page is already stored, the sidecar pages are published alone, which completes the position
+  in one step too. A rank that writes no KV (a non-writer MLA rank's TP-sharded Mamba states)
+  commits its sidecar pages at once: there is no KV write to wait for.
+- A sidecar page whose KV write never comes (the KV batch failed, or SGLang stopped the backup)
+  stays held until its write lease's TTL (leases.write_ttl_ms); the node then aborts it and it
+  never becomes visible. SGLang was told True for it, so its per-pool belief is too high until its
+  next query, which answers the position absent (never a KV page paired with a missing state).
+  When a group commit is refused (a held lease expired), the KV pages are stored alone: the
+  position then answers absent in every lookup whose pools need the missing part.
+- batch_exists_v2 is one LookupGroup: the KV pool bounds the answer with its leading pages and each
+  pool's hit policy (ALL_PAGES, TRAILING_PAGES: SGLang's) is applied by the node to the same
+  snapshot, so the answer equals the file backend's fold on the same pages, and a group committed
+  together is seen whole or not at all. A position with a part evicted or deleted answers absent.
+- batch_get_v2 is one AcquireGroup over every pool of the call: every part is pinned in one step,
+  and a key loads in every pool that names it or in none (a pool stops at the first key another
+  pool of the call missed; SGLang counts each pool's leading successes).
+- batch_exists (v1) answers the KV pages alone, as the file backend does: SGLang asks it only for
+  a prefetch that moves no sidecar (one with no pool transfers).
 
-What is not guaranteed: the Lookups are not one snapshot of the store, and no lease holds a
-group between the lookup and the load. A part evicted after a hit is answered as a failed
-get of its position, never as a load paired with a stale or missing part. A position whose
-KV page SGLang loads through batch_get_v1 before asking for its KV-derived sidecars through
-batch_get_v2 relies on SGLang's own clamp (the minimum of the pools' hits) for that pairing.
-A backup is not one commit: a lookup between the sidecar write and the KV write finds the
-sidecars without their KV page, which answers the position absent.
+What is not guaranteed: SGLang loads the KV pages through batch_get_v1 before it asks for their
+sidecars through batch_get_v2, in separate calls; no lease holds a group between those calls, or
+between batch_exists_v2 and the loads. A part evicted in between fails its pool's get, and SGLang's
+own clamp (the minimum of the pools' hits) keeps the KV page from being used without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
 from kvstore_client.buffers import Segment
+from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Namespace
 
 
@@ -115,45 +128,61 @@ def _addressable(host_pool: Any, flat_bytes: int) -> bool:
     return spans == list(zip(pointers, sizes)) and sum(sizes) == flat_bytes
 
 
-def pool_hits(keys: Sequence[str], kv_pages: int, transfers: Sequence[PoolTransfer],
-              present: Callable[[str, Sequence[str]], List[bool]]) -> PoolTransferResult:
-    """batch_exists_v2's answer: the usable KV prefix under every pool's hit policy (SGLang's rules)."""
-    hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-    restorable = list(range(1, kv_pages + 1))
+def group_parts(kv_namespace: Namespace, transfers: Sequence[PoolTransfer],
+                pool_of: Callable[[Any], "SidecarPool"]) -> tuple[list[GroupPart], list[PoolTransfer]]:
+    """batch_exists_v2's LookupGroup parts: the KV pool first, then each sidecar pool with its hit policy
+    (the transfers in the order of the parts after the first)."""
+    parts, asked = [GroupPart(kv_namespace)], []
     for transfer in transfers:
-        if not restorable:
-            break
-        name = str(transfer.name)
-        found = present(name, keys[:kv_pages]) if kv_pages else []
+        if str(transfer.name) == str(PoolName.KV):
+            continue   # the KV pool bounds the answer already
         if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
-            boundary = next((i for i in range(kv_pages) if not found[i]), kv_pages)
-            pool_restorable = set(range(1, boundary + 1))
+            parts.append(GroupPart(pool_of(transfer.name).namespace))
         elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
             trailing = max(1, len(transfer.keys) if transfer.keys else 1)
-            pool_restorable = {length for length in range(1, kv_pages + 1)
-                               if all(found[max(0, length - trailing):length])}
-            boundary = max(pool_restorable, default=0)
+            parts.append(GroupPart(pool_of(transfer.name).namespace, "trailing_pages", trailing))
         else:
-            raise ValueError(f"unsupported pool hit policy {transfer.hit_policy} for pool {name}: "
+            raise ValueError(f"unsupported pool hit policy {transfer.hit_policy} for pool {transfer.name}: "
                              "kvstore serves ALL_PAGES and TRAILING_PAGES")
-        if boundary:
-            hit_count[transfer.name] = boundary
-        restorable = [length for length in restorable if length in pool_restorable]
-    return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+        asked.append(transfer)
+    return parts, asked
 
 
-def whole_positions(transfers: Sequence[PoolTransfer], loaded: dict[Any, List[bool]]) -> dict[Any, List[bool]]:
-    """batch_get_v2's answer: a key counts as loaded in a pool only when every pool of the call that names it
-    loaded it, and every earlier key of that pool counts as loaded too (all or nothing per position)."""
-    failed = {key for transfer in transfers
-              for key, ok in zip(transfer.keys or [], loaded.get(transfer.name, [])) if not ok}
-    answers: dict[Any, List[bool]] = {}
-    for transfer in transfers:
-        keys = list(transfer.keys or [])
-        ran = loaded.get(transfer.name, [False] * len(keys))
-        whole = next((i for i, key in enumerate(keys) if key in failed or not ran[i]), len(keys))
-        answers[transfer.name] = [i < whole for i in range(len(keys))]
-    return answers
+def exists_result(asked: Sequence[PoolTransfer], hits: GroupHits) -> PoolTransferResult:
+    """SGLang's PoolTransferResult from a LookupGroup's answer (a pool that accepts no prefix is left out,
+    as SGLang's own backends leave it out)."""
+    hit_count: dict[Any, int] = {PoolName.KV: hits.part_hit_pages[0]} if hits.part_hit_pages[0] else {}
+    for transfer, part_hits in zip(asked, hits.part_hit_pages[1:]):
+        if part_hits:
+            hit_count[transfer.name] = part_hits
+    return PoolTransferResult(hits.hit_pages, hit_count, list(hits.restorable_pages))
+
+
+class HeldSidecars:
+    """Sidecar pages staged by batch_set_v2 and held, uncommitted, until the KV pages of the same keys are
+    committed with them (one group commit). Shared by SGLang's backup threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: list[StagedPages] = []
+
+    def hold(self, staged: StagedPages) -> None:
+        if staged.slots:
+            with self._lock:
+                self._staged.append(staged)
+
+    def take(self, keys: Sequence[str]) -> list[StagedPages]:
+        """The held pages of these keys, one part per lease; they are no longer held. Parts whose lease may
+        have expired are dropped (the node aborts them)."""
+        now = time.monotonic()
+        with self._lock:
+            self._staged = [staged for staged in self._staged if staged.slots and staged.commit_by > now]
+            taken = [staged.take(keys) for staged in self._staged]
+        return [part for part in taken if part.slots]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(staged.slots) for staged in self._staged)
 
 
 def parent_of(extra_info: Optional[Any]) -> str | None:
