@@ -106,3 +106,30 @@ def test_a_lookup_never_sees_a_kv_page_without_its_state_while_groups_commit(ser
         assert all(group == kv for group, kv in answers), [a for a in answers if a[0] != a[1]][:3]
         assert reader.lookup_group(chain, [GroupPart(KV), GroupPart(STATE)]).hit_pages == 60
     assert len(answers) > 1
+
+
+def test_the_async_client_stores_and_reads_groups_as_the_sync_client_does(server):
+    import asyncio
+
+    from kvstore_client import AsyncKVStoreClient
+
+    kv, state = pages(KV, 3, 7), pages(STATE, 3, 8)
+
+    async def run():
+        async with AsyncKVStoreClient(server.address, timeout_s=10) as client:
+            staged = await client.stage(STATE, keys(3), state)
+            assert await client.lookup(STATE, keys=keys(3)) == 0
+            assert await client.put_group(keys(3), [(KV, kv)]) == 3
+            assert (await client.lookup_group(keys(3), [GroupPart(KV), GroupPart(STATE)])).hit_pages == 0
+            assert [int(r) for r in await client.commit_group([staged])] == [3]
+            hits = await client.lookup_group(keys(3), [GroupPart(KV), GroupPart(STATE, "trailing_pages", 1)])
+            assert (hits.hit_pages, hits.part_hit_pages, hits.restorable_pages) == (3, [3, 3], [1, 2, 3])
+            out_kv, out_state = np.zeros_like(kv), np.zeros_like(state)
+            assert await client.get_group([(KV, keys(3), out_kv), (STATE, keys(3), out_state)], verify=True) == [3, 3]
+            assert (out_kv == kv).all() and (out_state == state).all()
+            with pytest.raises(errors.InvalidArgument, match="hit_policy"):
+                await client.lookup_group(keys(1), [GroupPart(KV, "most_pages")])
+
+    asyncio.run(run())
+    with KVStoreClient(server.address, timeout_s=10) as sync:
+        assert sync.lookup_group(keys(3), [GroupPart(KV), GroupPart(STATE)]).hit_pages == 3

@@ -36,12 +36,13 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import grpc
 import grpc.aio
 
-from kvstore_client import errors, framing
+from kvstore_client import errors, framing, groups
 from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens, node_target, prefetch_policy,
                                       put_pages)
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
+from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.pipeline import LEASE_MARGIN_S, PutResult, check_loaded, commit_checksums, stored_pages
 from kvstore_client.proto import pb
@@ -394,6 +395,110 @@ class AsyncKVStoreClient:
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(list_all, timeout_s)
 
+    # -- page groups (groups.py) ---------------------------------------------------------
+
+    async def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
+                    parent: Key | None = None, verify: bool = False, *, tokens: Any = None,
+                    anchor: Key | None = None, timeout_s: float | None = None) -> StagedPages:
+        """KVStoreClient.stage: write pages into slots without making them visible, for commit_group()."""
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
+        before = anchor if anchor is not None else parent
+        before_key = encode_key(before) if before is not None else b""
+
+        async def stage_all(conn: _Connection) -> StagedPages:
+            most = conn.hello.limits.batch_pages_max
+            if len(raw_keys) > most:
+                raise errors.InvalidArgument(f"{len(raw_keys)} keys: a staged part is one write lease of at most "
+                                             f"{most} pages (limits.batch_pages_max)")
+            return await self._in_namespace(conn, namespace, lambda ns_id: _stage_batch(
+                conn, ns_id, namespace, raw_keys, segments, before_key, anchor is not None, verify, self._timeout_s))
+
+        try:
+            return await self._on_node(stage_all, timeout_s, needs_data=True)
+        finally:
+            del keepalive
+
+    async def commit_group(self, parts: Sequence[StagedPages], *, timeout_s: float | None = None) -> list[PutResult]:
+        """KVStoreClient.commit_group: every staged page of every part visible in one step, or none (the group's
+        leases are then aborted and the node's error raised)."""
+        request = groups.commit_group_request(parts)
+        if request is not None:
+            async def commit(conn: _Connection) -> None:
+                try:
+                    await conn.control.call("CommitGroup", request, self._timeout_s)
+                except BaseException:
+                    for part in request.parts:
+                        conn.control.post("Abort", pb.AbortRequest(lease_id=part.lease_id))
+                    raise
+            await self._on_node(commit, timeout_s)
+        return groups.committed(parts)
+
+    async def put_group(self, keys: Sequence[Key], parts: Sequence[tuple[Namespace, Any]], parent: Key | None = None,
+                        verify: bool = False, *, anchor: Key | None = None,
+                        timeout_s: float | None = None) -> PutResult:
+        """KVStoreClient.put_group: each key's pages of every namespace become visible together."""
+        if not parts:
+            raise errors.InvalidArgument("put_group needs at least one (namespace, pages) part")
+
+        async def put_all() -> PutResult:
+            staged: list[StagedPages] = []
+            try:
+                for namespace, buffers in parts:
+                    staged.append(await self.stage(namespace, keys, buffers, parent, verify, anchor=anchor))
+            except BaseException:
+                await self._on_node(lambda conn: _abort_staged(conn, staged), None)
+                raise
+            return min(await self.commit_group(staged), key=int)
+
+        return await _within(put_all(), timeout_s)
+
+    async def lookup_group(self, keys: Sequence[Key], parts: Sequence[GroupPart], *,
+                           timeout_s: float | None = None) -> GroupHits:
+        """KVStoreClient.lookup_group: the prefixes every part can restore, from one snapshot of the node."""
+        async def lookup(conn: _Connection) -> GroupHits:
+            request = groups.lookup_group_request(keys, parts, conn.hello.limits)
+
+            async def in_namespaces(ns_ids: list[int]) -> GroupHits:
+                for part, ns_id in zip(request.parts, ns_ids):
+                    part.namespace_id = ns_id
+                return groups.group_hits(await conn.control.call("LookupGroup", request, self._timeout_s))
+            return await self._in_namespaces(conn, [part.namespace for part in parts], in_namespaces)
+        return await self._on_node(lookup, timeout_s)
+
+    async def get_group(self, parts: Sequence[tuple[Namespace, Sequence[Key], Any]], verify: bool = False,
+                        policy: str = "wait_complete", *, timeout_s: float | None = None) -> list[int]:
+        """KVStoreClient.get_group: every part pinned in one step, a key loaded in every part or in none."""
+        prefetch = prefetch_policy(policy)
+        if not parts:
+            raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
+        prepared = [get_pages(namespace, part_keys, out, None, verify) for namespace, part_keys, out in parts]
+
+        async def get_all(conn: _Connection) -> list[int]:
+            return await self._in_namespaces(conn, [namespace for namespace, _, _ in parts],
+                                             lambda ns_ids: in_namespaces(conn, ns_ids))
+
+        async def in_namespaces(conn: _Connection, ns_ids: list[int]) -> list[int]:
+            request = pb.AcquireGroupRequest(parts=[
+                pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys, policy=prefetch)
+                for ns_id, (raw_keys, _, _) in zip(ns_ids, prepared)])
+            sent_at = time.monotonic()
+            acquired = await conn.control.call("AcquireGroup", request, self._timeout_s)
+            leases = [answer.lease_id for answer in acquired.parts if answer.lease_id]
+            counts = groups.whole_positions([raw_keys for raw_keys, _, _ in prepared],
+                                            [answer.hit_pages for answer in acquired.parts])
+            try:
+                for answer, count, (_, segments, _) in zip(acquired.parts, counts, prepared):
+                    if count:
+                        await conn.data.get(answer.lease_id, answer.data_token,
+                                            [(i, answer.offsets[i], segments[i]) for i in range(count)],
+                                            answer.page_bytes)
+            finally:
+                if leases:
+                    conn.control.post("Release", pb.ReleaseRequest(lease_ids=leases))
+            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify)
+            return counts
+        return await self._on_node(get_all, timeout_s, needs_data=True)
+
     async def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         return await self._on_node(
             lambda conn: conn.control.call("Stats", pb.StatsRequest(), self._timeout_s), timeout_s)
@@ -448,6 +553,20 @@ class AsyncKVStoreClient:
                                                 self._credentials)
             return self._conn
 
+    async def _in_namespaces(self, conn: _Connection, namespaces: Sequence[Namespace],
+                             action: Callable[[list[int]], Awaitable[T]]) -> T:
+        """Run action(namespace ids), each namespace opened first (all again, once, if the node forgot one)."""
+        for attempt in (1, 2):
+            ns_ids = [await self._in_namespace(conn, namespace, _same) for namespace in namespaces]
+            try:
+                return await action(ns_ids)
+            except errors.NamespaceNotFound:
+                for namespace in namespaces:
+                    conn.namespace_ids.pop(namespace, None)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _in_namespace(self, conn: _Connection, namespace: Namespace,
                             action: Callable[[int], Awaitable[T]]) -> T:
         """Run action(namespace id), opening the namespace first (again, once, if the node forgot it)."""
@@ -491,6 +610,47 @@ async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: byt
         control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
         raise
     return stored_pages(reserved.states, [committed], durable)
+
+
+async def _stage_batch(conn: _Connection, ns_id: int, namespace: Namespace, keys: list[bytes], segments: list,
+                       parent: bytes, anchored: bool, verify: bool, timeout_s: float) -> StagedPages:
+    """groups.stage_batch over the async channel and data path."""
+    sent_at = time.monotonic()
+    reserved = await conn.control.call("Reserve", pb.ReserveRequest(
+        namespace_id=ns_id, parent_key=parent, keys=keys, page_bytes=namespace.page_bytes,
+        anchor_absent_parent=anchored), timeout_s)
+    try:
+        positions = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
+        pages = [(reserved.first_index + i, reserved.offsets[i], segments[i]) for i in positions]
+        written = await conn.data.put(reserved.lease_id, reserved.data_token, pages, namespace.page_bytes) \
+            if pages else None
+        return groups.staged_pages(namespace, keys, reserved, positions, written, segments, verify, sent_at)
+    except BaseException:
+        if reserved.lease_id:
+            conn.control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
+        raise
+
+
+async def _abort_staged(conn: _Connection, staged: Sequence[StagedPages]) -> None:
+    for lease_id in {part.lease_id for part in staged if part.lease_id and part.slots}:
+        conn.control.post("Abort", pb.AbortRequest(lease_id=lease_id))
+    for part in staged:
+        part.slots.clear()
+
+
+async def _same(ns_id: int) -> int:
+    return ns_id
+
+
+async def _within(call: Awaitable[T], timeout_s: float | None) -> T:
+    """A call of several node calls under one timeout_s (DeadlineExceeded when it runs out)."""
+    if timeout_s is not None and not timeout_s > 0:
+        raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await call
+    except TimeoutError:
+        raise errors.DeadlineExceeded(f"the call did not finish within its timeout_s={timeout_s}") from None
 
 
 async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, segments: list, verify: bool,
