@@ -15,6 +15,15 @@ that snapshot into the answer, with the hit policies SGLang's pools declare:
 A prefix is restorable when every part accepts it. Once no prefix is left, later parts are not
 weighed (each answers 0), as SGLang's own backends answer.
 
+Membership is not stored: the parts of a position are the pages of the same key in the group's
+namespaces, which the caller names. So eviction stays what it is per namespace (leaf-first LRU,
+prefix-closed; index.py knows nothing of groups), and each part is evicted on its own. That is
+safe because every read of a group goes through the group calls: a position with a part gone is
+simply not restorable (a lookup answers it absent, an acquire stops that part there), never a
+partial hit. What it costs is bytes: the parts left of a broken position stay until they are
+least recently used leaves themselves, and a position is lost when its first part goes rather
+than its last.
+
 Pure functions: no lock, no store.
 """
 
