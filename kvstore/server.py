@@ -58,7 +58,9 @@ class Node:
     def __init__(self, config: Config):
         self.config = config
         try:
-            self.arena = Arena(config.dram.arena_bytes, config.dram.hugepages, config.dram.prefault)
+            # A memfd per tenant where tenants are told apart; one while RDMA pins the arena (tiers/dram.py).
+            self.arena = Arena(config.dram.arena_bytes, config.dram.slab_bytes, config.dram.hugepages,
+                               config.dram.prefault, tenants_apart=config.auth.enabled and not config.rdma.enabled)
         except OSError as exc:
             raise OSError(f"cannot allocate the DRAM arena of {config.dram.arena_bytes} bytes "
                           f"(dram.arena_bytes): {exc.strerror}") from None
@@ -92,7 +94,7 @@ class Node:
                 grpc_service = self.metrics.instrument(self.service, "grpc")
                 local_service = self.metrics.instrument(self.service, "local")
             if socket_path:
-                self.local = _listen_local(socket_path, local_service, self.arena.fd, config, self.auth)
+                self.local = _listen_local(socket_path, local_service, self.arena, config, self.auth)
             self.grpc, self.grpc_port = create_server(grpc_service, config.server.grpc_address,
                                                       config.server.grpc_workers, self.auth)
             if config.tcp.enabled:
@@ -209,6 +211,8 @@ class Node:
         while not self._stop.wait(interval):
             try:
                 self.service.reap_expired()
+                if self.arena.tenants_apart:   # memory a client allocated in its memfd's holes
+                    self.store.trim_arena()
             except AssertionError as exc:
                 stop_node("lease reaper", exc)
             except Exception:  # the reaper must outlive a bug in one pass
@@ -237,9 +241,9 @@ def _tcp_tls(config: Config) -> ssl.SSLContext | None:
     return context
 
 
-def _listen_local(path: str, service: KVStoreService, arena_fd: int, config: Config, auth: Authenticator) -> LocalServer:
+def _listen_local(path: str, service: KVStoreService, arena: Arena, config: Config, auth: Authenticator) -> LocalServer:
     try:
-        return LocalServer(path, service, arena_fd, config.allowed_uids, config.shm.connections_max, auth)
+        return LocalServer(path, service, arena, config.allowed_uids, config.shm.connections_max, auth)
     except OSError as exc:
         if exc.errno is None:  # already says what is wrong (another server, not a socket)
             raise

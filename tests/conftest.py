@@ -24,7 +24,7 @@ class ServerProcess:
     def __init__(self, workdir: Path, settings: dict[str, object], env: dict[str, str] | None = None):
         self.workdir = workdir
         self.ready_file = workdir / "ready.json"
-        self.socket_path = str(workdir / "kvstore.sock")
+        self.socket_path = str(settings.get("shm.socket_path", workdir / "kvstore.sock"))
         self.log_path = workdir / "server.log"
         args = [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                 "--shm-socket", self.socket_path, "--ready-file", str(self.ready_file)]

@@ -70,10 +70,11 @@ class Caller:
     """Who calls, as the service sees it: one local connection (its leases end when it closes)
     or one gRPC call (its leases end by their TTL), and the identity it proved."""
 
-    __slots__ = ("identity",)
+    __slots__ = ("identity", "arena")
 
     def __init__(self, identity: Identity):
         self.identity = identity
+        self.arena: str | None = None   # the tenant whose memfd this local connection mapped, if any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The Unix-socket server of a node: hands out the arena fd and carries the local control channel.
+"""The Unix-socket server of a node: hands out a tenant's arena memfd and carries the local control channel.
 
 Each connection is checked as it is accepted, before any frame is read: a peer uid
 (SO_PEERCRED) outside shm.allowed_uids, or (with authentication configured) one that
@@ -9,9 +9,11 @@ bearer token of the uid's tenant; with auth.local_require_token it must be, and 
 first frame is answered UNAUTHENTICATED and the connection closed. A connection that showed
 a token is checked against the token table on each frame: once SIGHUP revokes the token, or
 it expires, the next frame is answered UNAUTHENTICATED and the connection closed. Frame 0 (MAP_ARENA) is answered with
-the arena's memfd over SCM_RIGHTS; the arena holds every tenant's pages, so with
-authentication configured only an admin identity may map it (a tenant's client then moves
-its pages over TCP, where each frame is checked against its lease); other frames carry kvstore.v1 requests (framing.py).
+the memfd of the caller's tenant over SCM_RIGHTS (tiers/dram.py: each tenant's pages live
+in a memfd of their own, so the fd exposes no other tenant's bytes); an admin gets its own
+tenant's memfd too, and moves other tenants' pages over TCP. Where tenants share one memfd
+(rdma.enabled with authentication) only an admin may map it. Other frames carry kvstore.v1
+requests (framing.py).
 Leases taken on a connection end when it closes, so a client killed mid-put frees its
 slots at once. A broken invariant in the service stops the node (kvstore/invariants.py).
 """
@@ -34,6 +36,7 @@ from kvstore.config import AuthConfig
 from kvstore.control.identity import Authenticator, Caller, Identity, TokenStanding
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
+from kvstore.tiers.dram import Arena
 from kvstore_client import errors, framing
 
 log = logging.getLogger(__name__)
@@ -44,12 +47,12 @@ REFUSAL_LINGER_S = 1.0
 
 
 class LocalServer:
-    def __init__(self, path: str, service: KVStoreService, arena_fd: int, allowed_uids: frozenset[int],
+    def __init__(self, path: str, service: KVStoreService, arena: Arena | None, allowed_uids: frozenset[int],
                  connections_max: int, auth: Authenticator | None = None):
         self.path = path
         self._auth = auth or Authenticator(AuthConfig())
         self._service = service
-        self._arena_fd = arena_fd
+        self._arena = arena
         self._allowed_uids = allowed_uids
         self._connections_max = connections_max
         self._listener = _listen(path)
@@ -154,15 +157,7 @@ class LocalServer:
                     return
                 first = False
                 if kind == framing.MAP_ARENA:
-                    if self._auth.enabled and not identity.admin:
-                        refusal = errors.PermissionDenied(
-                            "the arena holds every tenant's pages and is mapped only by an admin identity "
-                            "(auth.local_uids 'uid:tenant:admin'); a tenant's pages move over TCP")
-                        self._auth.refused("local", refusal)
-                        _send_error(conn, refusal)
-                        continue
-                    conn.sendmsg([framing.encode(0, b"")],
-                                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", self._arena_fd))])
+                    self._map_arena(conn, owner)
                     continue
                 self._answer(conn, kind, payload, owner)
         except framing.FrameError as exc:
@@ -177,6 +172,24 @@ class LocalServer:
                 self._service.end_owner(owner)
             except AssertionError as exc:
                 stop_node("the local channel", exc)
+
+    def _map_arena(self, conn: socket.socket, owner: Caller) -> None:
+        """Answer MAP_ARENA with the memfd of the caller's tenant, or why it may not have one."""
+        identity, arena = owner.identity, self._arena
+        if arena is None:
+            _send_error(conn, errors.TransportUnavailable("this node has no DRAM arena to map"))
+            return
+        if self._auth.enabled and not arena.tenants_apart and not identity.admin:
+            refusal = errors.PermissionDenied(
+                "the arena is one memfd holding every tenant's pages (rdma.enabled keeps slabs from moving between "
+                "tenants) and is mapped only by an admin identity (auth.local_uids 'uid:tenant:admin'); a "
+                "tenant's pages move over TCP")
+            self._auth.refused("local", refusal)
+            _send_error(conn, refusal)
+            return
+        fd = arena.fd_of(identity.tenant)
+        owner.arena = arena.key(identity.tenant)
+        conn.sendmsg([framing.encode(0, b"")], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
 
     def _answer(self, conn: socket.socket, kind: int, payload: bytearray, owner: Caller) -> None:
         method = framing.METHODS.get(kind)

@@ -66,8 +66,9 @@ class KVStoreService:
         return self.store.draining
 
     def handle(self, method: str, request: Any, owner: object | None = None) -> Any:
-        identity = owner.identity if isinstance(owner, Caller) else TRUSTED
+        identity, arena = (owner.identity, owner.arena) if isinstance(owner, Caller) else (TRUSTED, None)
         tenancy.admit(self.store, method, request, identity)
+        tenancy.own_arena(self.store, method, request, arena)
         if identity.admin:
             return self._methods[method](request, owner)
         if method == "Stats":
@@ -198,6 +199,15 @@ class KVStoreService:
             promoted_pages=min(promoted, len(pages)), data_token=held.token)
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
+        if request.changed_pages:
+            if len(request.lease_ids) != 1:
+                raise errors.InvalidArgument("changed_pages names pages of one lease: send exactly one lease id with it")
+            dropped, garbage = self.store.drop_changed(request.lease_ids[0], list(request.changed_pages))
+            if garbage:   # copies on NVMe: only a node with NVMe has them
+                assert self.controller is not None, "pages on NVMe without an NVMe tier"
+                self.controller.forget(garbage)
+            log.warning("a reader found pages changed in shared memory lease=%#x reported=%d dropped=%d",
+                        request.lease_ids[0], len(request.changed_pages), dropped)
         return pb.ReleaseResponse(released=self.store.release(request.lease_ids))
 
     def delete(self, request: pb.DeleteRequest, owner: object | None) -> pb.DeleteResponse:

@@ -159,7 +159,8 @@ class PageStore:
         self._commit_waiters_max = max(1, config.server.grpc_workers // 2)
         self._commit_waiters = 0
         self._settled = threading.Condition(self._lock)   # a busy page stopped moving
-        self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes)
+        assert arena.slab_bytes == config.dram.slab_bytes, "the arena moves slabs of the allocator's size"
+        self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes, place=arena.place)
         self.ledger = TenantLedger(config.tenants.quota_table())
         self.index = PageIndex(on_removed=self._on_removed, on_dram_dropped=self._free_dram,
                                tenant_of=lambda ns_id: self.namespaces[ns_id].tenant)
@@ -993,6 +994,29 @@ class PageStore:
             self.counters.scrub_pages_bad += len(bad)
         return garbage
 
+    def drop_changed(self, lease_id: int, indices: list[int]) -> tuple[int, list[PageId]]:
+        """A reader found these pages of its read lease not matching their checksums: each whose slot no
+        longer hashes to it is dropped, with its descendants. Returns (pages dropped, NVMe ids to delete)."""
+        with self._lock:
+            lease = self._lease(lease_id, READ)
+            if any(i >= len(lease.pinned) for i in indices):
+                raise errors.InvalidArgument(f"changed_pages names a page past the {len(lease.pinned)} pages "
+                                             f"of lease {lease_id:#x}: give indices of its hit pages")
+            records = [lease.pinned[i] for i in indices]
+        changed = [r for r in records if not self.dram_checksum_ok(r)]   # pinned: no slot is reused meanwhile
+        garbage: list[PageId] = []
+        with self._lock:
+            for record in changed:
+                if record.alive:   # an earlier one's subtree may have taken it
+                    garbage += self._drop_corrupt(record)
+            self._deleting(garbage)
+        return len(changed), garbage
+
+    def trim_arena(self) -> int:
+        """Punch the tenants' memfds back to the slabs each holds (Arena.trim); bytes freed."""
+        with self._lock:
+            return self.arena.trim()
+
     def dram_checksum_ok(self, record: PageRecord) -> bool:
         """Re-hash a pinned page's DRAM copy (unlocked: a pinned slot is never reused)."""
         offset = record.offset
@@ -1042,12 +1066,19 @@ class PageStore:
                          for lease in self.leases.all())
             assert held + leased <= self.allocator.used_bytes, "a slot is used twice"
             assert sum(self.ledger.dram_bytes.values()) == self.allocator.used_bytes, "a slot has no tenant"
+            for record in self.index.records():
+                if record.offset != NO_SLOT:
+                    holder = self.arena.key(record.tenant)
+                    assert self.allocator.tenant_of(record.offset) == holder, "a page sits in another tenant's slab"
+                    assert self.arena.holder(record.offset - record.offset % self.arena.slab_bytes) == holder, \
+                        "a page's slab is mapped from another tenant's memfd"
 
     # -- internals (lock held) ------------------------------------------------------------
 
     def _allocate(self, slot_bytes: int, count: int, evict: Evict, tenant: str) -> list[int]:
         """Up to `count` free slots for `tenant`, evicting least recently used pages allowed by `evict`."""
-        offsets = self.allocator.allocate_many(slot_bytes, count)
+        holder = self.arena.key(tenant)   # slabs are held whole by one tenant's memfd
+        offsets = self.allocator.allocate_many(slot_bytes, count, holder)
         keep_unsaved = evict is Evict.CLEAN
         evicted = False
         while len(offsets) < count:
@@ -1057,7 +1088,7 @@ class PageStore:
             if victim is not None:
                 self._evicted(victim)
             evicted = True
-            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets))
+            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder)
         self.ledger.took(tenant, slot_bytes, offsets)
         if evicted:
             failpoints.hit("evict.after_victims")

@@ -6,8 +6,9 @@ digest of its whole spec, each tenant's pages live in a key space of their own: 
 tenant's pages simply do not exist for a caller. A namespace id or lease id of another
 tenant is answered exactly as an unknown one (NamespaceNotFound, LeaseNotFound, the same
 message, raised on the same path), so a probe learns nothing about what exists. Methods
-that touch every tenant (Scrub) or expose the whole arena (RdmaConnect, like the shm fd) need
-the admin role; an admin may name any tenant.
+that touch every tenant (Scrub) or expose the whole arena (RdmaConnect) need the admin role;
+an admin may name any tenant. A local connection maps the memfd of its own tenant only
+(tiers/dram.py), so its shared-memory Reserve and Acquire name only that tenant's namespaces.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ _BY_LEASE = frozenset({"Commit", "Abort", "Release"})
 _BY_PARTS = frozenset({"CommitGroup", "LookupGroup", "AcquireGroup"})
 # What a tenant may call at all: a method added later stays admin-only until its rules are written here.
 _TENANT_METHODS = _BY_NAMESPACE | _BY_LEASE | _BY_PARTS | {"Hello", "OpenNamespace", "Stats"}
-# Planes whose region is the whole arena (every tenant's pages): an RDMA rkey, like the shm fd, is
-# handed to admins only; a tenant's client moves its pages over TCP, where each frame is checked.
+# Planes whose region is the whole arena (every tenant's pages): an RDMA rkey is handed to admins
+# only; a tenant's client moves its pages over shared memory (its own memfd) or TCP.
 _WHOLE_ARENA = frozenset({"RdmaConnect", "RdmaDisconnect"})
 # Requests that may name such a queue pair (rdma_qp_num): a tenant has none to name.
 _NAMING_QUEUE_PAIR = frozenset({"Reserve", "Acquire"})
@@ -75,6 +76,18 @@ def admit(store: PageStore, method: str, request: Any, identity: Identity) -> No
     elif method == "Release":
         for lease_id in request.lease_ids:
             own_lease(store, lease_id, identity)
+
+
+def own_arena(store: PageStore, method: str, request: Any, arena: str | None) -> None:
+    """Raise if a connection that mapped tenant `arena`'s memfd reserves or acquires pages another memfd
+    holds (an admin naming another tenant's namespace): its offsets would point into the wrong memory."""
+    if arena is None or method not in ("Reserve", "Acquire"):
+        return
+    namespace = store.namespaces.get(request.namespace_id)
+    if namespace is not None and store.arena.key(namespace.tenant) != arena:
+        raise errors.PermissionDenied(
+            f"this local connection mapped the memfd of tenant {arena!r}, which does not hold the pages of "
+            f"tenant {namespace.tenant!r}: move them over TCP (KVStoreClient(transport='tcp'))")
 
 
 def own_namespace(store: PageStore, namespace_id: int, identity: Identity) -> None:

@@ -1,23 +1,67 @@
-"""DRAM tier storage: one memfd arena, carved into slabs, each slab holding slots of one page size.
+"""DRAM tier storage: the arena, one memfd per tenant, carved into slabs of slots of one page size.
 
-The arena is a memfd so that a client on the same host can map it (its fd travels over
-the Unix socket) and copy pages with one memcpy. The allocator only hands out and takes
-back slots; which page to evict when a size class is full is the index's decision.
+The arena is shared memory so that a client on the same host can map it (a memfd travels
+over the Unix socket) and copy pages with one memcpy. With tenants told apart (auth
+configured), each tenant's pages live in a memfd of its own, so the fd a local client is
+handed exposes only its tenant's pages:
 
-A slab belongs to one slot size while it holds any slot; when its last slot is freed it
-returns to the free pool, so memory flows between page sizes as pages come and go.
+- The node reserves one virtual range of dram.arena_bytes and maps each slab at
+  base + O from its tenant's memfd at file offset O. Every tenant's memfd is arena_bytes
+  long and sparse (holes read zeros and cost nothing), so a slot keeps one offset, the same
+  in the node's view and in a client's mapping of its own memfd: store offsets, slot views
+  and the clients' mappings are exactly what they were with one memfd.
+- A slab is held whole by one tenant. Its bytes move to another tenant only while it is
+  free: the old tenant's range is hole-punched (fallocate PUNCH_HOLE|KEEP_SIZE) before the
+  new tenant's range is allocated and mapped over it (MAP_FIXED), so no byte of one tenant
+  is ever readable through another's fd. A free slab stays with its last tenant and goes
+  back to it first, so a slab moves only when memory flows between tenants (a punch, an
+  allocation and a prefault of slab_bytes, under the store's lock).
+- At start-up every slab belongs to the default tenant "" (the only one without
+  authentication), whose memfd is allocated whole (posix_fallocate): a machine short of
+  memory fails there, as it always did. A move frees the old copy before it allocates the
+  new, so the arena never holds more than arena_bytes. With one tenant nothing ever moves.
+- A client may touch the holes of its own memfd and so allocate memory the node did not
+  give it; trim() punches a memfd back to the slabs its tenant holds (the lease reaper
+  calls it), so such memory lives at most one reaper pass.
+- With tenants not told apart (no authentication, or RDMA on: a registered memory region
+  pins the pages it was given, and a slab remapped under it would leave the NIC reading
+  and writing the old pages), every tenant's slabs stay in the one memfd of tenant "".
+
+The allocator only hands out and takes back slots; which page to evict when a size class is
+full is the index's decision. A slab belongs to one (tenant, slot size) while it holds any
+slot; when its last slot is freed it returns to the free pool, so memory flows between page
+sizes and tenants as pages come and go.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
+import threading
 import time
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
 SLOT_ALIGN = 4096
+DEFAULT_TENANT = ""
+
+# Linux values (the same on x86-64 and arm64); Python's mmap module cannot map at a fixed address.
+_PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_SHARED = 0x01
+_MAP_FIXED = 0x10
+_MAP_POPULATE = 0x8000
+_MAP_NORESERVE = 0x4000
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def slot_bytes_for(page_bytes: int) -> int:
@@ -25,27 +69,128 @@ def slot_bytes_for(page_bytes: int) -> int:
     return (page_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
-class Arena:
-    """A shared-memory region: a memfd of fixed size, mapped once."""
+def _map_fixed(address: int, nbytes: int, fd: int, offset: int, populate: bool) -> None:
+    flags = _MAP_SHARED | _MAP_FIXED | (_MAP_POPULATE if populate else 0)
+    if _libc.mmap(address, nbytes, _PROT_READ_WRITE, flags, fd, offset) == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {nbytes} bytes at arena offset {offset}: {os.strerror(errno)}")
 
-    def __init__(self, nbytes: int, hugepages: bool = False, prefault: bool = True):
-        flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if hugepages else 0)
-        self.fd = os.memfd_create("kvstore-dram-arena", flags)
+
+def _punch(fd: int, offset: int, nbytes: int) -> None:
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"punching {nbytes} bytes at offset {offset}: {os.strerror(errno)}")
+
+
+class Arena:
+    """The DRAM arena: one virtual range of `nbytes`, each slab mapped from its tenant's memfd."""
+
+    def __init__(self, nbytes: int, slab_bytes: int = 64 << 20, hugepages: bool = False, prefault: bool = True,
+                 tenants_apart: bool = False):
         self.nbytes = nbytes
+        self.slab_bytes = slab_bytes
+        self.tenants_apart = tenants_apart
+        self._hugepages = hugepages
+        self._prefault = prefault
+        self._fds: dict[str, int] = {}
+        self._fds_lock = threading.Lock()     # local connections ask for fds while the store moves slabs
+        self._holders: list[str] = [DEFAULT_TENANT] * -(-nbytes // slab_bytes)   # slab index -> tenant
+        self.slab_moves = 0
+        self.slab_move_s = 0.0
+        self.trimmed_bytes = 0
+        fd = self.fd_of(DEFAULT_TENANT)
         try:
-            os.ftruncate(self.fd, nbytes)
             if prefault:
                 started = time.perf_counter()
                 # Allocate every page now: a short machine fails at start-up, not mid-put.
-                os.posix_fallocate(self.fd, 0, nbytes)
+                os.posix_fallocate(fd, 0, nbytes)
                 log.info("arena prefaulted bytes=%d duration_ms=%.1f", nbytes, (time.perf_counter() - started) * 1e3)
-            # MAP_POPULATE: no page fault on the first touch of a slot (the server hashes every commit).
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-            self.mmap = mmap.mmap(self.fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # The range is reserved by an anonymous mapping (so the mmap object owns and unmaps it),
+            # then replaced whole by the default tenant's memfd. MAP_POPULATE: no page fault on the
+            # first touch of a slot (the server hashes every commit).
+            self.mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                                  prot=_PROT_READ_WRITE)
+            probe = (ctypes.c_char * 1).from_buffer(self.mmap)
+            self.address = ctypes.addressof(probe)
+            del probe
+            _map_fixed(self.address, nbytes, fd, 0, prefault)
         except OSError:
-            os.close(self.fd)
+            self._close_fds()
             raise
         self.view = memoryview(self.mmap)
+
+    @property
+    def fd(self) -> int:
+        """The default tenant's memfd (the whole arena when tenants are not told apart)."""
+        return self._fds[DEFAULT_TENANT]
+
+    def key(self, tenant: str) -> str:
+        """Whose memfd holds this tenant's pages."""
+        return tenant if self.tenants_apart else DEFAULT_TENANT
+
+    def fd_of(self, tenant: str) -> int:
+        """The memfd holding `tenant`'s pages (created, arena-sized and empty, on first use)."""
+        key = self.key(tenant)
+        with self._fds_lock:
+            fd = self._fds.get(key)
+            if fd is None:
+                flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if self._hugepages else 0)
+                fd = os.memfd_create(f"kvstore-dram:{key}"[:240], flags)
+                try:
+                    os.ftruncate(fd, self.nbytes)
+                except OSError:
+                    os.close(fd)
+                    raise
+                self._fds[key] = fd
+            return fd
+
+    def holder(self, slab_base: int) -> str:
+        return self._holders[slab_base // self.slab_bytes]
+
+    def place(self, slab_base: int, tenant: str) -> bool:
+        """Make a free slab `tenant`'s: its old tenant's copy is punched out, then the range is mapped from
+        `tenant`'s memfd. False (the slab stays with its old tenant) when the memory cannot be allocated."""
+        index, key = slab_base // self.slab_bytes, self.key(tenant)
+        old = self._holders[index]
+        if old == key:
+            return True
+        started = time.perf_counter()
+        fd, nbytes = self.fd_of(key), min(self.slab_bytes, self.nbytes - slab_base)
+        _punch(self._fds[old], slab_base, nbytes)    # first: the arena never holds a slab twice
+        if self._prefault:
+            try:
+                os.posix_fallocate(fd, slab_base, nbytes)
+            except OSError as exc:
+                log.error("slab at offset %d not moved to tenant %r: %s", slab_base, key, exc)
+                return False
+        _map_fixed(self.address + slab_base, nbytes, fd, slab_base, self._prefault)
+        self._holders[index] = key
+        self.slab_moves += 1
+        self.slab_move_s += time.perf_counter() - started
+        log.debug("slab moved offset=%d from=%r to=%r", slab_base, old, key)
+        return True
+
+    def trim(self) -> int:
+        """Punch each memfd back to the slabs its tenant holds (a client may have touched holes of its own
+        memfd, allocating memory nobody gave it). Returns the bytes freed."""
+        freed = 0
+        with self._fds_lock:
+            fds = dict(self._fds)
+        for key, fd in fds.items():
+            held = self._holders.count(key) * self.slab_bytes
+            allocated = os.fstat(fd).st_blocks * 512
+            if allocated <= held:
+                continue
+            for index, holder in enumerate(self._holders):
+                if holder != key:
+                    base = index * self.slab_bytes
+                    _punch(fd, base, min(self.slab_bytes, self.nbytes - base))
+            now = os.fstat(fd).st_blocks * 512
+            freed += max(allocated - now, 0)
+            log.warning("tenant %r's memfd held %d bytes beyond its slabs (touched by a client): punched out",
+                        key, allocated - held)
+        self.trimmed_bytes += freed
+        return freed
 
     def close(self) -> None:
         self.view.release()
@@ -53,58 +198,66 @@ class Arena:
             self.mmap.close()
         except BufferError:
             pass
-        os.close(self.fd)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        with self._fds_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 class _Slab:
-    __slots__ = ("base", "slot_bytes", "free", "capacity")
+    __slots__ = ("base", "tenant", "slot_bytes", "free", "capacity")
 
-    def __init__(self, base: int, slab_bytes: int, slot_bytes: int):
+    def __init__(self, base: int, tenant: str, slab_bytes: int, slot_bytes: int):
         self.base = base
+        self.tenant = tenant
         self.slot_bytes = slot_bytes
         self.capacity = slab_bytes // slot_bytes
         # Popped from the end: hand out low offsets first.
         self.free = list(range(base + (self.capacity - 1) * slot_bytes, base - 1, -slot_bytes))
 
 
-class SlabAllocator:
-    """Slots of a few fixed sizes over one arena. Not thread-safe: the index's lock guards it."""
+def _always(slab_base: int, tenant: str) -> bool:
+    return True
 
-    def __init__(self, arena_bytes: int, slab_bytes: int):
+
+class SlabAllocator:
+    """Slots of a few fixed sizes over one arena, each slab held whole by one tenant.
+
+    `place(slab_base, tenant)` gives a free slab's memory to a tenant (Arena.place) and may
+    refuse. Not thread-safe: the store's lock guards it.
+    """
+
+    def __init__(self, arena_bytes: int, slab_bytes: int, place: Callable[[int, str], bool] = _always):
         self.slab_bytes = slab_bytes
-        self._free_slabs = [i * slab_bytes for i in range(arena_bytes // slab_bytes - 1, -1, -1)]
-        self._slabs: dict[int, _Slab] = {}                 # slab base -> slab in use
-        self._partial: dict[int, dict[int, _Slab]] = {}    # slot size -> slabs with a free slot
+        self._place = place
+        # Free slabs by the tenant that last held them: a tenant takes its own back first (no move).
+        self._free_slabs: dict[str, list[int]] = {
+            DEFAULT_TENANT: [i * slab_bytes for i in range(arena_bytes // slab_bytes - 1, -1, -1)]}
+        self._slabs: dict[int, _Slab] = {}                            # slab base -> slab in use
+        self._partial: dict[tuple[str, int], dict[int, _Slab]] = {}   # (tenant, slot size) -> slabs with a free slot
         self.used_bytes = 0
         self.capacity_bytes = arena_bytes // slab_bytes * slab_bytes
 
-    def allocate(self, slot_bytes: int) -> int | None:
-        """Offset of a free slot of this size, or None when the size is full and no slab is free."""
-        partial = self._partial.setdefault(slot_bytes, {})
-        if not partial:
-            if not self._free_slabs:
-                return None
-            slab = _Slab(self._free_slabs.pop(), self.slab_bytes, slot_bytes)
-            self._slabs[slab.base] = slab
-            partial[slab.base] = slab
-        slab = next(iter(partial.values()))
-        offset = slab.free.pop()
-        if not slab.free:
-            del partial[slab.base]
-        self.used_bytes += slot_bytes
-        return offset
+    def allocate(self, slot_bytes: int, tenant: str = DEFAULT_TENANT) -> int | None:
+        """Offset of a free slot of this size for `tenant`, or None when its size is full and no slab is free."""
+        offsets = self.allocate_many(slot_bytes, 1, tenant)
+        return offsets[0] if offsets else None
 
-    def allocate_many(self, slot_bytes: int, count: int) -> list[int]:
-        """Up to `count` free slots of this size, taken a slab at a time (fewer when full)."""
-        partial = self._partial.setdefault(slot_bytes, {})
+    def allocate_many(self, slot_bytes: int, count: int, tenant: str = DEFAULT_TENANT) -> list[int]:
+        """Up to `count` free slots of this size in `tenant`'s slabs, taken a slab at a time (fewer when full)."""
+        partial = self._partial.setdefault((tenant, slot_bytes), {})
         offsets: list[int] = []
         while len(offsets) < count:
             if not partial:
-                if not self._free_slabs:
+                base = self._take_slab(tenant)
+                if base is None:
                     break
-                slab = _Slab(self._free_slabs.pop(), self.slab_bytes, slot_bytes)
-                self._slabs[slab.base] = slab
-                partial[slab.base] = slab
+                slab = _Slab(base, tenant, self.slab_bytes, slot_bytes)
+                self._slabs[base] = slab
+                partial[base] = slab
             slab = next(iter(partial.values()))
             take = min(count - len(offsets), len(slab.free))
             offsets.extend(slab.free[-take:][::-1])
@@ -119,13 +272,30 @@ class SlabAllocator:
         assert (offset - slab.base) % slab.slot_bytes == 0, f"offset {offset} is not a slot start"
         slab.free.append(offset)
         self.used_bytes -= slab.slot_bytes
-        partial = self._partial[slab.slot_bytes]
+        partial = self._partial[(slab.tenant, slab.slot_bytes)]
         if len(slab.free) == slab.capacity:
             partial.pop(slab.base, None)
             del self._slabs[slab.base]
-            self._free_slabs.append(slab.base)
+            self._free_slabs.setdefault(slab.tenant, []).append(slab.base)
         else:
             partial[slab.base] = slab
 
     def has_free_slab(self) -> bool:
-        return bool(self._free_slabs)
+        return any(self._free_slabs.values())
+
+    def tenant_of(self, offset: int) -> str:
+        """The tenant whose slab holds this used slot."""
+        return self._slabs[offset - offset % self.slab_bytes].tenant
+
+    def _take_slab(self, tenant: str) -> int | None:
+        """A free slab for `tenant`: one it held last, else one of the default pool, else anyone's."""
+        for holder in (tenant, DEFAULT_TENANT, *self._free_slabs):
+            bases = self._free_slabs.get(holder)
+            if not bases:
+                continue
+            base = bases.pop()
+            if holder == tenant or self._place(base, tenant):
+                return base
+            bases.append(base)   # its memory could not be given: it stays with its holder
+            return None
+        return None

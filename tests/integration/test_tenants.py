@@ -240,13 +240,11 @@ def test_non_loopback_address_without_authentication_refuses_to_start(start_serv
 def test_local_uid_mapping_decides_the_local_channel(start_server, tokens):
     import os
     uid = os.getuid()
-    # A tenant's uid: the local channel serves it, but never the arena (it holds every tenant's pages).
+    # A tenant's uid: the local channel serves it, with shared memory in its tenant's own memfd.
     tenant_node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{uid}:alice"})
     with KVStoreClient(tenant_node.address, token=tokens.alice) as alice:
-        assert alice.transport == "tcp"
+        assert alice.transport == "shm"
         assert alice.put(NS, ["a0"], pages(1)) == 1
-    with pytest.raises(errors.PermissionDenied, match="mapped only by an admin identity"):
-        KVStoreClient(tenant_node.address, token=tokens.alice, transport="shm")
     # An admin uid maps the arena.
     admin_node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{uid}:ops:admin"})
     with KVStoreClient(admin_node.address, token=tokens.ops) as ops:
@@ -367,8 +365,10 @@ def test_the_cli_shows_a_tenant_only_its_own_and_mints_tokens(start_server, toke
 
 
 def test_a_tenant_can_change_no_committed_page_of_another(start_server, tokens):
-    """Committed pages are read-only to tenants: no tenant maps the arena (shm fd, RDMA region), and
-    the TCP data plane writes only uncommitted slots of the connection's own write leases."""
+    """Committed pages of one tenant are out of another's reach: a tenant maps only its own memfd (which
+    holds none of another's bytes: test_tenant_memfd.py), no tenant gets the RDMA region, and the TCP
+    data plane writes only uncommitted slots of the connection's own write leases."""
+    import mmap
     import os
     from kvstore_client.channel import LocalChannel
     node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice"})
@@ -377,8 +377,12 @@ def test_a_tenant_can_change_no_committed_page_of_another(start_server, tokens):
         assert bob.put(NS, ["b0", "b1"], data) == 2
     hello = channel(node, tokens.alice).call("Hello", pb.HelloRequest())
     local = LocalChannel(hello.shm_socket, 5.0)
-    with pytest.raises(errors.PermissionDenied, match="mapped only by an admin identity"):
-        local.map_arena_fd()
+    fd = local.map_arena_fd()
+    alices = mmap.mmap(fd, os.fstat(fd).st_size)
+    assert bytes(alices).find(data[0][:64].tobytes()) < 0   # bob's page is not in alice's memfd
+    alices[:] = b"\x07" * len(alices)                       # so nothing alice writes there reaches it
+    alices.close()
+    os.close(fd)
     local.close()
     for method, request in (("RdmaConnect", pb.RdmaConnectRequest()), ("RdmaDisconnect", pb.RdmaDisconnectRequest())):
         with pytest.raises(errors.PermissionDenied, match="whole arena"):

@@ -22,9 +22,14 @@ class ManualClock:
         self.now += seconds
 
 
+def arena_for(cfg: config.Config) -> Arena:
+    """The node's arena for this config; tenants get memfds of their own, as with authentication."""
+    return Arena(cfg.dram.arena_bytes, cfg.dram.slab_bytes, tenants_apart=True)
+
+
 def make_service(overrides: list[str], clock: ManualClock) -> KVStoreService:
     cfg = config.load(environ={}, overrides=overrides)
-    service = KVStoreService(PageStore(cfg, Arena(cfg.dram.arena_bytes), clock))
+    service = KVStoreService(PageStore(cfg, arena_for(cfg), clock))
     service.grants = SlotGrants(service.store)
     return service
 
@@ -37,7 +42,7 @@ def make_node(tmp_path, overrides: list[str], clock: ManualClock | None = None) 
     from kvstore.tiers.nvme import NvmeTier
 
     cfg = config.load(environ={}, overrides=overrides)
-    store = PageStore(cfg, Arena(cfg.dram.arena_bytes), clock or ManualClock())
+    store = PageStore(cfg, arena_for(cfg), clock or ManualClock())
     nvme = NvmeTier((str(tmp_path / "s0"), str(tmp_path / "s1")), cfg.nvme.map_bytes)
     controller = CacheController(store, nvme, cfg.controller)
     service = KVStoreService(store, controller, Scrubber(store, nvme, 0))

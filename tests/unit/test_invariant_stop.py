@@ -41,7 +41,7 @@ CARRIERS = {
         from kvstore.control.local_server import LocalServer
         from kvstore_client import framing
         path = os.path.join(sys.argv[1], "kvstore.sock")
-        server = LocalServer(path, BrokenService(), -1, frozenset({os.getuid()}), connections_max=4)
+        server = LocalServer(path, BrokenService(), None, frozenset({os.getuid()}), connections_max=4)
         server.start()
         sock = socket.socket(socket.AF_UNIX)
         sock.settimeout(20)

@@ -1,4 +1,12 @@
-"""The server's DRAM arena mapped into this process: one memcpy per segment, to or from a slot."""
+"""A tenant's memfd of the node's DRAM arena mapped into this process: one memcpy per segment, to or from a slot.
+
+The node hands each tenant the memfd holding only that tenant's pages, at the same offsets as
+in its arena (kvstore/tiers/dram.py); the other tenants' slabs are holes here. The mapping is
+prefaulted only when the memfd is allocated whole (one tenant: the node's default): faulting
+in holes would allocate memory the node never gave this tenant (and the node punches it back).
+A page read from here is hashed as it is copied and compared with the checksum the node
+recorded at commit, so a page changed through a mapping is never returned as good.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstore_client import native
+from kvstore_client import checksums, native
 from kvstore_client.buffers import Segment
 
 _memmove = ctypes.memmove
@@ -26,8 +34,10 @@ CACHED_COPY_BYTES = 256 << 10
 class ArenaMapping:
     def __init__(self, fd: int):
         try:
-            self.nbytes = os.fstat(fd).st_size
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            stat = os.fstat(fd)
+            self.nbytes = stat.st_size
+            self.whole = stat.st_blocks * 512 >= stat.st_size   # no holes: every slab is this tenant's
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self.whole else 0)
             self._mmap = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -65,6 +75,27 @@ class ArenaMapping:
             return
         for offset, segments in zip(offsets, pages):
             self.read(offset, segments)
+
+    def read_pages_hashed(self, offsets: Sequence[int], pages: Sequence[list[Segment]]) -> list[int]:
+        """read_pages(), returning the xxh3 of the bytes that landed in each page's segments. The destination
+        is hashed, not the slot (which a client of the tenant may be changing during the copy), a piece at a
+        time right after the piece is copied, while it is still in cache: one native call for them all where
+        kvstore_native has copy_out_hashed."""
+        copy_out_hashed = getattr(native.module, "copy_out_hashed", None)
+        if copy_out_hashed is not None:
+            return copy_out_hashed(self.base, offsets, pages)
+        sums = []
+        for offset, segments in zip(offsets, pages):
+            hasher = checksums.page_hasher()
+            src = self.base + offset
+            for dst, nbytes in segments:
+                for done in range(0, nbytes, CACHED_COPY_BYTES):
+                    piece = min(CACHED_COPY_BYTES, nbytes - done)
+                    _memmove(dst + done, src + done, piece)
+                    hasher.update((ctypes.c_char * piece).from_address(dst + done))
+                src += nbytes
+            sums.append(hasher.intdigest())
+        return sums
 
     def hold(self) -> np.ndarray:
         """A view of the whole mapping that keeps it mapped, even past close(), until the view is dropped

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kvstore_client import checksums, errors
+from kvstore_client import errors
 from kvstore_client.buffers import Segment, page_segments
 from kvstore_client.keys import Key, Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
@@ -59,15 +59,9 @@ def prefetch_policy(policy: str) -> int:
     return _PREFETCH_POLICIES[policy]
 
 
-def check_verify(verify: bool) -> None:
-    if verify and not checksums.available():
-        raise errors.InvalidArgument("verify=True needs the xxhash package (pip install kvstore-client[fast])")
-
-
-def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, tokens: Any, verify: bool,
+def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, tokens: Any,
               parent: Key | None, anchor: Key | None) -> tuple[list[bytes], list[list[Segment]], list[Any]]:
     """A put's keys, its pages' segments and the objects that keep those segments' memory alive."""
-    check_verify(verify)
     raw_keys = page_keys(namespace, keys, tokens)
     if buffers is None:
         raise errors.InvalidArgument("put needs the pages' buffers")
@@ -77,10 +71,9 @@ def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, to
     return raw_keys, segments, keepalive
 
 
-def get_pages(namespace: Namespace, keys: Sequence[Key] | None, out: Any, tokens: Any,
-              verify: bool) -> tuple[list[bytes], list[list[Segment]], list[Any]]:
+def get_pages(namespace: Namespace, keys: Sequence[Key] | None, out: Any,
+              tokens: Any) -> tuple[list[bytes], list[list[Segment]], list[Any]]:
     """A get's keys, the segments of `out` its pages are copied into and the objects that keep them alive."""
-    check_verify(verify)
     raw_keys = page_keys(namespace, keys, tokens)
     if out is None:
         raise errors.InvalidArgument("get needs the buffers to copy pages into (out)")

@@ -44,7 +44,8 @@ from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
-from kvstore_client.pipeline import LEASE_MARGIN_S, PutResult, check_loaded, commit_checksums, stored_pages
+from kvstore_client.pipeline import (LEASE_MARGIN_S, PutResult, changed_pages, check_loaded, commit_checksums,
+                                     stored_pages)
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import ShmDataPath
 from kvstore_client.transport_choice import candidates
@@ -192,8 +193,8 @@ class _ArenaPages:
     async def put(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> list[int] | None:
         return self.path.put(lease_id, token, pages, page_bytes)
 
-    async def get(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> None:
-        self.path.get(lease_id, token, pages, page_bytes)
+    async def get(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> list[int] | None:
+        return self.path.get(lease_id, token, pages, page_bytes)
 
     def alive(self) -> bool:
         return self.path.alive()
@@ -318,7 +319,7 @@ class AsyncKVStoreClient:
                   parent: Key | None = None, verify: bool = False, durable: bool = False, *,
                   tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
         """KVStoreClient.put: store pages; a PutResult counts the leading keys stored and says why it is short."""
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
         before = parent if parent is not None else anchor   # the page before keys[0]; anchor: maybe not held
         parent_key = encode_key(before) if before is not None else b""
 
@@ -346,7 +347,7 @@ class AsyncKVStoreClient:
                   tokens: Any = None, timeout_s: float | None = None, wait_ms: int = 0) -> int:
         """KVStoreClient.get: copy the leading stored pages into `out`; returns how many were loaded."""
         prefetch = prefetch_policy(policy)
-        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens, verify)
+        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens)
 
         async def get_all(conn: _Connection) -> int:
             loaded, step = 0, conn.hello.limits.batch_pages_max
@@ -662,10 +663,12 @@ async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, 
     hits = acquired.hit_pages
     if not hits:
         return 0
+    landed = None
     try:
-        await conn.data.get(acquired.lease_id, acquired.data_token,
-                      [(i, acquired.offsets[i], segments[i]) for i in range(hits)], acquired.page_bytes)
+        landed = await conn.data.get(acquired.lease_id, acquired.data_token,
+                                     [(i, acquired.offsets[i], segments[i]) for i in range(hits)], acquired.page_bytes)
     finally:
-        conn.control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
-    check_loaded(acquired, sent_at, segments, verify)
+        changed = changed_pages(acquired, landed)
+        conn.control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
+    check_loaded(acquired, sent_at, segments, verify, changed)
     return hits

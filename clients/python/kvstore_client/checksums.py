@@ -10,14 +10,12 @@ import ctypes
 
 from kvstore_client.buffers import Segment
 
-try:  # optional: only verify=True needs it (pip install kvstore-client[fast])
-    import xxhash
-except ImportError:  # pragma: no cover - exercised where xxhash is absent
-    xxhash = None
+import xxhash
 
 
-def available() -> bool:
-    return xxhash is not None
+def page_hasher() -> "xxhash.xxh3_64":
+    """An incremental xxh3-64, fed a page's bytes in order."""
+    return xxhash.xxh3_64()
 
 
 def of_page(segments: list[Segment]) -> int:

@@ -123,7 +123,7 @@ class KVStoreClient:
         written by another client (those count as stored, whether or not they are on NVMe
         yet). A page this call wrote that is committed but not on NVMe ends the count.
         """
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
         parent_key = encode_key(parent) if parent is not None else b""
         anchor_key = encode_key(anchor) if anchor is not None else b""
         stored, reason = 0, ""
@@ -155,7 +155,7 @@ class KVStoreClient:
         decode engine); the count is then what was committed by the deadline.
         """
         prefetch = prefetch_policy(policy)
-        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens, verify)
+        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens)
         loaded = 0
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:

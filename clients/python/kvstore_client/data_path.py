@@ -57,8 +57,10 @@ class DataPath(Protocol):
         page's xxh3 where the path computed it from the bytes it copied (its Commit then says so and the
         node reads nothing back), else None."""
 
-    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
-        """Read each pinned page into the caller's segments; raises Unavailable if the node is lost."""
+    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int] | None:
+        """Read each pinned page into the caller's segments; raises Unavailable if the node is lost. Returns
+        each page's xxh3 where the path hashed what landed as it copied (shared memory, which a client of
+        the tenant could change: the caller compares them with the node's), else None."""
 
     def alive(self) -> bool:
         """False once the path is known broken or its node gone (a cheap check, no round trip)."""

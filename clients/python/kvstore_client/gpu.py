@@ -251,6 +251,12 @@ def _require_arena(conn: NodeConnection) -> Any:
     if arena is None:
         raise errors.InvalidArgument(f"GPU transfers copy to and from the node's shared-memory arena: the client "
                                      f"must run on the node's host (its data plane is {conn.data.name!r})")
+    if not arena.whole:
+        # The device registration pins the whole mapping: in a tenant's memfd that would allocate its holes,
+        # and a slab the node later moved away and back would be new memory the registration never sees.
+        raise errors.InvalidArgument("GPU transfers register the node's whole arena with the device, which needs the "
+                                     "arena in one memfd: this node keeps tenants in memfds of their own (auth "
+                                     "configured); load pages with KVStoreClient.get and copy them to the GPU")
     return arena
 
 

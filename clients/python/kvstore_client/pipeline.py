@@ -226,21 +226,36 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments
     hits = acquired.hit_pages
     if not hits:
         return 0
+    landed = None
     try:
         pages = list(zip(range(hits), acquired.offsets, segments))
-        data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
+        landed = data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
     finally:
-        control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
-    check_loaded(acquired, sent_at, segments, verify)
+        changed = changed_pages(acquired, landed)
+        control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
+    check_loaded(acquired, sent_at, segments, verify, changed)
     return hits
 
 
-def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[list[Segment]], verify: bool) -> None:
-    """Fail a get whose pages may be torn (LeaseNotFound) or, with verify, do not match (ChecksumMismatch)."""
+def changed_pages(acquired: pb.AcquireResponse, landed: list[int] | None) -> list[int]:
+    """Indices of the pages whose copied bytes (hashed as they landed) differ from the node's checksums."""
+    if landed is None:
+        return []
+    return [i for i, (got, want) in enumerate(zip(landed, acquired.checksums)) if got != want]
+
+
+def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[list[Segment]], verify: bool,
+                 changed: list[int]) -> None:
+    """Fail a get whose pages may be torn (LeaseNotFound) or do not match their checksums (ChecksumMismatch:
+    changed in shared memory, always checked there; with verify, on any data plane)."""
     # The lease started after sent_at, so ending before sent_at + ttl means no page could
     # have been evicted (and its slot reused) under the transfer.
     if time.monotonic() > sent_at + acquired.lease_ttl_ms / 1000:
         raise errors.LeaseNotFound("the read lease expired during the transfer; the pages may be torn")
+    if changed:
+        raise errors.ChecksumMismatch(
+            f"pages {changed} of this get no longer match the checksums recorded when they were committed: a "
+            "client of this tenant changed them in shared memory. The node drops each it finds changed; put them again")
     if verify:
         for i in range(acquired.hit_pages):
             if checksums.of_page(segments[i]) != acquired.checksums[i]:

@@ -1,8 +1,11 @@
 """The shared-memory data plane: pages are copied straight into and out of the node's arena.
 
-The arena's memfd comes over the node's Unix socket (LocalChannel.map_arena_fd) and is mapped
-once per connection (arena.py). The socket it came over stays open as long as the mapping is
-used: the node closes it when it stops, and that is how a mapping is known to be stale.
+The memfd of the caller's tenant comes over the node's Unix socket (LocalChannel.map_arena_fd) and
+is mapped once per connection (arena.py). Committed pages are not write-protected in it: a get
+hashes each page as it copies it, and one that no longer matches the checksum recorded at commit
+(changed through a mapping) is refused and reported to the node, which drops it (pipeline.py).
+The socket it came over stays open as long as the mapping is used: the node closes it when it
+stops, and that is how a mapping is known to be stale.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ class ShmDataPath:
         self._check_same_node()
         return sums
 
-    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
         _, offsets, segments = zip(*pages)
-        self.arena.read_pages(offsets, segments)
+        sums = self.arena.read_pages_hashed(offsets, segments)
         self._check_same_node()
+        return sums
 
     def alive(self) -> bool:
         return self._channel.alive()

@@ -1,0 +1,201 @@
+"""Each tenant's DRAM is a memfd of its own: a local client of one tenant, mapping the fd it is handed,
+finds no byte of another tenant's pages, even in a slab that moved between them; both tenants move
+pages over shared memory; a page changed through a mapping is refused by get and dropped by the node."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from identities import Tokens
+from kvstore_client import KVStoreClient, Namespace, errors
+from kvstore_client.channel import LocalChannel
+from kvstore_client.proto import pb
+
+PAGE = 64 << 10
+SLAB = 256 << 10            # four pages a slab
+NS = Namespace(model="memfd-model", page_bytes=PAGE, page_tokens=16)
+NOBODY = 65534
+
+# Run as another uid (bob's): put, delete, or map its own memfd and look for markers.
+TENANT_CLIENT = r'''
+import json, mmap, os, socket, sys
+import numpy as np
+from kvstore_client import KVStoreClient, Namespace
+from kvstore_client.channel import LocalChannel
+from kvstore_client.proto import pb
+address, token, command, arg = sys.argv[1:5]
+# The node learns a local peer's uid from its effective uid at connect() (SO_PEERCRED): bob's is nobody's.
+# Only the connect runs as nobody, as the interpreter lives where only root reads.
+_connect = socket.socket.connect
+def connect_as_nobody(sock, target):
+    if sock.family != socket.AF_UNIX:
+        return _connect(sock, target)
+    os.seteuid(65534)
+    try:
+        return _connect(sock, target)
+    finally:
+        os.seteuid(0)
+socket.socket.connect = connect_as_nobody
+ns = Namespace(model="memfd-model", page_bytes=64 << 10, page_tokens=16)
+with KVStoreClient(address, token=token) as client:
+    answer = {"transport": client.transport}
+    if command == "put":
+        seed, count = map(int, arg.split(":"))
+        data = np.random.default_rng(seed).integers(0, 256, (count, 64 << 10), dtype=np.uint8)
+        answer["stored"] = client.put(ns, [f"b{i}" for i in range(count)], data)
+    elif command == "delete":
+        answer["deleted"] = client.delete(ns, ["b0"])
+    else:
+        hello = client._conn.hello
+        local = LocalChannel(hello.shm_socket, 5.0, token)
+        fd = local.map_arena_fd()
+        size = os.fstat(fd).st_size
+        answer["allocated_bytes"] = os.fstat(fd).st_blocks * 512
+        view = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        answer["found"] = [bytes(view).find(bytes.fromhex(m)) >= 0 for m in arg.split(",")]
+        view.close(); os.close(fd); local.close()
+print(json.dumps(answer))
+'''
+
+
+def pages(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+def markers(data) -> list[bytes]:
+    return [bytes(page[:64]) for page in data]
+
+
+@pytest.fixture
+def socket_dir():
+    """The local socket where another uid can reach it (pytest's temp dir is root's alone)."""
+    directory = tempfile.mkdtemp(prefix="kvstore-memfd-")
+    os.chmod(directory, 0o755)
+    yield directory
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+
+
+@pytest.fixture
+def two_tenants(start_server, tmp_path, socket_dir):
+    if os.getuid() != 0:
+        pytest.skip("runs bob's client as another uid, which needs root")   # the project's test machines are root
+    tokens = Tokens(tmp_path)
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"0:alice,{NOBODY}:bob",
+                         "dram.arena_bytes": str(2 * SLAB), "dram.slab_bytes": str(SLAB),
+                         "shm.socket_path": os.path.join(socket_dir, "kvstore.sock")})
+    return node, tokens
+
+
+def as_bob(node, tokens, command: str, arg: str = "") -> dict:
+    done = subprocess.run([sys.executable, "-c", TENANT_CLIENT, node.address, tokens.bob, command, arg],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def scan_own_memfd(node, token: str, wanted: list[bytes]) -> tuple[list[bool], int]:
+    """Map the memfd this tenant's local connection is handed, whole; which markers it holds, and its bytes."""
+    with KVStoreClient(node.address, token=token) as client:
+        local = LocalChannel(client._conn.hello.shm_socket, 5.0, token)
+    fd = local.map_arena_fd()
+    try:
+        view = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        try:
+            content = bytes(view)
+        finally:
+            view.close()
+        return [content.find(m) >= 0 for m in wanted], os.fstat(fd).st_blocks * 512
+    finally:
+        os.close(fd)
+        local.close()
+
+
+def test_a_tenants_fd_exposes_no_byte_of_another_tenant_even_after_a_slab_moves(two_tenants):
+    node, tokens = two_tenants
+    bob_data, alice_data = pages(2, seed=11), pages(5, seed=12)
+    put = as_bob(node, tokens, "put", "11:2")
+    assert put == {"transport": "shm", "stored": 2}            # bob, authenticated, on shared memory
+    with KVStoreClient(node.address, token=tokens.alice) as alice:
+        assert alice.transport == "shm"                         # and alice too
+        assert alice.put(NS, [f"a{i}" for i in range(4)], alice_data[:4]) == 4   # her slab, full
+    found, _ = scan_own_memfd(node, tokens.alice, markers(bob_data) + markers(alice_data[:4]))
+    assert found == [False] * 2 + [True] * 4
+    scan = as_bob(node, tokens, "scan", ",".join(m.hex() for m in markers(alice_data[:4]) + markers(bob_data)))
+    assert scan["found"] == [False] * 4 + [True] * 2
+
+    # Bob's pages go; his slab is free, and alice's fifth page can only go there: the slab moves to her.
+    assert as_bob(node, tokens, "delete")["deleted"] == 2
+    with KVStoreClient(node.address, token=tokens.alice) as alice:
+        assert alice.put(NS, ["a4"], alice_data[4:], parent="a3") == 1
+        out = np.zeros_like(alice_data)
+        assert alice.get(NS, [f"a{i}" for i in range(5)], out) == 5 and np.array_equal(out, alice_data)
+    found, alice_bytes = scan_own_memfd(node, tokens.alice, markers(bob_data) + markers(alice_data))
+    assert found == [False] * 2 + [True] * 5
+    assert alice_bytes <= 2 * SLAB
+    scan = as_bob(node, tokens, "scan", ",".join(m.hex() for m in markers(alice_data) + markers(bob_data)))
+    # Bob's copy of the moved slab was punched out: neither alice's bytes nor his own old ones, no memory.
+    assert scan["found"] == [False] * 7 and scan["allocated_bytes"] == 0
+
+
+def changed_page_is_refused(node_address: str, token: str | None, key_prefix: str) -> None:
+    data = pages(3, seed=21)
+    keys = [f"{key_prefix}{i}" for i in range(3)]
+    with KVStoreClient(node_address, token=token) as client:
+        assert client.transport == "shm"
+        assert client.put(NS, keys, data) == 3
+        # Find the second page's slot, then change one byte of it through this client's own mapping.
+        acquired = client._conn.control.call("Acquire", pb.AcquireRequest(
+            namespace_id=client._namespace_id(NS), keys=[k.encode() for k in keys]))
+        client._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+        arena = client._conn.data.arena
+        arena.view[acquired.offsets[1] + 100] ^= 0xFF
+        out = np.zeros_like(data)
+        with pytest.raises(errors.ChecksumMismatch, match=r"pages \[1\] .* changed them in shared memory"):
+            client.get(NS, keys, out)
+        # The node re-hashed the slot, found it changed and dropped the page with what extends it.
+        assert client.lookup(NS, keys) == 1
+        out = np.zeros_like(data)
+        assert client.get(NS, keys, out) == 1 and np.array_equal(out[0], data[0])
+
+
+def test_a_committed_page_changed_in_shared_memory_is_refused_on_get(two_tenants):
+    node, tokens = two_tenants
+    changed_page_is_refused(node.address, tokens.alice, "c")
+
+
+def test_the_default_tenant_gets_the_same_refusal(server):
+    changed_page_is_refused(server.address, None, "d")
+    assert "pages changed in shared memory" in server.log() and "reported=1 dropped=1" in server.log()
+
+
+def test_memory_a_client_allocates_in_its_memfds_holes_is_punched_back(two_tenants):
+    node, tokens = two_tenants
+    with KVStoreClient(node.address, token=tokens.alice) as alice:
+        assert alice.put(NS, ["h0"], pages(1, seed=31)) == 1
+        local = LocalChannel(alice._conn.hello.shm_socket, 5.0, tokens.alice)
+    fd = local.map_arena_fd()
+    try:
+        held = os.fstat(fd).st_blocks * 512
+        assert held == SLAB                      # one slab, prefaulted when it became alice's
+        view = mmap.mmap(fd, os.fstat(fd).st_size)
+        view[:] = b"\x01" * len(view)            # touches the other slab, a hole of her memfd
+        view.close()
+        assert os.fstat(fd).st_blocks * 512 == 2 * SLAB
+        deadline = time.monotonic() + 10
+        while os.fstat(fd).st_blocks * 512 > held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.fstat(fd).st_blocks * 512 == held   # the lease reaper's trim punched it out
+    finally:
+        os.close(fd)
+        local.close()
