@@ -10,12 +10,13 @@ handed exposes only its tenant's pages:
   long and sparse (holes read zeros and cost nothing), so a slot keeps one offset, the same
   in the node's view and in a client's mapping of its own memfd: store offsets, slot views
   and the clients' mappings are exactly what they were with one memfd.
-- A slab is held whole by one tenant. Its bytes move to another tenant only while it is
-  free: the old tenant's range is hole-punched (fallocate PUNCH_HOLE|KEEP_SIZE) before the
-  new tenant's range is allocated and mapped over it (MAP_FIXED), so no byte of one tenant
-  is ever readable through another's fd. A free slab stays with its last tenant and goes
-  back to it first, so a slab moves only when memory flows between tenants (a punch, an
-  allocation and a prefault of slab_bytes, under the store's lock).
+- A slab is held whole by one tenant, so a slot's bytes are only ever in its tenant's memfd.
+  A slab moves to another tenant only while it is free: the old tenant's range is
+  hole-punched (fallocate PUNCH_HOLE|KEEP_SIZE: its old pages are gone from that fd and their
+  memory freed) before the new tenant's range is allocated and mapped over it (MAP_FIXED). A
+  free slab stays with its last tenant and goes back to it first, so a slab moves only when
+  memory flows between tenants (a punch, an allocation and a prefault of slab_bytes, under
+  the store's lock: bench/tenant_shm.py measures it).
 - At start-up every slab belongs to the default tenant "" (the only one without
   authentication), whose memfd is allocated whole (posix_fallocate): a machine short of
   memory fails there, as it always did. A move frees the old copy before it allocates the

@@ -199,3 +199,19 @@ def test_memory_a_client_allocates_in_its_memfds_holes_is_punched_back(two_tenan
     finally:
         os.close(fd)
         local.close()
+
+
+def test_an_admin_maps_its_own_memfd_and_moves_other_tenants_pages_over_tcp(start_server, tmp_path):
+    tokens = Tokens(tmp_path)
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:ops:admin"})
+    data = pages(1, seed=41)
+    with KVStoreClient(node.address, token=tokens.alice, transport="tcp") as alice:
+        assert alice.put(NS, ["x0"], data) == 1
+    alices = Namespace(model=NS.model, page_bytes=PAGE, page_tokens=16, tenant="alice")
+    out = np.zeros_like(data)
+    with KVStoreClient(node.address, token=tokens.ops) as ops:
+        assert ops.transport == "shm"
+        with pytest.raises(errors.PermissionDenied, match="memfd of tenant 'ops'.*move them over TCP"):
+            ops.get(alices, ["x0"], out)
+    with KVStoreClient(node.address, token=tokens.ops, transport="tcp") as ops:
+        assert ops.get(alices, ["x0"], out) == 1 and np.array_equal(out, data)
