@@ -209,9 +209,9 @@ def test_pages_over_tcp_come_back_byte_for_byte(start_server):
         assert sync.get(ns, keys, out) == 400 and np.array_equal(out, data)
 
 
-def test_a_tenant_without_the_arena_moves_pages_over_tcp(start_server, tmp_path):
-    """On the node's host a tenant uid may not map the arena: "auto" falls back to TCP, whose connection
-    opens with the HELLO of alice's data ticket; bob's ticket does not reach alice's pages."""
+def test_a_local_tenant_moves_pages_over_its_own_memfd_or_tcp(start_server, tmp_path):
+    """On the node's host a tenant uid maps its own tenant's memfd ("auto" picks shared memory); over TCP
+    its connection opens with the HELLO of alice's data ticket; bob's ticket does not reach alice's pages."""
     from identities import Tokens
 
     tokens = Tokens(tmp_path)
@@ -221,13 +221,17 @@ def test_a_tenant_without_the_arena_moves_pages_over_tcp(start_server, tmp_path)
 
     async def run():
         async with AsyncKVStoreClient(node.address, token=tokens.alice) as alice:
-            assert await alice.put(ns, [f"a{i}" for i in range(6)], data) == 6
+            assert await alice.put(ns, [f"a{i}" for i in range(3)], data[:3]) == 3
+            assert alice.transport == "shm"
+        async with AsyncKVStoreClient(node.address, token=tokens.alice, transport="tcp") as alice:
+            assert await alice.put(ns, [f"a{i}" for i in range(3, 6)], data[3:], parent="a2") == 3
             assert alice.transport == "tcp"
             out = np.zeros_like(data)
             assert await alice.get(ns, [f"a{i}" for i in range(6)], out, verify=True) == 6
             assert np.array_equal(out, data)
-        with pytest.raises(errors.PermissionDenied, match="admin"):
-            await AsyncKVStoreClient(node.address, token=tokens.alice, transport="shm").connect()
+        async with AsyncKVStoreClient(node.address, token=tokens.alice) as alice:   # shared memory reads it back
+            out = np.zeros_like(data)
+            assert await alice.get(ns, [f"a{i}" for i in range(6)], out) == 6 and np.array_equal(out, data)
         async with AsyncKVStoreClient(node.address, token=tokens.bob) as bob:
             assert await bob.get(ns, ["a0"], np.zeros((1, PAGE), np.uint8)) == 0
 
