@@ -81,13 +81,14 @@ def admit(store: PageStore, method: str, request: Any, identity: Identity) -> No
 def own_arena(store: PageStore, method: str, request: Any, arena: str | None) -> None:
     """Raise if a connection that mapped tenant `arena`'s memfd reserves or acquires pages another memfd
     holds (an admin naming another tenant's namespace): its offsets would point into the wrong memory."""
-    if arena is None or method not in ("Reserve", "Acquire"):
+    if arena is None or method not in ("Reserve", "Acquire", "AcquireGroup"):
         return
-    namespace = store.namespaces.get(request.namespace_id)
-    if namespace is not None and store.arena.key(namespace.tenant) != arena:
-        raise errors.PermissionDenied(
-            f"this local connection mapped the memfd of tenant {arena!r}, which does not hold the pages of "
-            f"tenant {namespace.tenant!r}: move them over TCP (KVStoreClient(transport='tcp'))")
+    for namespace_id in [p.namespace_id for p in request.parts] if method == "AcquireGroup" else [request.namespace_id]:
+        namespace = store.namespaces.get(namespace_id)
+        if namespace is not None and store.arena.key(namespace.tenant) != arena:
+            raise errors.PermissionDenied(
+                f"this local connection mapped the memfd of tenant {arena!r}, which does not hold the pages of "
+                f"tenant {namespace.tenant!r}: move them over TCP (KVStoreClient(transport='tcp'))")
 
 
 def own_namespace(store: PageStore, namespace_id: int, identity: Identity) -> None:

@@ -215,3 +215,18 @@ def test_an_admin_maps_its_own_memfd_and_moves_other_tenants_pages_over_tcp(star
             ops.get(alices, ["x0"], out)
     with KVStoreClient(node.address, token=tokens.ops, transport="tcp") as ops:
         assert ops.get(alices, ["x0"], out) == 1 and np.array_equal(out, data)
+
+
+def test_a_group_get_refuses_a_changed_page_too(server):
+    data = pages(2, seed=51)
+    other = Namespace(model="memfd-other", page_bytes=PAGE, page_tokens=16)
+    with KVStoreClient(server.address) as client:
+        assert client.put(NS, ["g0", "g1"], data) == 2 and client.put(other, ["g0", "g1"], data) == 2
+        acquired = client._conn.control.call("Acquire", pb.AcquireRequest(
+            namespace_id=client._namespace_id(other), keys=[b"g0", b"g1"]))
+        client._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+        client._conn.data.arena.view[acquired.offsets[0]] ^= 0x01
+        outs = [np.zeros_like(data), np.zeros_like(data)]
+        with pytest.raises(errors.ChecksumMismatch, match=r"pages \[0\]"):
+            client.get_group([(NS, ["g0", "g1"], outs[0]), (other, ["g0", "g1"], outs[1])])
+        assert client.lookup(other, ["g0", "g1"]) == 0 and client.lookup(NS, ["g0", "g1"]) == 2

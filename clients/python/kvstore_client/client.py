@@ -225,7 +225,7 @@ class KVStoreClient:
         """Write pages into slots of the node (as put does) without making them visible: a part of a group,
         published with the other parts by commit_group(). At most limits.batch_pages_max keys (one lease).
         Pages staged and never committed are aborted by the node when their write lease expires."""
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
         if len(raw_keys) > self.limits.batch_pages_max:
             raise errors.InvalidArgument(f"{len(raw_keys)} keys: a staged part is one write lease of at most "
                                          f"{self.limits.batch_pages_max} pages (limits.batch_pages_max)")
@@ -297,7 +297,7 @@ class KVStoreClient:
         prefetch = prefetch_policy(policy)
         if not parts:
             raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
-        prepared = [get_pages(namespace, part_keys, out, None, verify) for namespace, part_keys, out in parts]
+        prepared = [get_pages(namespace, part_keys, out, None) for namespace, part_keys, out in parts]
         namespaces = [namespace for namespace, _, _ in parts]
 
         def in_namespaces(conn: NodeConnection, ns_ids: list[int]) -> list[int]:
@@ -306,18 +306,19 @@ class KVStoreClient:
                 for ns_id, (raw_keys, _, _) in zip(ns_ids, prepared)])
             sent_at = time.monotonic()
             acquired = conn.control.call("AcquireGroup", request)
-            leases = [answer.lease_id for answer in acquired.parts if answer.lease_id]
+            landed: dict[int, list[int] | None] = {}
             try:
                 counts = groups.whole_positions([raw_keys for raw_keys, _, _ in prepared],
                                                 [answer.hit_pages for answer in acquired.parts])
                 for answer, count, (_, segments, _) in zip(acquired.parts, counts, prepared):
                     if count:
-                        conn.data.get(answer.lease_id, answer.data_token,
-                                      [(i, answer.offsets[i], segments[i]) for i in range(count)], answer.page_bytes)
+                        landed[answer.lease_id] = conn.data.get(
+                            answer.lease_id, answer.data_token,
+                            [(i, answer.offsets[i], segments[i]) for i in range(count)], answer.page_bytes)
             finally:
-                if leases:
-                    conn.control.post("Release", pb.ReleaseRequest(lease_ids=leases))
-            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify)
+                changed = groups.release(conn.control, acquired, landed)
+            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify,
+                                      changed)
             return counts
         return self._on_node(lambda conn: _in_namespaces(conn, namespaces, in_namespaces), _always,
                              timeout_s=timeout_s)

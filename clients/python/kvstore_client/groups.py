@@ -17,7 +17,8 @@ from typing import Any, Sequence
 from kvstore_client import checksums, errors
 from kvstore_client.buffers import Segment
 from kvstore_client.keys import Key, Namespace, encode_keys
-from kvstore_client.pipeline import LEASE_MARGIN_S, STORED_STATES, PutResult, check_loaded, commit_checksums
+from kvstore_client.pipeline import (LEASE_MARGIN_S, STORED_STATES, PutResult, changed_pages, check_loaded,
+                                     commit_checksums)
 from kvstore_client.proto import pb
 
 HIT_POLICIES = {"all_pages": pb.GROUP_ALL_PAGES, "trailing_pages": pb.GROUP_TRAILING_PAGES}
@@ -167,13 +168,30 @@ def whole_positions(part_keys: Sequence[Sequence[bytes]], hits: Sequence[int]) -
         hits = cut
 
 
+def release(control: Any, acquired: pb.AcquireGroupResponse, landed: dict[int, list[int] | None]) -> dict[int, list[int]]:
+    """Release a group read's leases; a lease with pages that changed in shared memory (`landed`: each lease's
+    hashes of what its copy landed, where the data path took them) names them in a Release of its own.
+    Returns the changed page indices by lease."""
+    changed = {answer.lease_id: changed_pages(answer, landed.get(answer.lease_id))
+               for answer in acquired.parts if answer.lease_id}
+    plain = [lease_id for lease_id, pages in changed.items() if not pages]
+    if plain:
+        control.post("Release", pb.ReleaseRequest(lease_ids=plain))
+    for lease_id, pages in changed.items():
+        if pages:
+            control.post("Release", pb.ReleaseRequest(lease_ids=[lease_id], changed_pages=pages))
+    return changed
+
+
 def check_group_loaded(acquired: pb.AcquireGroupResponse, counts: Sequence[int],
-                       segments: Sequence[list[list[Segment]]], sent_at: float, verify: bool) -> None:
-    """Fail a group read whose pages may be torn (a lease expired under it) or, with verify, do not match."""
+                       segments: Sequence[list[list[Segment]]], sent_at: float, verify: bool,
+                       changed: dict[int, list[int]]) -> None:
+    """Fail a group read whose pages may be torn (a lease expired under it), changed in shared memory, or,
+    with verify, do not match."""
     for answer, count, part_segments in zip(acquired.parts, counts, segments):
         if not count:
             continue
-        check_loaded(answer, sent_at, part_segments, False)
+        check_loaded(answer, sent_at, part_segments, False, changed.get(answer.lease_id, []))
         for i in range(count if verify else 0):
             if checksums.of_page(part_segments[i]) != answer.checksums[i]:
                 raise errors.ChecksumMismatch(f"page {i} of lease {answer.lease_id:#x} does not match its checksum")
