@@ -9,6 +9,10 @@ typedef struct { const uint8_t *src; size_t nbytes; } segment_t;
  * each byte from memory once. */
 uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count);
 
+/* Copy src out into the segments (their addresses are the destinations) and return XXH3_64bits
+ * of the bytes that landed there, hashed from the destination. */
+uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count);
+
 /* XXH3_64bits of [data, data + nbytes). */
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes);
 #endif

@@ -5,6 +5,7 @@
  *   copy_hash_pages(base, pages) -> list[int]                the same for many pages, one call
  *   copy_hash_into(base, offsets, pages) -> list[int]        the same, offsets and segments apart
  *   copy_out(base, offsets, pages) -> None                   copy slots out into pages' segments
+ *   copy_out_hashed(base, offsets, pages) -> list[int]       the same, and the xxh3 of each copy
  *   xxh3_64(buffer) -> int                                   XXH3_64bits of a buffer
  *
  * Addresses are plain integers, as the SDK's segments already are (buffers.py); the caller keeps
@@ -306,6 +307,11 @@ static void copy_hash_batch(const batch_t *b, uint64_t *sums) {
         sums[i] = copy_hash(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
 }
 
+static void copy_out_hash_batch(const batch_t *b, uint64_t *sums) {
+    for (size_t i = 0; i < b->pages; i++)
+        sums[i] = copy_out_hash(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
+}
+
 static void copy_out_batch(const batch_t *b) {
     for (size_t i = 0; i < b->pages; i++) {
         const uint8_t *src = b->slots[i];
@@ -316,7 +322,8 @@ static void copy_out_batch(const batch_t *b) {
     }
 }
 
-static PyObject *py_copy_hash_into(PyObject *self, PyObject *args) {
+/* (base, offsets, pages) -> list[int]: `run` over the batch, one checksum a page. */
+static PyObject *batch_sums(PyObject *args, void (*run)(const batch_t *, uint64_t *)) {
     unsigned long long base;
     PyObject *offsets, *pages;
     if (!PyArg_ParseTuple(args, "KOO", &base, &offsets, &pages))
@@ -332,10 +339,10 @@ static PyObject *py_copy_hash_into(PyObject *self, PyObject *args) {
     }
     if (b.total >= UNLOCKED_BYTES_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        copy_hash_batch(&b, sums);
+        run(&b, sums);
         Py_END_ALLOW_THREADS
     } else {
-        copy_hash_batch(&b, sums);
+        run(&b, sums);
     }
     result = PyList_New((Py_ssize_t)b.pages);
     for (size_t i = 0; result && i < b.pages; i++) {
@@ -350,6 +357,14 @@ done:
     free(sums);
     batch_free(&b);
     return result;
+}
+
+static PyObject *py_copy_hash_into(PyObject *self, PyObject *args) {
+    return batch_sums(args, copy_hash_batch);
+}
+
+static PyObject *py_copy_out_hashed(PyObject *self, PyObject *args) {
+    return batch_sums(args, copy_out_hash_batch);
 }
 
 static PyObject *py_copy_out(PyObject *self, PyObject *args) {
@@ -394,6 +409,8 @@ static PyMethodDef methods[] = {
      "copy_hash_into(base, offsets, pages) -> list[int]: copy_hash of pages[i]'s segments to base + offsets[i]"},
     {"copy_out", py_copy_out, METH_VARARGS,
      "copy_out(base, offsets, pages) -> None: copy the slot at base + offsets[i] out into pages[i]'s segments"},
+    {"copy_out_hashed", py_copy_out_hashed, METH_VARARGS,
+     "copy_out_hashed(base, offsets, pages) -> list[int]: copy_out, and XXH3_64bits of what landed in each page"},
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "xxh3_64(buffer) -> int: XXH3_64bits of the buffer"},
     {NULL, NULL, 0, NULL},
 };

@@ -158,9 +158,36 @@ def test_read_pages_natively_equals_the_memmove_path(page, monkeypatch):
     arena.close()
 
 
+@pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
+def test_read_pages_hashed_natively_equals_the_python_path(page, monkeypatch):
+    """ArenaMapping.read_pages_hashed fills each page's segments and returns the xxh3 of what landed, the
+    same with kvstore_native (copy_out_hashed) as without (memmove and xxhash)."""
+    import os
+
+    from kvstore_client.arena import ArenaMapping
+
+    rng = np.random.default_rng(page + 2)
+    count = int(rng.integers(1, 40))
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, count * page)
+    arena = ArenaMapping(fd)
+    arena.view[:] = rng.integers(0, 256, size=count * page, dtype=np.uint8).tobytes()
+    offsets = (rng.permutation(count) * page).tolist()
+    native_out, native_pages = _random_pages(rng, count, page)
+    python_out = native_out.copy()
+    shift = python_out.ctypes.data - native_out.ctypes.data
+    python_pages = [[(address + shift, nbytes) for address, nbytes in segments] for segments in native_pages]
+    native_sums = arena.read_pages_hashed(offsets, native_pages)
+    monkeypatch.setattr(native, "module", None)
+    python_sums = arena.read_pages_hashed(offsets, python_pages)
+    assert native_out.tobytes() == python_out.tobytes()
+    assert native_sums == python_sums == [xxhash.xxh3_64_intdigest(arena.view[o:o + page]) for o in offsets]
+    arena.close()
+
+
 def test_batch_copies_refuse_bad_batches():
     page = np.zeros(64, dtype=np.uint8)
-    for copy in (kvstore_native.copy_hash_into, kvstore_native.copy_out):
+    for copy in (kvstore_native.copy_hash_into, kvstore_native.copy_out, kvstore_native.copy_out_hashed):
         with pytest.raises(ValueError, match="2 offsets for 1 pages"):
             copy(page.ctypes.data, [0, 0], [[(page.ctypes.data, 8)]])
         with pytest.raises(TypeError):
