@@ -1,6 +1,8 @@
 /* kvstore_native: the hot loops of kvstore's client and server, for CPython.
  *
  *   prefix_hashes(tokens, page_tokens, prior) -> list[str]   the SHA-256 prefix chain, as hex
+ *   prefix_hashes_packed(tokens, page_tokens, prior) -> bytes the same keys, 64 ASCII bytes each, back to back
+ *   pack_keys(keys, key_bytes_max) -> (bytes, int) | None    str or bytes keys of one length, back to back
  *   copy_hash(dst, segments) -> int                          copy a page into place and xxh3 it
  *   copy_hash_pages(base, pages) -> list[int]                the same for many pages, one call
  *   copy_hash_into(base, offsets, pages) -> list[int]        the same, offsets and segments apart
@@ -38,7 +40,8 @@ static int integer_format(const Py_buffer *view, int *is_signed) {
     return 0;
 }
 
-static PyObject *py_prefix_hashes(PyObject *self, PyObject *args) {
+/* The chain's keys as a list of str, or (packed) as one bytes object of 64 hex digits a key. */
+static PyObject *prefix_chain(PyObject *args, int packed) {
     PyObject *array;
     Py_buffer tokens, prior;
     Py_ssize_t page_tokens;
@@ -77,6 +80,14 @@ static PyObject *py_prefix_hashes(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "token ids must fit in uint32");
         goto done;
     }
+    if (packed) {
+        keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(pages * 64));
+        if (!keys)
+            goto done;
+        for (size_t p = 0; p < pages; p++)
+            to_hex(digests[p], PyBytes_AS_STRING(keys) + p * 64);
+        goto done;
+    }
     keys = PyList_New((Py_ssize_t)pages);
     if (!keys)
         goto done;
@@ -94,6 +105,63 @@ done:
     PyBuffer_Release(&tokens);
     PyBuffer_Release(&prior);
     return keys;
+}
+
+static PyObject *py_prefix_hashes(PyObject *self, PyObject *args) {
+    return prefix_chain(args, 0);
+}
+
+static PyObject *py_prefix_hashes_packed(PyObject *self, PyObject *args) {
+    return prefix_chain(args, 1);
+}
+
+/* The bytes of one key if it is ASCII str or bytes (the kind of the first key), else NULL. */
+static const char *key_data(PyObject *key, int is_str, Py_ssize_t *len) {
+    if (is_str) {
+        if (!PyUnicode_CheckExact(key) || PyUnicode_READY(key) < 0 || !PyUnicode_IS_ASCII(key)) {
+            PyErr_Clear();   /* a string that cannot be read as ASCII is left to the Python path */
+            return NULL;
+        }
+        *len = PyUnicode_GET_LENGTH(key);
+        return (const char *)PyUnicode_DATA(key);
+    }
+    if (!PyBytes_CheckExact(key))
+        return NULL;
+    *len = PyBytes_GET_SIZE(key);
+    return PyBytes_AS_STRING(key);
+}
+
+/* Keys of one length, 1 to key_bytes_max, all ASCII str or all bytes, back to back; None for any
+ * other list (the SDK's Python path then decides, so both paths pack exactly the same lists). */
+static PyObject *py_pack_keys(PyObject *self, PyObject *args) {
+    PyObject *keys;
+    Py_ssize_t key_bytes_max;
+    if (!PyArg_ParseTuple(args, "On", &keys, &key_bytes_max))
+        return NULL;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    if (n == 0)
+        Py_RETURN_NONE;
+    int is_str = PyUnicode_CheckExact(items[0]);
+    Py_ssize_t key_bytes;
+    if (!key_data(items[0], is_str, &key_bytes) || key_bytes <= 0 || key_bytes > key_bytes_max)
+        Py_RETURN_NONE;
+    for (Py_ssize_t i = 1; i < n; i++) {   /* checked whole before the buffer is made */
+        Py_ssize_t len;
+        if (!key_data(items[i], is_str, &len) || len != key_bytes)
+            Py_RETURN_NONE;
+    }
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, n * key_bytes);
+    if (!packed)
+        return NULL;
+    char *out = PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len;
+        memcpy(out + i * key_bytes, key_data(items[i], is_str, &len), (size_t)key_bytes);
+    }
+    return Py_BuildValue("(Nn)", packed, key_bytes);
 }
 
 /* Segments of one page from a list of (address, nbytes) pairs; *total gets their sum. */
@@ -401,6 +469,10 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"prefix_hashes", py_prefix_hashes, METH_VARARGS,
      "prefix_hashes(tokens, page_tokens, prior) -> list[str]: hex SHA-256 chain of every full page"},
+    {"prefix_hashes_packed", py_prefix_hashes_packed, METH_VARARGS,
+     "prefix_hashes_packed(tokens, page_tokens, prior) -> bytes: the same keys, 64 ASCII hex digits each, back to back"},
+    {"pack_keys", py_pack_keys, METH_VARARGS,
+     "pack_keys(keys, key_bytes_max) -> (bytes, key_bytes) | None: ASCII str or bytes keys of one length, back to back"},
     {"copy_hash", py_copy_hash, METH_VARARGS,
      "copy_hash(dst, segments) -> int: copy (address, nbytes) segments to dst; XXH3_64bits of the bytes"},
     {"copy_hash_pages", py_copy_hash_pages, METH_VARARGS,

@@ -6,7 +6,7 @@ import pytest
 
 from node_parts import ManualClock, close_node, drop_dram_copies, make_node, make_service, write_all_down
 from kvstore_client import errors
-from kvstore_client.keys import Namespace, pack_keys
+from kvstore_client.keys import Namespace, pack_keys, pack_keys_python
 from kvstore_client.lookup import PackedKeys, chain_keys, leading_hits, lookup_chain
 from kvstore_client.proto import pb
 
@@ -109,7 +109,7 @@ def test_a_packed_lookup_is_refused_by_its_size_before_any_key_is_read(fields, e
     ("abcd", None),
 ])
 def test_pack_keys_packs_only_keys_of_one_length(keys, expected):
-    assert pack_keys(keys) == expected
+    assert pack_keys(keys) == expected == pack_keys_python(keys)
 
 
 def test_a_token_chain_is_packed_and_unpacks_to_its_keys():

@@ -197,3 +197,52 @@ def test_batch_copies_refuse_bad_batches():
         with pytest.raises(ValueError, match="negative"):
             copy(page.ctypes.data, [0], [[(page.ctypes.data, -1)]])
         assert copy(page.ctypes.data, [], []) in ([], None)
+
+
+def test_packed_prefix_hashes_are_the_chain_back_to_back():
+    rng = np.random.default_rng(7)
+    for page in (1, 16, 100):
+        tokens = rng.integers(0, 2**32 - 1, size=int(rng.integers(0, page * 30)), dtype=np.uint32)
+        seed = hashlib.sha256(rng.bytes(8)).hexdigest() if page != 16 else ""
+        chain = keys.prefix_hashes_python(tokens, page, seed)
+        assert keys.prefix_hashes_packed(tokens, page, seed) == "".join(chain).encode("ascii")
+        assert kvstore_native.prefix_hashes_packed(tokens, page, bytes.fromhex(seed)) == "".join(chain).encode()
+
+
+def _random_key_lists(rng):
+    """Lists of keys as callers pass them: hex str, binary bytes, mixed lengths and kinds, odd types."""
+    for _ in range(300):
+        n = int(rng.integers(0, 40))
+        width = int(rng.integers(1, 70))
+        kind = rng.integers(0, 6)
+        if kind == 0:
+            yield [rng.bytes(width).hex()[:width] for _ in range(n)]
+        elif kind == 1:
+            yield [rng.bytes(width) for _ in range(n)]
+        elif kind == 2:   # one key a different length
+            batch = [rng.bytes(width) for _ in range(n)]
+            if batch:
+                batch[int(rng.integers(0, n))] = rng.bytes(width + 1)
+            yield batch
+        elif kind == 3:   # str and bytes mixed, or a bytearray among bytes
+            batch = [rng.bytes(width) for _ in range(n)]
+            if batch:
+                i = int(rng.integers(0, n))
+                batch[i] = batch[i].hex()[:width] if rng.integers(0, 2) else bytearray(batch[i])
+            yield batch
+        elif kind == 4:   # non-ASCII text
+            yield ["é" * width for _ in range(n)]
+        else:
+            yield tuple(rng.bytes(width).hex()[:width] for _ in range(n))
+
+
+def test_pack_keys_native_equals_python_on_random_lists():
+    rng = np.random.default_rng(11)
+    packed_some = 0
+    for batch in _random_key_lists(rng):
+        expected = keys.pack_keys_python(batch)
+        assert keys.pack_keys(batch) == expected
+        native_answer = kvstore_native.pack_keys(batch, keys.KEY_BYTES_MAX)
+        assert native_answer is None or native_answer == expected   # it declines only what Python decides
+        packed_some += expected is not None
+    assert packed_some > 50

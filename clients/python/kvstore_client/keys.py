@@ -92,6 +92,15 @@ def prefix_hashes(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: st
     return native.module.prefix_hashes(array, page_tokens, bytes.fromhex(seed))
 
 
+def prefix_hashes_packed(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: str = "") -> bytes:
+    """The keys of prefix_hashes as ASCII, 64 bytes each, back to back (a Lookup's keys_packed):
+    one buffer, without a str per page, where kvstore_native has it."""
+    if native.prefix_hashes_packed is None:
+        return "".join(prefix_hashes(tokens, page_tokens, seed)).encode("ascii")
+    _check_page_tokens(page_tokens)
+    return native.prefix_hashes_packed(token_array(tokens), page_tokens, bytes.fromhex(seed))
+
+
 def prefix_hashes_python(tokens: Sequence[int] | np.ndarray, page_tokens: int, seed: str = "") -> list[str]:
     """The reference chain, page by page with hashlib: what the native path must equal byte for byte."""
     _check_page_tokens(page_tokens)
@@ -139,7 +148,14 @@ def encode_keys(keys: Iterable[Key]) -> list[bytes]:
 def pack_keys(keys: Sequence[Key]) -> tuple[bytes, int] | None:
     """Keys of one length back to back, and that length: a long chain as one buffer (a Lookup's
     keys_packed). None when they are not all str or all bytes-like, or lengths differ or are out of
-    range; encode_keys then takes them one by one (and says which key is wrong)."""
+    range; encode_keys then takes them one by one (and says which key is wrong). One native pass
+    where kvstore_native has it; it packs only what pack_keys_python packs, and leaves the rest to it."""
+    packed = native.pack_keys(keys, KEY_BYTES_MAX) if native.pack_keys is not None else None
+    return packed if packed is not None else pack_keys_python(keys)
+
+
+def pack_keys_python(keys: Sequence[Key]) -> tuple[bytes, int] | None:
+    """pack_keys without kvstore_native: what the native pass must equal."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or not keys:
         return None
     try:   # one join in C checks every element's type: str for all, or bytes-like for all

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Sequence, Union
 
 from kvstore_client import errors
-from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes
+from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed
 from kvstore_client.proto import pb
 
 HEX_KEY_BYTES = 64   # a token chain's key: a SHA-256 digest in hex
@@ -54,9 +54,8 @@ def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) 
     if keys is None:
         if not namespace.page_tokens:
             raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
-        digests = prefix_hashes(tokens, namespace.page_tokens, namespace.hash_seed)
-        # SHA-256 hex digests: ASCII, HEX_KEY_BYTES each, so they pack without a check per key
-        return PackedKeys("".join(digests).encode("ascii"), HEX_KEY_BYTES) if digests else []
+        packed = prefix_hashes_packed(tokens, namespace.page_tokens, namespace.hash_seed)
+        return PackedKeys(packed, HEX_KEY_BYTES) if packed else []
     packed = pack_keys(keys)
     return PackedKeys(*packed) if packed is not None else encode_keys(keys)
 

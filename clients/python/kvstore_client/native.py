@@ -24,3 +24,9 @@ except ImportError as error:  # pragma: no cover - exercised where the extension
 
 def available() -> bool:
     return module is not None
+
+
+# Added to kvstore_native after its first functions: None where an older build is installed, and
+# the SDK takes the Python path for them.
+pack_keys = getattr(module, "pack_keys", None)
+prefix_hashes_packed = getattr(module, "prefix_hashes_packed", None)
