@@ -402,7 +402,7 @@ class AsyncKVStoreClient:
                     parent: Key | None = None, verify: bool = False, *, tokens: Any = None,
                     anchor: Key | None = None, timeout_s: float | None = None) -> StagedPages:
         """KVStoreClient.stage: write pages into slots without making them visible, for commit_group()."""
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, verify, parent, anchor)
+        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
         before = anchor if anchor is not None else parent
         before_key = encode_key(before) if before is not None else b""
 
@@ -472,7 +472,7 @@ class AsyncKVStoreClient:
         prefetch = prefetch_policy(policy)
         if not parts:
             raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
-        prepared = [get_pages(namespace, part_keys, out, None, verify) for namespace, part_keys, out in parts]
+        prepared = [get_pages(namespace, part_keys, out, None) for namespace, part_keys, out in parts]
 
         async def get_all(conn: _Connection) -> list[int]:
             return await self._in_namespaces(conn, [namespace for namespace, _, _ in parts],
@@ -484,19 +484,19 @@ class AsyncKVStoreClient:
                 for ns_id, (raw_keys, _, _) in zip(ns_ids, prepared)])
             sent_at = time.monotonic()
             acquired = await conn.control.call("AcquireGroup", request, self._timeout_s)
-            leases = [answer.lease_id for answer in acquired.parts if answer.lease_id]
             counts = groups.whole_positions([raw_keys for raw_keys, _, _ in prepared],
                                             [answer.hit_pages for answer in acquired.parts])
+            landed: dict[int, list[int] | None] = {}
             try:
                 for answer, count, (_, segments, _) in zip(acquired.parts, counts, prepared):
                     if count:
-                        await conn.data.get(answer.lease_id, answer.data_token,
-                                            [(i, answer.offsets[i], segments[i]) for i in range(count)],
-                                            answer.page_bytes)
+                        landed[answer.lease_id] = await conn.data.get(
+                            answer.lease_id, answer.data_token,
+                            [(i, answer.offsets[i], segments[i]) for i in range(count)], answer.page_bytes)
             finally:
-                if leases:
-                    conn.control.post("Release", pb.ReleaseRequest(lease_ids=leases))
-            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify)
+                changed = groups.release(conn.control, acquired, landed)
+            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify,
+                                      changed)
             return counts
         return await self._on_node(get_all, timeout_s, needs_data=True)
 
