@@ -165,6 +165,9 @@ class EventsConfig:
     hash_seed: str = ""                     # prior hash of the first page, as in the namespace
     blocks_max: int = 4_000_000             # engine pages indexed across engines; more are dropped
     replay_timeout_ms: int = 2_000          # wait for a replay answer at most this long
+    # () or one per engine: the tokens per block it publishes (vLLM --block-size, SGLang --page-size).
+    # Blocks of another size are refused at subscription; Route compares namespaces with it at once.
+    block_tokens: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +498,8 @@ def _events_checks(events: EventsConfig) -> list[tuple[str, bool, str]]:
          "each must be a ZMQ tcp:// or ipc:// endpoint"),
         ("events.blocks_max", events.blocks_max > 0, "must be positive"),
         ("events.replay_timeout_ms", events.replay_timeout_ms > 0, "must be positive"),
+        ("events.block_tokens", len(events.block_tokens) in (0, len(ids)) and all(t > 0 for t in events.block_tokens),
+         "must be empty or hold one positive count of tokens per events.engine_ids entry"),
         ("events.hash_seed", _is_hex(events.hash_seed), "must be a hex string"),
     ]
 

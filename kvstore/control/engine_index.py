@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from kvstore_client.keys import encode_key, page_hash
 
@@ -90,12 +90,15 @@ class EngineCounters:
     batches: int = 0
     gaps: int = 0              # sequence numbers the subscriber never received
     block_tokens: int = 0      # the block size the engine announced first
+    refused: int = 0           # blocks of another size than its subscription declares (events.block_tokens)
 
 
 class EngineIndex:
-    def __init__(self, blocks_max: int, hash_seed: str = ""):
+    def __init__(self, blocks_max: int, hash_seed: str = "", block_tokens: Mapping[str, int] | None = None):
+        """`block_tokens`: the block size each engine's subscription declares (events.block_tokens)."""
         self.blocks_max = blocks_max
         self.hash_seed = hash_seed
+        self.declared = dict(block_tokens or {})
         self._lock = threading.Lock()
         # engine -> place (GPU/HOST) -> engine block hash -> our key (hex str)
         self._blocks: dict[str, dict[str, dict[Hashable, str]]] = {}
@@ -133,7 +136,9 @@ class EngineIndex:
                     for engine, counters in sorted(self.counters.items())]
 
     def block_tokens(self, engine_id: str) -> int:
-        """Tokens per block the engine announces (0: none heard yet)."""
+        """Tokens per block of the engine: as its subscription declares, else as it announces (0: not known)."""
+        if engine_id in self.declared:
+            return self.declared[engine_id]
         with self._lock:
             counters = self.counters.get(engine_id)
             return counters.block_tokens if counters is not None else 0
@@ -182,6 +187,14 @@ class EngineIndex:
             return
         if not counters.block_tokens:
             counters.block_tokens = event.block_size
+        declared = self.declared.get(engine_id)
+        if declared and event.block_size != declared:
+            if not counters.refused:
+                log.error("engine %s publishes %d-token blocks but its subscription declares %d "
+                          "(events.block_tokens): its blocks are refused; run the engine with %d-token pages or "
+                          "declare %d", engine_id, event.block_size, declared, declared, event.block_size)
+            counters.refused += count
+            return
         if (not event.plain or event.block_size != counters.block_tokens
                 or not all(isinstance(token, int) for token in event.token_ids)):
             counters.unattributable += count

@@ -90,6 +90,6 @@ def check_block_tokens(page_tokens: int, block_tokens: Mapping[str, int]) -> Non
     for engine_id, tokens in block_tokens.items():
         if tokens and tokens != page_tokens:
             raise errors.InvalidArgument(
-                f"engine {engine_id!r} announces {tokens}-token blocks but this namespace's pages hold "
+                f"engine {engine_id!r} publishes {tokens}-token blocks but this namespace's pages hold "
                 f"{page_tokens} tokens: Route cannot compare them; open the namespace with page_tokens={tokens} "
                 "or run the engine with the namespace's page size")

@@ -42,7 +42,9 @@ class KVStoreService:
         self.scrubber = scrubber
         self.shm_socket = shm_socket
         # The ENGINE tier: pages engines hold in their own memory, fed by their KV events.
-        self.engines = EngineIndex(self.config.events.blocks_max, self.config.events.hash_seed)
+        events = self.config.events
+        self.engines = EngineIndex(events.blocks_max, events.hash_seed,
+                                   dict(zip(events.engine_ids, events.block_tokens)))
         self.instance_id = secrets.token_bytes(8)
         self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
         self.tcp_tls = False                     # the TCP data plane speaks TLS (tcp.tls_cert)
@@ -289,7 +291,8 @@ class KVStoreService:
         engines = [pb.EngineStats(
             engine_id=engine, pages=pages, blocks_seen=e.seen, blocks_stored=e.stored, blocks_removed=e.removed,
             blocks_unattributable=e.unattributable, blocks_not_in_memory=e.not_in_memory,
-            blocks_dropped=e.dropped_full, batches=e.batches, batches_missed=e.gaps, block_tokens=e.block_tokens)
+            blocks_dropped=e.dropped_full, batches=e.batches, batches_missed=e.gaps, block_tokens=e.block_tokens,
+            blocks_refused=e.refused)
             for engine, pages, e in self.engines.snapshot()]
         if engines:
             tiers.append(pb.TierStats(tier=pb.ENGINE, pages=sum(e.pages for e in engines)))

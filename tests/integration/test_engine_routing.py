@@ -237,9 +237,35 @@ def test_route_refuses_a_namespace_whose_page_size_is_not_the_engines(start_serv
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             wide = Namespace(model="route-test", page_bytes=PAGE_BYTES, page_tokens=2 * BLOCK)
-            with pytest.raises(errors.InvalidArgument, match=f"announces {BLOCK}-token blocks"):
+            with pytest.raises(errors.InvalidArgument, match=f"publishes {BLOCK}-token blocks"):
                 client.route(wide, ["e"], tokens=tokens)
             assert client.route(NS, ["e"], tokens=tokens).scores[0].engine_gpu_pages == 2
+    finally:
+        engine.close()
+
+
+def test_a_block_size_the_subscription_does_not_declare_is_refused_at_subscription(start_server, tmp_path):
+    """events.block_tokens declares each engine's block size: Route refuses a namespace of another page
+    size before the engine has published anything, and blocks of another size than declared are refused
+    by the subscription (counted in Stats, never indexed) instead of being indexed under keys no
+    namespace of the declared size will ever ask for."""
+    engine = FakeEngine(tmp_path, "e")
+    try:
+        server = start_server({"events.engine_ids": "e", "events.endpoints": engine.endpoint,
+                               "events.block_tokens": 2 * BLOCK})
+        tokens = list(range(4 * BLOCK))
+        wide = Namespace(model="route-test", page_bytes=PAGE_BYTES, page_tokens=2 * BLOCK)
+        with KVStoreClient(server.address, timeout_s=10) as client:
+            with pytest.raises(errors.InvalidArgument, match=f"publishes {2 * BLOCK}-token blocks"):
+                client.route(NS, ["e"], tokens=tokens)
+            deadline = time.monotonic() + 20
+            while not (engines := {e.engine_id: e for e in client.stats().engines}).get("e", pb.EngineStats()).blocks_seen:
+                engine.prefill(tokens)   # BLOCK-token blocks: not what the subscription declares
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            refused = engines["e"]
+            assert refused.blocks_refused == refused.blocks_seen > 0 and refused.blocks_stored == refused.pages == 0
+            assert client.route(wide, ["e"], tokens=tokens).scores[0].engine_gpu_pages == 0
     finally:
         engine.close()
 

@@ -99,3 +99,13 @@ def test_a_lookahead_block_counts_only_where_the_request_goes_on_with_its_tokens
     other = TOKENS[:3 * BLOCK] + [7, 7] + TOKENS[3 * BLOCK + 2:]
     assert index.holders(KEYS[:3] + [b"x"], ["e1"], other, BLOCK)["e1"] == [GPU, GPU, None, None]
     assert index.holders(KEYS[:3], ["e1"])["e1"] == [GPU, GPU, None]   # by keys alone: cannot tell
+
+
+def test_blocks_of_another_size_than_the_subscription_declares_are_refused():
+    index = EngineIndex(blocks_max=100, block_tokens={"e1": 2 * BLOCK})
+    assert index.block_tokens("e1") == 2 * BLOCK and index.block_tokens("e2") == 0   # known before any event
+    index.apply("e1", [stored([11, 12], None, 0)])
+    index.apply("e2", [stored([11, 12], None, 0)])
+    counters = index.counters["e1"]
+    assert (counters.seen, counters.refused, counters.stored, counters.block_tokens) == (2, 2, 0, BLOCK)
+    assert index.holders(KEYS[:2], ["e1", "e2"]) == {"e1": [None, None], "e2": [GPU, GPU]}

@@ -486,7 +486,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_pages: _Optional[int] = ..., nvme_bytes: _Optional[int] = ..., nvme_pages: _Optional[int] = ..., dram_quota_bytes: _Optional[int] = ..., nvme_quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., nvme_evictions: _Optional[int] = ..., dram_refused_pages: _Optional[int] = ..., nvme_refused_pages: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "pages", "blocks_seen", "blocks_stored", "blocks_removed", "blocks_unattributable", "blocks_not_in_memory", "blocks_dropped", "batches", "batches_missed", "block_tokens")
+    __slots__ = ("engine_id", "pages", "blocks_seen", "blocks_stored", "blocks_removed", "blocks_unattributable", "blocks_not_in_memory", "blocks_dropped", "batches", "batches_missed", "block_tokens", "blocks_refused")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SEEN_FIELD_NUMBER: _ClassVar[int]
@@ -498,6 +498,7 @@ class EngineStats(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHES_MISSED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pages: int
     blocks_seen: int
@@ -509,7 +510,8 @@ class EngineStats(_message.Message):
     batches: int
     batches_missed: int
     block_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., pages: _Optional[int] = ..., blocks_seen: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., blocks_unattributable: _Optional[int] = ..., blocks_not_in_memory: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., batches: _Optional[int] = ..., batches_missed: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    blocks_refused: int
+    def __init__(self, engine_id: _Optional[str] = ..., pages: _Optional[int] = ..., blocks_seen: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_removed: _Optional[int] = ..., blocks_unattributable: _Optional[int] = ..., blocks_not_in_memory: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., batches: _Optional[int] = ..., batches_missed: _Optional[int] = ..., block_tokens: _Optional[int] = ..., blocks_refused: _Optional[int] = ...) -> None: ...
 
 class ScrubRequest(_message.Message):
     __slots__ = ()
