@@ -15,6 +15,12 @@ buffers. Each kvstore call is its own chain of `batch` pages (4 KiB: 1024, 64 Ki
 4 MiB: 32); Mooncake gets the same batches. Medians of --repeats. The whole run happens in a
 private network namespace when Mooncake runs (its servers bind every interface); without
 mooncake-transfer-engine-non-cuda it says why and runs the rest.
+
+Lookups: one SDK call for 1k, 8k and 32k present pages (4 KiB, 16 tokens each: a 32k-page chain
+is a 512k-token prompt), by keys and by tokens (hashed in the SDK), median and min of
+--lookup-repeats; beside each, a one-key lookup measured in the same moment: the round trip and
+the SDK's fixed cost, the floor a long lookup cannot go below on this host under this load.
+`--skip throughput,hashing` runs the lookups alone.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A prompt longer than one Lookup holds is looked up in one SDK call, by keys and by tokens."""
+"""A prompt longer than one Lookup holds is looked up in one SDK call, by keys and by tokens, over
+either control channel."""
 
 import numpy as np
 import pytest
@@ -9,11 +10,11 @@ PAGE = 4096
 PAGES = 2000
 
 
-@pytest.fixture
-def long_client(start_server):
+@pytest.fixture(params=["local", "grpc"])
+def long_client(start_server, request):
     server = start_server({"limits.lookup_pages_max": 300, "limits.batch_pages_max": 256,
                            "dram.arena_bytes": "64MiB"})
-    with KVStoreClient(server.address, timeout_s=10) as c:
+    with KVStoreClient(server.address, timeout_s=10, control=request.param) as c:
         yield c
 
 
@@ -32,7 +33,11 @@ def test_a_long_prompt_is_looked_up_in_parts(long_client):
 
 def test_lookup_of_an_early_miss_stops_at_it(long_client):
     ns = Namespace(model="miss", page_bytes=PAGE, page_tokens=16)
-    keys = [f"m{i}" for i in range(PAGES)]
+    keys = [f"m{i}" for i in range(PAGES)]   # of mixed lengths: sent one by one
     assert long_client.put(ns, keys[:10], np.zeros((10, PAGE), np.uint8)) == 10
     assert long_client.lookup(ns, keys=keys) == 10
+    packed = [f"p{i:05d}".encode() for i in range(PAGES)]   # of one length: sent packed
+    assert long_client.put(ns, packed[:700], np.zeros((700, PAGE), np.uint8)) == 700
+    assert long_client.lookup(ns, keys=packed) == 700   # a miss inside the third part
+    assert long_client.lookup(ns, keys=packed[:1]) == 1
     assert long_client.limits.lookup_pages_max == 300
