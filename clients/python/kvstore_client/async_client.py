@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import grpc
 import grpc.aio
 
-from kvstore_client import errors, framing, groups
+from kvstore_client import errors, framing, groups, lookup
 from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens, node_target, prefetch_policy,
                                       put_pages)
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
@@ -368,8 +368,19 @@ class AsyncKVStoreClient:
 
     async def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None, *,
                      timeout_s: float | None = None) -> int:
-        request = pb.LookupRequest(**keys_or_tokens(keys, tokens))
-        return (await self._call_in(namespace, "Lookup", request, timeout_s)).hit_pages
+        """As KVStoreClient.lookup: a prompt of any length in one call, its parts sent at once (lookup.py)."""
+        chain = lookup.lookup_chain(namespace, keys, tokens)
+        if tokens is not None and not chain:
+            return 0   # fewer tokens than one page
+
+        async def call(conn: _Connection) -> int:
+            async def in_namespace(ns_id: int) -> int:
+                requests = lookup.lookup_requests(conn.hello.limits, ns_id, chain)
+                answers = await asyncio.gather(*(conn.control.call("Lookup", request, self._timeout_s)
+                                                 for request in requests))
+                return lookup.leading_sum((answer.hit_pages for answer in answers), conn.hello.limits)
+            return await self._in_namespace(conn, namespace, in_namespace)
+        return await self._on_node(call, timeout_s)
 
     async def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
                     tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:

@@ -15,7 +15,7 @@ keys_packed, go as the repeated field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 from kvstore_client import errors
 from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed
@@ -62,16 +62,30 @@ def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) 
 
 def leading_hits(control: Any, limits: pb.Limits, namespace_id: int, chain: Chain) -> int:
     """Leading pages of `chain` the node holds, over as many Lookups as its limit needs."""
-    most = limits.lookup_pages_max or limits.batch_pages_max   # 0: a node from before lookup_pages_max
+    requests = lookup_requests(limits, namespace_id, chain)
+    if len(requests) == 1:
+        return control.call("Lookup", requests[0]).hit_pages
+    parts = [control.submit("Lookup", request) for request in requests]
+    return leading_sum((part.result().hit_pages for part in parts), limits)
+
+
+def pages_per_lookup(limits: pb.Limits) -> int:
+    return limits.lookup_pages_max or limits.batch_pages_max   # 0: a node from before lookup_pages_max
+
+
+def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> list[pb.LookupRequest]:
+    """The Lookups of `chain`, each at most pages_per_lookup; at least one (an empty chain is the
+    node's to refuse)."""
+    most = pages_per_lookup(limits)
     if isinstance(chain, PackedKeys) and not limits.lookup_keys_packed:
         chain = chain.unpacked()   # a node from before keys_packed
-    if len(chain) <= most:
-        return control.call("Lookup", _request(namespace_id, chain, 0, len(chain))).hit_pages
-    parts = [control.submit("Lookup", _request(namespace_id, chain, start, start + most))
-             for start in range(0, len(chain), most)]
-    hits = 0
-    for part in parts:
-        part_hits = part.result().hit_pages
+    return [_request(namespace_id, chain, start, start + most) for start in range(0, max(len(chain), 1), most)]
+
+
+def leading_sum(hit_pages: Iterable[int], limits: pb.Limits) -> int:
+    """The chain's leading hits from its parts' answers, in order: up to the first part not wholly present."""
+    most, hits = pages_per_lookup(limits), 0
+    for part_hits in hit_pages:
         hits += part_hits
         if part_hits < most:
             break
