@@ -160,6 +160,10 @@ class PageIndex:
             del records[records.index(None):]
         return records
 
+    def leading_offsets(self, namespace_id: int, keys: list[bytes]) -> list[int]:
+        """The DRAM offsets (NO_SLOT: on NVMe only) of leading(namespace_id, keys)."""
+        return [record.offset for record in self.leading(namespace_id, keys)]
+
     def roots(self, namespace_id: int) -> list[PageRecord]:
         """Pages of a namespace that have no parent (removing their subtrees empties it)."""
         return list(self._roots.get(namespace_id, ()))

@@ -9,6 +9,7 @@
  *   copy_out(base, offsets, pages) -> None                   copy slots out into pages' segments
  *   copy_out_hashed(base, offsets, pages) -> list[int]       the same, and the xxh3 of each copy
  *   xxh3_64(buffer) -> int                                   XXH3_64bits of a buffer
+ *   PageIndex, IndexRecord                                   the page index (page_index.c)
  *
  * Addresses are plain integers, as the SDK's segments already are (buffers.py); the caller keeps
  * the memory alive. Long loops run without the GIL.
@@ -19,6 +20,7 @@
 #include <string.h>
 
 #include "copy_hash.h"
+#include "page_index.h"
 #include "prefix_hash.h"
 
 enum { SEGMENTS_ON_STACK = 16 };
@@ -490,5 +492,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstore_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit_kvstore_native(void) {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && page_index_register(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvstore.control import native_index
 from kvstore.control.index import PageIndex
 
 SLOT = 4096
@@ -12,10 +13,16 @@ def freed():
     return []
 
 
-@pytest.fixture
-def index(freed):
-    return PageIndex(on_removed=lambda record: freed.append(record.page_id[1]),
-                     on_dram_dropped=lambda record: freed.append(b"dram:" + record.page_id[1]))
+IMPLEMENTATIONS = [pytest.param(PageIndex, id="python"),
+                   pytest.param(getattr(native_index, "NativePageIndex", None), id="native",
+                                marks=pytest.mark.skipif(not native_index.available(),
+                                                         reason="kvstore_native is not built"))]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def index(request, freed):
+    return request.param(on_removed=lambda record: freed.append(record.page_id[1]),
+                         on_dram_dropped=lambda record: freed.append(b"dram:" + record.page_id[1]))
 
 
 def chain(index, name, length, ns=1):

@@ -1,0 +1,244 @@
+"""The C page index and the Python reference take the same pages in the same order, step for step.
+
+A random workload (adds of chains and anchored roots, touches, pins, DRAM and NVMe evictions of
+one tenant or any, clean-only and write-back passes with NVMe refusals, moves to and from NVMe,
+promotions, deletes) runs against both; after every step the two must have returned the same pages
+in the same order, hold the same pages with the same fields, and both pass check_prefix_closed.
+"""
+
+import random
+
+import pytest
+
+from kvstore.control import native_index
+from kvstore.control.index import NO_SLOT, PageIndex
+
+pytestmark = pytest.mark.skipif(not native_index.available(), reason="kvstore_native is not built")
+
+SIZES = (4096, 8192)
+TENANTS = {1: "a", 2: "a", 3: "b"}
+
+
+def random_key(rng: random.Random, pool: list[bytes]) -> bytes:
+    if pool and rng.random() < 0.3:
+        return rng.choice(pool)   # reuse: anchors find their parent, removed keys come back
+    kind = rng.randrange(4)
+    if kind == 0:
+        key = rng.randbytes(32)
+    elif kind == 1:
+        key = rng.randbytes(32).hex().encode()       # SGLang's 64 hex characters
+    elif kind == 2:
+        key = rng.randbytes(rng.randrange(1, 32))
+    else:
+        key = rng.randbytes(rng.randrange(33, 65))     # longer than the slot holds inline
+    pool.append(key)
+    return key
+
+
+class Pair:
+    """The same workload on both implementations."""
+
+    def __init__(self):
+        self.freed = ([], [])
+        self.py = PageIndex(self._removed(0), self._dram_dropped(0), TENANTS.__getitem__)
+        self.c = native_index.NativePageIndex(self._removed(1), self._dram_dropped(1), TENANTS.__getitem__)
+
+    def _removed(self, side):
+        def on_removed(record):   # as the store's: the slot is freed
+            self.freed[side].append(("removed", record.page_id, record.offset))
+            record.offset = NO_SLOT
+        return on_removed
+
+    def _dram_dropped(self, side):
+        return lambda record: self.freed[side].append(("dram", record.page_id, record.offset))
+
+    def both(self, page_id):
+        return self.py.get(page_id), self.c.get(page_id)
+
+
+def ids(records):
+    return [r.page_id for r in records] if records is not None else None
+
+
+def ids_or_none(record):
+    return record.page_id if record is not None else None
+
+
+def fields(record):
+    return (record.page_id, record.parent.page_id if record.parent is not None else None, record.offset,
+            record.slot_bytes, record.checksum, record.pins, record.hits, record.tick, record.alive,
+            record.on_nvme, record.busy, record.anchor, record.tenant, record.in_dram, record.is_leaf(),
+            sorted(c.page_id for c in record.children or ()), record.nvme_refused_bytes)
+
+
+def same_state(pair: Pair) -> None:
+    py, c = pair.py, pair.c
+    py.check_prefix_closed()
+    c.check_prefix_closed()
+    assert len(py) == len(c) and py.dram_pages == c.dram_pages and py.nvme_pages == c.nvme_pages
+    assert sorted(py.page_ids()) == sorted(c.page_ids())
+    for page_id in py.page_ids():
+        assert fields(py.get(page_id)) == fields(c.get(page_id))
+    assert {t: vars_of(u) for t, u in py.usage.items()} == {t: vars_of(u) for t, u in c.usage.items()}
+    assert {k: v for k, v in py.pages_by_namespace.items() if v} == {k: v for k, v in c.pages_by_namespace.items() if v}
+    for ns in TENANTS:
+        assert sorted(py.keys(ns)) == sorted(c.keys(ns))
+        assert sorted(ids(py.roots(ns))) == sorted(ids(c.roots(ns)))
+    assert pair.freed[0] == pair.freed[1]
+
+
+def vars_of(usage):
+    return usage.dram_pages, usage.nvme_pages, usage.nvme_bytes
+
+
+def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offsets: list[int]) -> None:
+    py, c = pair.py, pair.c
+    alive = py.page_ids()
+    op = rng.random()
+    if op < 0.3 or not alive:   # a chain: under a random page, a root, or anchored at an absent key
+        ns = rng.choice(list(TENANTS))
+        under = [p for p in alive if p[0] == ns]
+        parent_id = rng.choice(under) if under and rng.random() < 0.6 else None
+        anchor = random_key(rng, pool) if parent_id is None and rng.random() < 0.3 else b""
+        if anchor and (ns, anchor) in py:
+            anchor = b""
+        parents = pair.both(parent_id) if parent_id else (None, None)
+        added = ([], [])
+        size = rng.choice(SIZES)
+        for _ in range(rng.randrange(1, 6)):
+            key = random_key(rng, pool)
+            if (ns, key) in py:
+                break
+            offset = offsets.pop() if offsets and rng.random() < 0.8 else NO_SLOT
+            on_nvme = offset == NO_SLOT or rng.random() < 0.2
+            checksum = rng.getrandbits(64)
+            parents = tuple(index.add((ns, key), parent, offset, size, checksum, on_nvme=on_nvme, anchor=anchor)
+                            for index, parent in zip((py, c), parents))
+            anchor = b""
+            added[0].append(parents[0])
+            added[1].append(parents[1])
+        py.touch_all(added[0])
+        c.touch_all(added[1])
+    elif op < 0.4:
+        chosen = rng.sample(alive, min(len(alive), rng.randrange(1, 5)))
+        py.touch_all([py.get(p) for p in chosen])
+        c.touch_all([c.get(p) for p in chosen])
+    elif op < 0.5:
+        chosen = rng.sample(alive, min(len(alive), rng.randrange(1, 4)))
+        hit = rng.random() < 0.5
+        group = ([py.get(p) for p in chosen], [c.get(p) for p in chosen])
+        py.pin_all(group[0], hit)
+        c.pin_all(group[1], hit)
+        pinned.append(group)
+    elif op < 0.58 and pinned:
+        group = pinned.pop(rng.randrange(len(pinned)))
+        py.unpin_all(group[0])
+        c.unpin_all(group[1])
+    elif op < 0.7:
+        size = rng.choice(SIZES + (None,))
+        clean_only = rng.random() < 0.3
+        tenant = rng.choice(("a", "b", "nobody", None))
+        got = (py.evict_dram(size, clean_only, tenant), c.evict_dram(size, clean_only, tenant))
+        assert ids_or_none(got[0]) == ids_or_none(got[1])
+        assert py.oldest_evictable_slot_bytes(clean_only) == c.oldest_evictable_slot_bytes(clean_only)
+    elif op < 0.77:
+        shard = rng.choice((0, 1, None))
+        tenant = rng.choice(("a", "b", None))
+        count = rng.randrange(1, 4)
+        taken = (py.evict_nvme(lambda r: r.page_id[1][0] % 2, shard, count, tenant),
+                 c.evict_nvme(lambda r: r.page_id[1][0] % 2, shard, count, tenant))
+        assert ids(taken[0]) == ids(taken[1])
+    elif op < 0.84:
+        page_id = rng.choice(alive)
+        on = rng.random() < 0.7 or not py.get(page_id).in_dram   # a page is held somewhere
+        for index in (py, c):
+            index.set_on_nvme(index.get(page_id), on)
+    elif op < 0.88:
+        page_id = rng.choice(alive)
+        records = pair.both(page_id)
+        if not records[0].in_dram and offsets:
+            offset = offsets.pop()
+            py.set_dram(records[0], offset)
+            c.set_dram(records[1], offset)
+        elif not records[0].busy:   # a move: busy and pinned, then released
+            for record in records:
+                record.busy = True
+                record.pins += 1
+            py.release_busy(records[0])
+            c.release_busy(records[1])
+            py.unpin_all([records[0]])
+            c.unpin_all([records[1]])
+    elif op < 0.93:
+        tenant = rng.choice(("a", "b", None))
+        for page_id in rng.sample(alive, min(len(alive), 2)):
+            value = rng.choice((-1, 0, rng.randrange(1 << 20)))
+            for record in pair.both(page_id):
+                record.nvme_refused_bytes = value
+        count = rng.randrange(1, 6)
+        assert ids(py.dram_only_lru(count, tenant)) == ids(c.dram_only_lru(count, tenant))
+    elif op < 0.97:
+        page_id = rng.choice(alive)
+        removed = (py.remove_subtree(py.get(page_id)), c.remove_subtree(c.get(page_id)))
+        assert sorted(ids(removed[0])) == sorted(ids(removed[1]))
+        # set iteration order decides the Python index's removal order: compare what was freed as sets
+        pair.freed[0].sort()
+        pair.freed[1].sort()
+    else:
+        ns = rng.choice(list(TENANTS))
+        keys = [p[1] for p in alive if p[0] == ns][:3] + [random_key(rng, pool)]
+        rng.shuffle(keys)
+        assert ids(py.leading(ns, keys)) == ids(c.leading(ns, keys))
+        assert py.leading_offsets(ns, keys) == c.leading_offsets(ns, keys)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_random_workload_takes_the_same_pages_in_the_same_order(seed):
+    rng = random.Random(seed)
+    pair, pool, pinned = Pair(), [], []
+    offsets = [i * 4096 for i in range(4000)]
+    rng.shuffle(offsets)
+    for _ in range(600):
+        step(pair, rng, pool, pinned, offsets)
+        same_state(pair)
+    while pinned:
+        group = pinned.pop()
+        pair.py.unpin_all(group[0])
+        pair.c.unpin_all(group[1])
+    same_state(pair)
+
+
+def test_packed_keys_give_the_same_leading_pages():
+    index = native_index.NativePageIndex(lambda r: None, lambda r: None)
+    keys = [bytes([i]) * 32 for i in range(1, 9)]
+    parent = None
+    for i, key in enumerate(keys):
+        parent = index.add((7, key), parent, i * 4096, 4096, i)
+    packed = b"".join(keys[:5]) + b"\0" * 32 + keys[5]
+    assert index.leading(7, packed, key_bytes=32) == index.leading(7, keys[:5])
+    assert index.leading_offsets(7, packed, key_bytes=32) == [i * 4096 for i in range(5)]
+    with pytest.raises(ValueError, match="multiple of key_bytes"):
+        index.leading(7, packed[:-1], key_bytes=32)
+
+
+def test_add_chain_links_each_page_under_the_one_before():
+    index = native_index.NativePageIndex(lambda r: None, lambda r: None)
+    root = index.add((1, b"r"), None, 0, 4096, 0)
+    records = index.add_chain(1, [b"x", b"y", b"z"], root, [4096, 8192, 12288], 4096, [1, 2, 3])
+    assert [r.parent for r in records] == [root, records[0], records[1]]
+    assert [r.checksum for r in records] == [1, 2, 3] and records[2].is_leaf()
+    index.check_prefix_closed()
+
+
+def test_a_record_is_the_same_object_while_held_and_a_removed_one_stays_readable():
+    freed = []
+    index = native_index.NativePageIndex(lambda r: freed.append(r.offset), lambda r: None)
+    record = index.add((1, b"k" * 64), None, 4096, 4096, 99)
+    assert index.get((1, b"k" * 64)) is record and {record} == {index.leading(1, [b"k" * 64])[0]}
+    index.pin_all([record], hit=True)
+    assert index.remove_subtree(record) == [record] and not record.alive and freed == []
+    assert record.offset == 4096 and record.checksum == 99 and record.page_id == (1, b"k" * 64)
+    index.unpin_all([record])
+    assert freed == [4096]
+    # the key may come back as a new page while the old record is still held
+    again = index.add((1, b"k" * 64), None, 8192, 4096, 7)
+    assert again is not record and again.alive and not record.alive and record.offset == 4096
