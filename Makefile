@@ -60,7 +60,8 @@ bench: $(STAMP) $(NATIVE)
 	$(BIN)/python bench/shm_throughput.py --json bench/results/shm_throughput.json
 
 # Put/get next to memmove and Mooncake Store's shared-memory path, lookups, prefix hashing
-# (bench/hot_path.py). Mooncake is a peer in the comparison only; without it the bench says so and goes on.
+# (bench/hot_path.py), then node memory per indexed page and lookup latency by index (bench/index_memory.py).
+# Mooncake is a peer in the comparison only; without it the bench says so and goes on.
 MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
 bench-hot-path: $(STAMP) $(NATIVE)
 	mkdir -p bench/results
@@ -68,6 +69,7 @@ bench-hot-path: $(STAMP) $(NATIVE)
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 libnuma1
 	-$(BIN)/pip install --quiet --disable-pip-version-check $(MOONCAKE)
 	$(BIN)/python bench/hot_path.py --json bench/results/hot_path.json
+	$(BIN)/python bench/index_memory.py --json bench/results/index_memory.json
 
 # TCP put/get next to a raw socket, Redis and Mooncake's Transfer Engine TCP path; a peer that
 # cannot be installed is left out of the table with the reason printed.

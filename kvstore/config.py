@@ -34,6 +34,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0           # SIGTERM waits this long for open leases
     log_level: str = "INFO"
     grpc_workers: int = 8
+    native_index: bool = True               # the page index in C when kvstore_native has it (false: Python's)
 
 
 @dataclasses.dataclass(frozen=True)

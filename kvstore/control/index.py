@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import struct
 from typing import Callable, Iterable, Iterator
 
 PageId = tuple[int, bytes]  # (namespace_id, key)
@@ -160,8 +161,13 @@ class PageIndex:
             del records[records.index(None):]
         return records
 
-    def leading_offsets(self, namespace_id: int, keys: list[bytes]) -> list[int]:
-        """The DRAM offsets (NO_SLOT: on NVMe only) of leading(namespace_id, keys)."""
+    def leading_offsets(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> list[int]:
+        """The DRAM offsets (NO_SLOT: on NVMe only) of leading(namespace_id, keys). With key_bytes,
+        `keys` is one buffer of keys that long, back to back (cut here by struct, in C)."""
+        if key_bytes:
+            if len(keys) % key_bytes:
+                raise ValueError(f"packed keys are {len(keys)} bytes, not a multiple of key_bytes={key_bytes}")
+            keys = list(struct.unpack(f"{key_bytes}s" * (len(keys) // key_bytes), keys))
         return [record.offset for record in self.leading(namespace_id, keys)]
 
     def roots(self, namespace_id: int) -> list[PageRecord]:

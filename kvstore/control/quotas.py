@@ -16,7 +16,10 @@ Not thread-safe: the page store's lock guards every call.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+
+from kvstore.tiers.dram import SLOT_ALIGN
 
 
 @dataclasses.dataclass
@@ -28,9 +31,13 @@ class TenantCounters:
 
 
 class TenantLedger:
-    def __init__(self, limits: dict[str, tuple[int, int]]):
+    def __init__(self, limits: dict[str, tuple[int, int]], arena_bytes: int):
         self._limits = limits                              # tenant -> (dram_bytes, nvme_bytes); 0 = none
-        self._slots: dict[int, tuple[str, int]] = {}       # arena offset -> (tenant, slot bytes)
+        # The owner of each slot, by the arena page the slot starts at: two bytes per 4 KiB of arena,
+        # where a dict entry per slot cost a hundred bytes of every indexed page. 0: no owner.
+        self._owners = array.array("H", bytes(2 * (arena_bytes // SLOT_ALIGN + 1)))
+        self._owner_names: list[str] = [""]
+        self._owner_ids: dict[str, int] = {}
         self.dram_bytes: dict[str, int] = {}
         self.nvme_writing_bytes: dict[str, int] = {}       # admitted to a write-down still in flight
         self.counters: dict[str, TenantCounters] = {}
@@ -46,13 +53,22 @@ class TenantLedger:
         return set(self._limits) | set(self.dram_bytes) | set(self.counters)
 
     def took(self, tenant: str, slot_bytes: int, offsets: list[int]) -> None:
+        owner = self._owner_ids.get(tenant)
+        if owner is None:
+            assert len(self._owner_names) < 1 << 16, "at most 65535 tenants hold DRAM slots"
+            owner = self._owner_ids[tenant] = len(self._owner_names)
+            self._owner_names.append(tenant)
+        owners = self._owners
         for offset in offsets:
-            self._slots[offset] = (tenant, slot_bytes)
+            assert not owners[offset // SLOT_ALIGN], f"slot {offset} is taken twice"
+            owners[offset // SLOT_ALIGN] = owner
         self.dram_bytes[tenant] = self.dram_bytes.get(tenant, 0) + slot_bytes * len(offsets)
 
-    def freed(self, offset: int) -> None:
-        tenant, slot_bytes = self._slots.pop(offset)
-        self.dram_bytes[tenant] -= slot_bytes
+    def freed(self, offset: int, slot_bytes: int) -> None:
+        owner = self._owners[offset // SLOT_ALIGN]
+        assert owner, f"slot {offset} is freed but was not taken"
+        self._owners[offset // SLOT_ALIGN] = 0
+        self.dram_bytes[self._owner_names[owner]] -= slot_bytes
 
     def of(self, tenant: str) -> TenantCounters:
         counters = self.counters.get(tenant)

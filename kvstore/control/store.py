@@ -24,8 +24,6 @@ import enum
 import hmac
 import itertools
 import logging
-import operator
-import struct
 import threading
 import time
 from typing import Callable, Iterable, Protocol
@@ -34,7 +32,8 @@ import xxhash
 
 from kvstore import failpoints
 from kvstore.config import Config
-from kvstore.control.index import NO_SLOT, PageIndex, PageRecord
+from kvstore.control.index import NO_SLOT, PageRecord
+from kvstore.control.native_index import make_page_index
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
 from kvstore.control.quotas import TenantLedger
 from kvstore.limits import Limits
@@ -45,7 +44,6 @@ from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
 
-_OFFSET = operator.attrgetter("offset")
 _DRAM_BYTE = bytes([pb.DRAM])
 
 # Namespaces over all tenants; beyond it (and a tenant's own limit) idle ones are reclaimed.
@@ -161,9 +159,10 @@ class PageStore:
         self._settled = threading.Condition(self._lock)   # a busy page stopped moving
         assert arena.slab_bytes == config.dram.slab_bytes, "the arena moves slabs of the allocator's size"
         self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes, place=arena.place)
-        self.ledger = TenantLedger(config.tenants.quota_table())
-        self.index = PageIndex(on_removed=self._on_removed, on_dram_dropped=self._free_dram,
-                               tenant_of=lambda ns_id: self.namespaces[ns_id].tenant)
+        self.ledger = TenantLedger(config.tenants.quota_table(), arena.nbytes)
+        self.index = make_page_index(config.server.native_index, on_removed=self._on_removed,
+                                     on_dram_dropped=self._free_dram,
+                                     tenant_of=lambda ns_id: self.namespaces[ns_id].tenant)
         self.leases = LeaseTable()
         self.namespaces: dict[int, Namespace] = {}
         self._namespace_used: dict[int, float] = {}        # last use, for reclaiming idle ones
@@ -240,24 +239,19 @@ class PageStore:
 
     def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
         """The tier of each leading page held here (DRAM when it is in both)."""
-        offsets = self._leading_offsets(ns_id, keys)
+        with self._lock:
+            offsets = self.index.leading_offsets(ns_id, keys)
         if NO_SLOT not in offsets:   # the usual answer, without a per-page step
             return [pb.DRAM] * len(offsets)
         return [pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets]
 
     def tiers_packed(self, ns_id: int, keys_packed: bytes, key_bytes: int) -> bytes:
         """tiers() of keys of one length back to back, as one byte (a Tier) per leading page held."""
-        # The index takes a list of keys, so the buffer is split here (struct cuts it in C); an index
-        # that reads the buffer whole makes this split, and an object per key, go away.
-        keys = list(struct.unpack(f"{key_bytes}s" * (len(keys_packed) // key_bytes), keys_packed))
-        offsets = self._leading_offsets(ns_id, keys)
+        with self._lock:   # the C index reads the buffer whole: no object per key
+            offsets = self.index.leading_offsets(ns_id, keys_packed, key_bytes=key_bytes)
         if NO_SLOT not in offsets:
             return _DRAM_BYTE * len(offsets)
         return bytes(pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets)
-
-    def _leading_offsets(self, ns_id: int, keys: list[bytes]) -> list[int]:
-        with self._lock:
-            return list(map(_OFFSET, self.index.leading(ns_id, keys)))
 
     def group_presence(self, ns_ids: list[int], keys: list[bytes]) -> tuple[int, list[list[bool]]]:
         """One snapshot of a page group (groups.py): the leading pages of the first namespace, and whether
@@ -1195,8 +1189,7 @@ class PageStore:
         self._free_slot(record.offset)
 
     def _free_slot(self, offset: int) -> None:
-        self.allocator.free(offset)
-        self.ledger.freed(offset)
+        self.ledger.freed(offset, self.allocator.free(offset))
 
 
 def _any_shard(record: PageRecord) -> int:

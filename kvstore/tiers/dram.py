@@ -268,7 +268,8 @@ class SlabAllocator:
         self.used_bytes += len(offsets) * slot_bytes
         return offsets
 
-    def free(self, offset: int) -> None:
+    def free(self, offset: int) -> int:
+        """Take the slot back; returns its size."""
         slab = self._slabs[offset - offset % self.slab_bytes]
         assert (offset - slab.base) % slab.slot_bytes == 0, f"offset {offset} is not a slot start"
         slab.free.append(offset)
@@ -280,6 +281,7 @@ class SlabAllocator:
             self._free_slabs.setdefault(slab.tenant, []).append(slab.base)
         else:
             partial[slab.base] = slab
+        return slab.slot_bytes
 
     def has_free_slab(self) -> bool:
         return any(self._free_slabs.values())
