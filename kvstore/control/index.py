@@ -147,6 +147,15 @@ class PageIndex:
         usage.nvme_bytes += slot_bytes * on_nvme
         return record
 
+    def add_chain(self, namespace_id: int, keys: list[bytes], parent: PageRecord | None, offsets: list[int],
+                  slot_bytes: int, checksums: list[int]) -> list[PageRecord]:
+        """add() of a commit's pages, each the parent of the next (the first's parent is `parent`)."""
+        records = []
+        for key, offset, checksum in zip(keys, offsets, checksums, strict=True):
+            parent = self.add((namespace_id, key), parent, offset, slot_bytes, checksum)
+            records.append(parent)
+        return records
+
     def insert(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
                checksum: int) -> PageRecord:
         record = self.add(page_id, parent, offset, slot_bytes, checksum)

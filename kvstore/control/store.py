@@ -537,6 +537,31 @@ class PageStore:
         it is the first of a lease that named an absent parent to anchor at."""
         ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
+        first = indices[0] if indices else 0
+        parent_key = keys[first - 1] if first else lease.parent_key
+        chain_parent = index.get((ns_id, parent_key)) if parent_key else None
+        if indices and indices[-1] - first == len(indices) - 1 and (chain_parent is not None or not parent_key):
+            # The usual commit: consecutive pages under a parent held here (or none), one index call.
+            offsets = []
+            for position in indices:
+                offsets.append(lease.slots.pop(position))
+                lease.arrived.pop(position, None)
+                del self._pending[(ns_id, keys[position])]
+            published = index.add_chain(ns_id, list(keys[first:first + len(indices)]), chain_parent, offsets,
+                                        slot_bytes, list(sums))
+            states = [pb.COMMITTED] * len(published)
+        else:
+            states, published = self._publish_each(lease, indices, sums, slot_bytes)
+        index.touch_all(published)
+        self.counters.pages_committed += len(published)
+        self.listener.on_commit(published)
+        self._committed.notify_all()
+        return states, published
+
+    def _publish_each(self, lease: Lease, indices: list[int], sums: list[int],
+                      slot_bytes: int) -> tuple[list[int], list[PageRecord]]:
+        """_publish page by page: a gap in the chain, a parent gone, or an anchored first page."""
+        ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         states, published = [], []
         for position, checksum in zip(indices, sums):
             key = keys[position]
@@ -554,10 +579,6 @@ class PageStore:
                 anchor = parent_key
             published.append(index.add((ns_id, key), parent, offset, slot_bytes, checksum, anchor=anchor))
             states.append(pb.COMMITTED)
-        index.touch_all(published)
-        self.counters.pages_committed += len(published)
-        self.listener.on_commit(published)
-        self._committed.notify_all()
         return states, published
 
     def abort(self, lease_id: int) -> tuple[int, Lease]:

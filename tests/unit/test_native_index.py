@@ -218,10 +218,16 @@ def test_packed_keys_give_the_same_leading_pages():
     assert index.leading_offsets(7, packed, key_bytes=32) == [i * 4096 for i in range(5)]
     with pytest.raises(ValueError, match="multiple of key_bytes"):
         index.leading(7, packed[:-1], key_bytes=32)
+    reference = PageIndex(lambda r: None, lambda r: None)
+    reference.add_chain(7, keys, None, [i * 4096 for i in range(8)], 4096, list(range(8)))
+    assert reference.leading_offsets(7, packed, key_bytes=32) == index.leading_offsets(7, packed, key_bytes=32)
+    with pytest.raises(ValueError, match="multiple of key_bytes"):
+        reference.leading_offsets(7, packed[:-1], key_bytes=32)
 
 
-def test_add_chain_links_each_page_under_the_one_before():
-    index = native_index.NativePageIndex(lambda r: None, lambda r: None)
+@pytest.mark.parametrize("implementation", [PageIndex, getattr(native_index, "NativePageIndex", None)])
+def test_add_chain_links_each_page_under_the_one_before(implementation):
+    index = implementation(lambda r: None, lambda r: None)
     root = index.add((1, b"r"), None, 0, 4096, 0)
     records = index.add_chain(1, [b"x", b"y", b"z"], root, [4096, 8192, 12288], 4096, [1, 2, 3])
     assert [r.parent for r in records] == [root, records[0], records[1]]
