@@ -1744,8 +1744,6 @@ static PyObject *index_offer_recovered(index_t *self, PyObject *records) {
             PyErr_SetString(PyExc_AssertionError, "recovery runs before anything else reaches the index");
             return NULL;
         }
-    uint64_t first = self->seq++;
-    self->seq = first;
     FOR_RECORDS(records, page, {
         page_t *p = &self->pages[page];
         heap_t *h = heap_for(self, 1, p->tenant, 0, 0);
