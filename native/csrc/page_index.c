@@ -124,27 +124,27 @@ typedef struct {
     int hex;
 } pkey_t;
 
-static int unhex_digit(uint8_t c) {
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    return -1;
+/* Each byte's value as a lowercase hex digit, -1 for any other byte; filled at import
+ * (page_index_register). A table, not a comparison per digit: on random keys those branches
+ * mispredict about once a digit, which made decoding most of a long lookup's time. */
+static int8_t hex_value[256];
+
+static void hex_value_fill(void) {
+    for (int c = 0; c < 256; c++)
+        hex_value[c] = (int8_t)(c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1);
 }
 
 /* The stored form of a key: a 64-character lowercase hex key as its 32 bytes. */
 static void key_encode(pkey_t *k, const uint8_t *data, size_t len) {
     k->hex = 0;
     if (len == 64) {
-        int ok = 1;
-        for (size_t i = 0; i < 32 && ok; i++) {
-            int hi = unhex_digit(data[2 * i]), lo = unhex_digit(data[2 * i + 1]);
-            if (hi < 0 || lo < 0)
-                ok = 0;
-            else
-                k->bytes[i] = (uint8_t)(hi << 4 | lo);
+        int bad = 0;   /* any digit's -1 makes it negative */
+        for (size_t i = 0; i < 32; i++) {
+            int hi = hex_value[data[2 * i]], lo = hex_value[data[2 * i + 1]];
+            bad |= hi | lo;
+            k->bytes[i] = (uint8_t)((unsigned)hi << 4 | (unsigned)lo);   /* unused unless every digit is one */
         }
-        if (ok) {
+        if (bad >= 0) {
             k->hex = 1;
             k->data = k->bytes;
             k->len = 32;
@@ -2159,6 +2159,7 @@ static PyTypeObject RecordType = {
 };
 
 int page_index_register(PyObject *module) {
+    hex_value_fill();
     if (PyType_Ready(&IndexType) < 0 || PyType_Ready(&RecordType) < 0)
         return -1;
     Py_INCREF(&IndexType);

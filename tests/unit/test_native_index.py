@@ -248,3 +248,20 @@ def test_a_record_is_the_same_object_while_held_and_a_removed_one_stays_readable
     # the key may come back as a new page while the old record is still held
     again = index.add((1, b"k" * 64), None, 8192, 4096, 7)
     assert again is not record and again.alive and not record.alive and record.offset == 4096
+
+
+def test_keys_that_are_almost_lowercase_hex_stay_distinct_keys():
+    """A 64-byte key is stored decoded only when every byte is a lowercase hex digit; one that is
+    not, at any position, is a key of its own, as in the Python index."""
+    rng = random.Random(5)
+    hex_key = rng.randbytes(32).hex().encode()
+    near = [hex_key[:i] + bytes([c]) + hex_key[i + 1:] for i in (0, 31, 63) for c in b"AFg/:`\x80\xff"]
+    keys = [hex_key, hex_key.upper(), *near]
+    pair = Pair()
+    for offset, key in enumerate(keys):
+        for index in (pair.py, pair.c):
+            index.add((1, key), None, offset * 4096, 4096, offset)
+    for key in keys:
+        py, c = pair.both((1, key))
+        assert c.page_id == py.page_id == (1, key) and c.offset == py.offset
+    assert pair.c.leading_offsets(1, b"".join(keys), key_bytes=64) == [i * 4096 for i in range(len(keys))]
