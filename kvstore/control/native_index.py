@@ -5,8 +5,9 @@ a tuple, and heap tuples. The C index keeps a page in one fixed 96-byte slot of 
 (key inline, tree links as slot numbers, flags in bits), a key table of 4-byte slot numbers, and
 heaps of 20-byte entries that only evictable pages enter. A whole node measured by
 bench/index_memory.py (4 KiB pages through the SDK, 64-character hex keys, RssAnon growth):
-about 105 bytes a page with this index, about 700 with the Python one (native/README.md). Records are proxies made on demand (`IndexRecord`),
-the same object while anyone holds one, so they go into sets and dicts as PageRecords do.
+about 106 bytes a page with this index from 250k to 3M pages, about 690 with the Python one
+(native/README.md). Records are proxies made on demand (`IndexRecord`), the same object while
+anyone holds one, so they go into sets and dicts as PageRecords do.
 
 What differs, and why it does not matter to callers:
 - `children` is a new set on each read (the index owns the links); nothing mutates it in place.

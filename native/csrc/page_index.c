@@ -1101,8 +1101,8 @@ static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs
     static char *names[] = {"namespace_id", "keys", "parent", "offsets", "slot_bytes", "checksums", NULL};
     PyObject *ns_id, *keys, *parent, *offsets, *checksums;
     unsigned long slot_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!kO!", names, &ns_id, &PyList_Type, &keys, &parent, &PyList_Type, &offsets,
-                          &slot_bytes, &PyList_Type, &checksums))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!kO!", names, &ns_id, &PyList_Type, &keys, &parent,
+                                     &PyList_Type, &offsets, &slot_bytes, &PyList_Type, &checksums))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (PyList_GET_SIZE(offsets) != n || PyList_GET_SIZE(checksums) != n) {
@@ -1891,12 +1891,13 @@ static PyMethodDef index_methods[] = {
     {"pin_all", (PyCFunction)(void (*)(void))index_pin_all, METH_VARARGS | METH_KEYWORDS, "pin_all(records, hit)"},
     {"unpin_all", (PyCFunction)index_unpin_all, METH_O, "unpin_all(records)"},
     {"set_dram", (PyCFunction)(void (*)(void))index_set_dram, METH_VARARGS | METH_KEYWORDS, "set_dram(record, offset)"},
-    {"set_on_nvme", (PyCFunction)(void (*)(void))index_set_on_nvme, METH_VARARGS | METH_KEYWORDS, "set_on_nvme(record, on_nvme)"},
+    {"set_on_nvme", (PyCFunction)(void (*)(void))index_set_on_nvme, METH_VARARGS | METH_KEYWORDS,
+     "set_on_nvme(record, on_nvme)"},
     {"release_busy", (PyCFunction)index_release_busy, METH_O, "release_busy(record)"},
     {"evict_dram", (PyCFunction)(void (*)(void))index_evict_dram, METH_VARARGS | METH_KEYWORDS,
      "evict_dram(slot_bytes, clean_only, tenant=None) -> record | None"},
-    {"oldest_evictable_slot_bytes", (PyCFunction)(void (*)(void))index_oldest_evictable_slot_bytes, METH_VARARGS | METH_KEYWORDS,
-     "oldest_evictable_slot_bytes(clean_only) -> int | None"},
+    {"oldest_evictable_slot_bytes", (PyCFunction)(void (*)(void))index_oldest_evictable_slot_bytes,
+     METH_VARARGS | METH_KEYWORDS, "oldest_evictable_slot_bytes(clean_only) -> int | None"},
     {"evict_nvme", (PyCFunction)(void (*)(void))index_evict_nvme, METH_VARARGS | METH_KEYWORDS,
      "evict_nvme(shard_of, shard, count, tenant=None) -> records"},
     {"dram_only_lru", (PyCFunction)(void (*)(void))index_dram_only_lru, METH_VARARGS | METH_KEYWORDS,
