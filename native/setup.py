@@ -13,7 +13,7 @@ setup(
     ext_modules=[Extension(
         "kvstore_native",
         sources=["csrc/module.c", "csrc/prefix_hash.c", "csrc/copy_hash.c", "csrc/copy_hash_avx2.c",
-                 "csrc/page_index.c"],
+                 "csrc/page_index.c", "csrc/page_table.c", "csrc/page_heaps.c", "csrc/index_record.c"],
         include_dirs=["csrc"],
         libraries=["crypto"],
         extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
