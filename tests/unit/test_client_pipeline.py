@@ -37,9 +37,14 @@ def test_durable_counts_written_pages_only_up_to_each_commits_durable_pages():
 
 
 def test_shared_memory_groups_small_pages_and_commits_short_runs():
-    assert (SHM_SHAPE.group_pages(4 << 10), SHM_SHAPE.run_pages(4 << 10)) == (512, 512)
-    assert (SHM_SHAPE.group_pages(64 << 10), SHM_SHAPE.run_pages(64 << 10)) == (32, 32)
+    assert (SHM_SHAPE.group_pages(4 << 10), SHM_SHAPE.run_pages(4 << 10)) == (2048, 512)
+    assert (SHM_SHAPE.group_pages(64 << 10), SHM_SHAPE.run_pages(64 << 10)) == (128, 32)
     assert (SHM_SHAPE.group_pages(4 << 20), SHM_SHAPE.run_pages(4 << 20)) == (32, 1)
+
+
+def test_shared_memory_acquires_a_long_get_in_a_few_parts_and_the_network_in_one():
+    assert [SHM_SHAPE.acquire_part_pages(n) for n in (1, 64, 128, 1024, 8192)] == [64, 64, 64, 256, 2048]
+    assert [NETWORK_SHAPE.acquire_part_pages(n) for n in (1, 1024)] == [1, 1024]
 
 
 def test_network_paths_group_by_bytes_and_commit_larger_runs():

@@ -17,6 +17,9 @@ from kvstore_client.buffers import Segment
 
 Page = tuple[int, int, list[Segment]]   # (index in the lease, arena offset, segments of the caller's buffer)
 
+# A get's Acquires: one more is one more message each way, so a batch is cut in few parts.
+ACQUIRE_PARTS = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineShape:
@@ -29,15 +32,25 @@ class PipelineShape:
     reserve_group_pages_min: int    # a Reserve asks for at least this many pages ...
     reserve_group_bytes: int        # ... or as many as fit in this many bytes, if more
     commit_run_bytes: int           # a Commit covers as many pages as fit in this (at least one)
+    # A get is acquired in up to ACQUIRE_PARTS parts of at least this many pages, all sent at once, so
+    # the node pins one part while the one before it is copied; 0: one Acquire for the whole batch.
+    acquire_part_pages_min: int = 0
 
     def __post_init__(self) -> None:
         assert self.reserve_group_pages_min >= 1 and self.reserve_group_bytes >= 0 and self.commit_run_bytes > 0
+        assert self.acquire_part_pages_min >= 0
 
     def group_pages(self, page_bytes: int) -> int:
         return max(self.reserve_group_pages_min, self.reserve_group_bytes // page_bytes)
 
     def run_pages(self, page_bytes: int) -> int:
         return max(1, self.commit_run_bytes // page_bytes)
+
+    def acquire_part_pages(self, pages: int) -> int:
+        """Pages of one Acquire of a get of `pages` (all of them where gets are not cut up)."""
+        if not self.acquire_part_pages_min:
+            return max(pages, 1)
+        return max(self.acquire_part_pages_min, -(-pages // ACQUIRE_PARTS))
 
 
 # Over a network a message costs a round trip and a page costs its bytes on the wire: groups are

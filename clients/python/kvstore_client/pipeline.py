@@ -219,22 +219,71 @@ def _why_not_written(index: int, commit_state: int | None) -> str:
 
 def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments: list[list[Segment]],
               verify: bool) -> int:
-    """Acquire (the request names namespace, keys and prefetch policy), move the hits, release; returns hits."""
-    sent_at = time.monotonic()
+    """Acquire the leading pages (the request names namespace, keys and prefetch policy), move them, release;
+    returns how many were loaded.
+
+    Where the data path's shape says so, the keys are acquired in parts, every Acquire sent at once: the
+    node pins the next part while this one is copied. Loading stops at the first part not wholly hit;
+    the leases of the parts after it are released unread.
+    """
     request.rdma_qp_num = data.rdma_qp_num
-    acquired = control.call("Acquire", request)
-    hits = acquired.hit_pages
-    if not hits:
-        return 0
-    landed = None
+    # A part waiting for commits or promotion would add its wait to the parts before it: one Acquire then.
+    whole = request.wait_ms or request.timeout_ms
+    part = len(request.keys) if whole else data.shape.acquire_part_pages(len(request.keys))
+    bounds = [(start, min(start + part, len(request.keys))) for start in range(0, len(request.keys), part)]
+    calls = [(time.monotonic(), control.submit("Acquire", _acquire_part(request, start, stop)))
+             for start, stop in bounds]
+    loaded, leases, answered = 0, [], 0
     try:
-        pages = list(zip(range(hits), acquired.offsets, segments))
-        landed = data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
+        for (start, stop), (sent_at, call) in zip(bounds, calls):
+            acquired = call.result()
+            answered += 1
+            hits = acquired.hit_pages
+            if not hits:
+                break
+            landed = None
+            try:
+                pages = list(zip(range(hits), acquired.offsets, segments[start:start + hits]))
+                landed = data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
+            finally:
+                changed = changed_pages(acquired, landed)
+                if changed:   # named with its one lease, so the node drops those pages
+                    control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
+                else:
+                    leases.append(acquired.lease_id)
+            check_loaded(acquired, sent_at, segments[start:start + hits], verify, changed)
+            loaded += hits
+            if hits < stop - start:
+                break
     finally:
-        changed = changed_pages(acquired, landed)
-        control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
-    check_loaded(acquired, sent_at, segments, verify, changed)
-    return hits
+        leases += _leases_of(calls[answered:])
+        if leases:
+            control.post("Release", pb.ReleaseRequest(lease_ids=leases))
+    return loaded
+
+
+def _acquire_part(request: pb.AcquireRequest, start: int, stop: int) -> pb.AcquireRequest:
+    """The Acquire of keys[start:stop]: the request itself when that is all of them."""
+    if start == 0 and stop == len(request.keys):
+        return request
+    part = pb.AcquireRequest()
+    part.CopyFrom(request)
+    del part.keys[:]
+    part.keys.extend(request.keys[start:stop])
+    return part
+
+
+def _leases_of(calls: list[tuple[float, Any]]) -> list[int]:
+    """The leases Acquires not read yet opened (they are answered in any case), to be released unread."""
+    leases = []
+    for _, call in calls:
+        try:
+            lease_id = call.result().lease_id
+        except errors.KVStoreError:   # nothing was pinned for it, or the node is gone with its leases
+            continue
+        if lease_id:
+            leases.append(lease_id)
+    return leases
 
 
 def changed_pages(acquired: pb.AcquireResponse, landed: list[int] | None) -> list[int]:
