@@ -9,9 +9,11 @@
  * so), whatever the instruction set.
  */
 #define COPY_HASH_NAME copy_hash_sse2
+#define COPY_OUT_HASH_NAME copy_out_hash_sse2
 #include "copy_hash_body.h"
 
 uint64_t copy_hash_avx2(uint8_t *dst, const segment_t *segments, size_t count, int streaming);
+uint64_t copy_out_hash_avx2(const uint8_t *src, const segment_t *segments, size_t count, int streaming);
 
 static int have_avx2(void) {
     static int known = -1;
@@ -26,23 +28,8 @@ uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
     return have_avx2() ? copy_hash_avx2(dst, segments, count, 1) : copy_hash_sse2(dst, segments, count, 0);
 }
 
-/* A reader hashes its copy, not the slot: the slot is shared memory that another client of the
- * same tenant may change during the copy, and the checksum must vouch for what the caller got.
- * Each piece is copied with cached stores and hashed from the destination while it is in L1. */
 uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
-    XXH3_state_t state;
-    XXH3_64bits_reset(&state);
-    for (size_t s = 0; s < count; s++) {
-        uint8_t *dst = (uint8_t *)(uintptr_t)segments[s].src;
-        size_t nbytes = segments[s].nbytes;
-        for (size_t done = 0; done < nbytes; done += PIECE_BYTES) {
-            size_t n = nbytes - done < PIECE_BYTES ? nbytes - done : PIECE_BYTES;
-            memcpy(dst + done, src, n);
-            XXH3_64bits_update(&state, dst + done, n);
-            src += n;
-        }
-    }
-    return XXH3_64bits_digest(&state);
+    return have_avx2() ? copy_out_hash_avx2(src, segments, count, 1) : copy_out_hash_sse2(src, segments, count, 0);
 }
 
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes) {

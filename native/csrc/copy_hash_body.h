@@ -1,5 +1,6 @@
-/* The body of copy_hash, compiled once per instruction set (copy_hash.c, copy_hash_avx2.c):
- * the including file names the function (COPY_HASH_NAME) and chooses xxhash's vector unit. */
+/* The bodies of copy_hash and copy_out_hash, compiled once per instruction set (copy_hash.c,
+ * copy_hash_avx2.c): the including file names the functions (COPY_HASH_NAME, COPY_OUT_HASH_NAME)
+ * and chooses xxhash's vector unit. */
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 #include <immintrin.h>
@@ -7,8 +8,8 @@
 
 #include "copy_hash.h"
 
-#ifndef COPY_HASH_NAME
-#error "define COPY_HASH_NAME before including copy_hash_body.h"
+#if !defined(COPY_HASH_NAME) || !defined(COPY_OUT_HASH_NAME)
+#error "define COPY_HASH_NAME and COPY_OUT_HASH_NAME before including copy_hash_body.h"
 #endif
 
 /* Pieces this small stay in L1 between the copy and the hash, and are short enough for the
@@ -53,5 +54,34 @@ uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, i
     }
     if (streaming)
         _mm_sfence();   /* the streamed stores are visible before the caller's Commit is sent */
+    return XXH3_64bits_digest(&state);
+}
+
+/* A reader hashes its copy, not the slot: the slot is shared memory that another client of the
+ * same tenant may change during the copy, and the checksum must vouch for what the caller got.
+ * Each piece goes through a private bounce buffer in L1: it is hashed there and written out from
+ * there (with non-temporal stores when streaming, as memcpy does for large copies), so the bytes
+ * hashed are the bytes written, and DRAM still sees one read and one write. */
+uint64_t COPY_OUT_HASH_NAME(const uint8_t *src, const segment_t *segments, size_t count, int streaming) {
+    _Alignas(64) uint8_t bounce[PIECE_BYTES];
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (size_t s = 0; s < count; s++) {
+        uint8_t *dst = (uint8_t *)(uintptr_t)segments[s].src;
+        size_t nbytes = segments[s].nbytes;
+        for (size_t done = 0; done < nbytes; done += PIECE_BYTES) {
+            size_t n = nbytes - done < PIECE_BYTES ? nbytes - done : PIECE_BYTES;
+            memcpy(bounce, src, n);
+            __asm__ volatile("" : : "r"(bounce) : "memory");   /* read the bounce, never the slot again */
+            XXH3_64bits_update(&state, bounce, n);
+            if (streaming)
+                copy_stream(dst + done, bounce, n);
+            else
+                memcpy(dst + done, bounce, n);
+            src += n;
+        }
+    }
+    if (streaming)
+        _mm_sfence();   /* the streamed stores are visible before the caller reads its buffer */
     return XXH3_64bits_digest(&state);
 }
