@@ -8,7 +8,8 @@ Each round runs, for every tree and both identities, a worker process with that 
 PYTHONPATH; the worker starts that tree's kvstore-server (CPU 1, taskset), and its client (CPU 0)
 puts a working set of distinct pages in batches, gets them back, and times a plain memcpy of the
 same pages in the same process. Rounds alternate trees and identities, so drift on a shared
-machine hits all alike; the table gives medians and each GB/s as a ratio of that worker's memcpy.
+machine hits all alike; the table gives medians, each GB/s as a ratio of that worker's memcpy,
+and as a ratio of the first tree's default identity in the same round.
 - "default": no auth.*: the one trusted tenant "", a whole-arena memfd.
 - "tenant": auth.tokens_file and auth.local_uids mapping this uid to tenant alice. A tree that
   refuses a tenant the arena's fd moves her pages over TCP; the transport used is reported.
@@ -158,21 +159,28 @@ def main() -> None:
                 runs.setdefault((name, identity), []).append(run_worker(path, "--tree", "x", *common,
                                                                         "--worker", identity))
     rows = []
+    first = next(iter(runs))   # the first tree's default: each round's figures are also given as ratios of its
     for (name, identity), results in runs.items():
         row = {"tree": name, "identity": identity, "transport": results[0]["transport"]}
         for what in ("memcpy_gbps", "put_gbps", "get_gbps"):
             row[what] = statistics.median(r[what] for r in results)
         row["put_ratio"] = statistics.median(r["put_gbps"] / r["memcpy_gbps"] for r in results)
         row["get_ratio"] = statistics.median(r["get_gbps"] / r["memcpy_gbps"] for r in results)
+        for what in ("put", "get"):   # ratio to the first tree's default in the same round (drift cancels)
+            row[f"{what}_vs_first"] = statistics.median(
+                r[f"{what}_gbps"] / b[f"{what}_gbps"] for r, b in zip(results, runs[first]))
         rows.append(row)
     moves = run_worker(trees.get("after", next(iter(trees.values()))), "--tree", "x", "--slab-mib",
                        str(args.slab_mib), "--slab-worker")
     print(f"working set {args.working_set_mib} MiB of {args.page_mib:g} MiB pages, batches of {args.batch}, "
           f"client CPU 0, server CPU 1, median of {args.rounds} rounds")
-    print(f"{'tree':>8} {'identity':>8} {'plane':>5} {'memcpy':>7} {'put GB/s':>9} {'put/mc':>7} {'get GB/s':>9} {'get/mc':>7}")
+    print(f"ratios: /mc to the worker's own memcpy; /{first[0]} to {first[0]} {first[1]} of the same round")
+    print(f"{'tree':>8} {'identity':>8} {'plane':>5} {'memcpy':>7} {'put GB/s':>9} {'put/mc':>7} {'put/' + first[0]:>11} "
+          f"{'get GB/s':>9} {'get/mc':>7} {'get/' + first[0]:>11}")
     for r in rows:
         print(f"{r['tree']:>8} {r['identity']:>8} {r['transport']:>5} {r['memcpy_gbps']:>7.2f} {r['put_gbps']:>9.2f} "
-              f"{r['put_ratio']:>7.2f} {r['get_gbps']:>9.2f} {r['get_ratio']:>7.2f}")
+              f"{r['put_ratio']:>7.2f} {r['put_vs_first']:>11.2f} {r['get_gbps']:>9.2f} {r['get_ratio']:>7.2f} "
+              f"{r['get_vs_first']:>11.2f}")
     print(f"slab move ({moves['slab_bytes'] >> 20} MiB: punch + allocate + map): "
           f"{moves['move_ms_median']:.1f} ms median ({moves['move_gbps']:.2f} GB/s); by hand: punch "
           f"{moves['punch_ms']:.1f} ms, posix_fallocate {moves['fallocate_ms']:.1f} ms, "

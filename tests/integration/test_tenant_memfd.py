@@ -230,3 +230,24 @@ def test_a_group_get_refuses_a_changed_page_too(server):
         with pytest.raises(errors.ChecksumMismatch, match=r"pages \[0\]"):
             client.get_group([(NS, ["g0", "g1"], outs[0]), (other, ["g0", "g1"], outs[1])])
         assert client.lookup(other, ["g0", "g1"]) == 0 and client.lookup(NS, ["g0", "g1"]) == 2
+
+
+def test_gpu_transfers_need_the_arena_in_one_memfd(start_server, tmp_path):
+    """GpuPages registers the whole mapping with the device, which in a tenant's sparse memfd would fill
+    its holes: such a client is told to load pages with get instead, before anything is registered."""
+    from kv_layout_cases import cases
+    from kvstore_client.gpu import GpuPages
+    from kvstore_client.gpu_device import HostDevice
+
+    tokens = Tokens(tmp_path)
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice"})
+    case = cases()[0]
+    ns = Namespace(model="gpu-memfd", page_bytes=case.shape.page_bytes, page_tokens=case.shape.tokens, layout="lmcache")
+    device = HostDevice()
+    with KVStoreClient(node.address, token=tokens.alice) as alice, GpuPages(alice, device) as gpu_pages:
+        assert alice.transport == "shm" and not alice._conn.data.arena.whole
+        with pytest.raises(errors.InvalidArgument, match="needs the arena in one memfd"):
+            gpu_pages.get_to_gpu(ns, ["k0"], case.cache, "lmcache", [0])
+        with pytest.raises(errors.InvalidArgument, match="needs the arena in one memfd"):
+            gpu_pages.put_from_gpu(ns, ["k0"], case.cache, "lmcache", [0])
+    assert device.register_calls == 0
