@@ -8,6 +8,9 @@ from kvstore.control.service import KVStoreService
 from kvstore.control.store import PageStore
 from kvstore.tiers.dram import Arena
 
+# Settings every node here is built with; the index_kind fixture (conftest.py) names the page index.
+BASE_SETTINGS: list[str] = []
+
 
 class ManualClock:
     """The store's clock seam: time moves only when a test says so, so lease tests never sleep."""
@@ -28,7 +31,7 @@ def arena_for(cfg: config.Config) -> Arena:
 
 
 def make_service(overrides: list[str], clock: ManualClock) -> KVStoreService:
-    cfg = config.load(environ={}, overrides=overrides)
+    cfg = config.load(environ={}, overrides=[*BASE_SETTINGS, *overrides])
     service = KVStoreService(PageStore(cfg, arena_for(cfg), clock))
     service.grants = SlotGrants(service.store)
     return service
@@ -41,7 +44,7 @@ def make_node(tmp_path, overrides: list[str], clock: ManualClock | None = None) 
     from kvstore.control.scrubber import Scrubber
     from kvstore.tiers.nvme import NvmeTier
 
-    cfg = config.load(environ={}, overrides=overrides)
+    cfg = config.load(environ={}, overrides=[*BASE_SETTINGS, *overrides])
     store = PageStore(cfg, arena_for(cfg), clock or ManualClock())
     nvme = NvmeTier((str(tmp_path / "s0"), str(tmp_path / "s1")), cfg.nvme.map_bytes)
     controller = CacheController(store, nvme, cfg.controller)

@@ -13,7 +13,7 @@ import pytest
 from kvstore.control import native_index
 from kvstore.control.index import NO_SLOT, PageIndex
 
-pytestmark = pytest.mark.skipif(not native_index.available(), reason="kvstore_native is not built")
+needs_native = pytest.mark.skipif(not native_index.available(), reason="kvstore_native is not built")
 
 SIZES = (4096, 8192)
 TENANTS = {1: "a", 2: "a", 3: "b"}
@@ -191,6 +191,7 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         assert py.leading_offsets(ns, keys) == c.leading_offsets(ns, keys)
 
 
+@needs_native
 @pytest.mark.parametrize("seed", range(12))
 def test_a_random_workload_takes_the_same_pages_in_the_same_order(seed):
     rng = random.Random(seed)
@@ -207,6 +208,7 @@ def test_a_random_workload_takes_the_same_pages_in_the_same_order(seed):
     same_state(pair)
 
 
+@needs_native
 def test_packed_keys_give_the_same_leading_pages():
     index = native_index.NativePageIndex(lambda r: None, lambda r: None)
     keys = [bytes([i]) * 32 for i in range(1, 9)]
@@ -225,7 +227,8 @@ def test_packed_keys_give_the_same_leading_pages():
         reference.leading_offsets(7, packed[:-1], key_bytes=32)
 
 
-@pytest.mark.parametrize("implementation", [PageIndex, getattr(native_index, "NativePageIndex", None)])
+@pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
+                                                                    marks=needs_native)])
 def test_add_chain_links_each_page_under_the_one_before(implementation):
     index = implementation(lambda r: None, lambda r: None)
     root = index.add((1, b"r"), None, 0, 4096, 0)
@@ -235,6 +238,7 @@ def test_add_chain_links_each_page_under_the_one_before(implementation):
     index.check_prefix_closed()
 
 
+@needs_native
 def test_a_record_is_the_same_object_while_held_and_a_removed_one_stays_readable():
     freed = []
     index = native_index.NativePageIndex(lambda r: freed.append(r.offset), lambda r: None)
@@ -250,6 +254,7 @@ def test_a_record_is_the_same_object_while_held_and_a_removed_one_stays_readable
     assert again is not record and again.alive and not record.alive and record.offset == 4096
 
 
+@needs_native
 def test_keys_that_are_almost_lowercase_hex_stay_distinct_keys():
     """A 64-byte key is stored decoded only when every byte is a lowercase hex digit; one that is
     not, at any position, is a key of its own, as in the Python index."""
@@ -265,3 +270,9 @@ def test_keys_that_are_almost_lowercase_hex_stay_distinct_keys():
         py, c = pair.both((1, key))
         assert c.page_id == py.page_id == (1, key) and c.offset == py.offset
     assert pair.c.leading_offsets(1, b"".join(keys), key_bytes=64) == [i * 4096 for i in range(len(keys))]
+
+
+def test_the_node_takes_the_python_index_when_told_or_when_the_c_one_is_not_built():
+    assert type(native_index.make_page_index(False, print, print, str)) is PageIndex
+    expected = "NativePageIndex" if native_index.available() else "PageIndex"
+    assert type(native_index.make_page_index(True, print, print, str)).__name__ == expected

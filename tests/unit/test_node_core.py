@@ -14,6 +14,8 @@ from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
 from node_parts import ManualClock, close_node, drop_dram_copies, make_node, make_service, write_all_down
 
+pytestmark = pytest.mark.usefixtures("index_kind")
+
 SMALL, BIG = 8 << 10, 64 << 10
 NODE = ["dram.arena_bytes=2MiB", "dram.slab_bytes=256KiB", "limits.page_bytes_max=64KiB",
         "nvme.map_bytes=64MiB", "controller.write_policy=write_through"]

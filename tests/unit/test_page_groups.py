@@ -7,6 +7,8 @@ import pytest
 import xxhash
 
 from node_parts import ManualClock, close_node, make_node, make_service
+
+pytestmark = pytest.mark.usefixtures("index_kind")
 from kvstore.control import groups
 from kvstore_client import errors
 from kvstore_client.keys import Namespace

@@ -9,6 +9,8 @@ from kvstore.control.identity import ADMIN, TENANT, Caller, Identity
 from kvstore_client import errors
 from kvstore_client.proto import pb
 from node_parts import close_node, make_node
+
+pytestmark = pytest.mark.usefixtures("index_kind")
 from test_node_core import BIG, chain, get, open_ns, put, write_all_down
 
 PAGE = BIG                                   # 64 KiB pages: 64 KiB slots

@@ -4,6 +4,8 @@ import pytest
 import xxhash
 
 from node_parts import ManualClock, make_service
+
+pytestmark = pytest.mark.usefixtures("index_kind")
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
