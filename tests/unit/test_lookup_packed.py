@@ -6,8 +6,8 @@ import pytest
 
 from node_parts import ManualClock, close_node, drop_dram_copies, make_node, make_service, write_all_down
 from kvstore_client import errors
-from kvstore_client.keys import Namespace, pack_keys, pack_keys_python
-from kvstore_client.lookup import PackedKeys, chain_keys, leading_hits, lookup_chain
+from kvstore_client.keys import Namespace, pack_keys, pack_keys_python, prefix_hashes_python
+from kvstore_client.lookup import PART_PAGES, PackedKeys, TokenChain, chain_keys, leading_hits, lookup_chain
 from kvstore_client.proto import pb
 
 PAGE = 8192
@@ -112,13 +112,18 @@ def test_pack_keys_packs_only_keys_of_one_length(keys, expected):
     assert pack_keys(keys) == expected == pack_keys_python(keys)
 
 
-def test_a_token_chain_is_packed_and_unpacks_to_its_keys():
+@pytest.mark.parametrize("part_pages", [1, 7, 50, 64])
+def test_a_token_chain_hashed_in_parts_is_the_whole_chain(part_pages):
     ns = Namespace(model="m", page_bytes=PAGE, page_tokens=4, hash_seed="ab" * 32)
     tokens = list(range(4 * 50 + 3))
-    packed = lookup_chain(ns, None, tokens)
-    assert isinstance(packed, PackedKeys) and len(packed) == 50 and packed.key_bytes == 64
-    assert packed.unpacked() == chain_keys(ns, None, tokens)
+    chain = lookup_chain(ns, None, tokens)
+    assert isinstance(chain, TokenChain) and len(chain) == 50
+    parts = list(chain.parts(part_pages))
+    assert [len(p) for p in parts] == [min(part_pages, 50 - i) for i in range(0, 50, part_pages)]
+    expected = [key.encode() for key in prefix_hashes_python(tokens, 4, "ab" * 32)]
+    assert [key for part in parts for key in part.unpacked()] == expected == chain_keys(ns, None, tokens)
     assert lookup_chain(ns, [b"a", b"bc"], None) == [b"a", b"bc"]   # mixed lengths: one by one
+    assert isinstance(lookup_chain(ns, [b"ab", b"cd"], None), PackedKeys)
     with pytest.raises(errors.InvalidArgument, match="1 to 64 bytes"):
         lookup_chain(ns, [b"x" * 65], None)
 
@@ -150,3 +155,29 @@ def test_leading_hits_splits_a_long_chain_and_speaks_to_older_nodes(node, packed
     assert len(control.sent) == 3
     assert all(bool(r.keys_packed) == packed_node and bool(r.keys) != packed_node for r in control.sent)
     assert sum(len(r.keys) or len(r.keys_packed) // r.key_bytes for r in control.sent) == 300
+
+
+def test_a_token_lookup_sends_each_part_hashed_from_the_last_key_of_the_one_before(node):
+    spec = Namespace("m", PAGE, page_tokens=4)
+    ns = open_ns(node, page_tokens=4)
+    tokens = np.arange(4 * 300, dtype=np.uint32)
+    keys = [key.encode() for key in prefix_hashes_python(tokens, 4)]
+    for start in range(0, 250, 50):
+        put(node, ns, keys[start:start + 50], parent=keys[start - 1] if start else b"")
+    control = _Node(node)
+    assert leading_hits(control, pb.Limits(lookup_pages_max=128, lookup_keys_packed=True), ns,
+                        lookup_chain(spec, None, tokens)) == 250
+    assert [r.keys_packed for r in control.sent] == [b"".join(keys[s:s + 128]) for s in (0, 128, 256)]
+
+
+def test_a_chain_longer_than_a_part_goes_in_parts_where_the_node_would_take_it_whole():
+    svc = make_service(["dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "limits.batch_pages_max=64"], ManualClock())
+    ns = open_ns(svc)
+    keys = chain("w", 5000)
+    put(svc, ns, keys[:40])
+    control = _Node(svc)
+    limits = svc.hello(pb.HelloRequest(), None).limits
+    assert limits.lookup_pages_max > 5000
+    assert leading_hits(control, limits, ns, lookup_chain(Namespace("m", PAGE), keys, None)) == 40
+    assert [len(r.keys_packed) // r.key_bytes for r in control.sent] == [PART_PAGES, PART_PAGES, 5000 - 2 * PART_PAGES]
+    svc.store.arena.close()

@@ -375,10 +375,10 @@ class AsyncKVStoreClient:
 
         async def call(conn: _Connection) -> int:
             async def in_namespace(ns_id: int) -> int:
-                requests = lookup.lookup_requests(conn.hello.limits, ns_id, chain)
+                limits = conn.hello.limits
                 answers = await asyncio.gather(*(conn.control.call("Lookup", request, self._timeout_s)
-                                                 for request in requests))
-                return lookup.leading_sum((answer.hit_pages for answer in answers), conn.hello.limits)
+                                                 for request in lookup.lookup_requests(limits, ns_id, chain)))
+                return lookup.leading_sum((answer.hit_pages for answer in answers), lookup.pages_per_part(limits))
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(call, timeout_s)
 

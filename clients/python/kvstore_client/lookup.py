@@ -7,6 +7,11 @@ the namespace's chain (keys.prefix_hashes: the node's own, native where kvstore_
 and looked up by keys: hashing 128k tokens costs about a millisecond, shipping them as protobuf
 varints several.
 
+A long chain goes in parts of at most PART_PAGES even where the node takes more in one Lookup:
+the node looks up one part while the next is still on its way (or, by tokens, still being hashed
+here: each part is hashed just before it is sent, its chain continuing from the last key of the
+part before). One Lookup of 32768 keys took twice as long as the same keys in parts of 2048.
+
 Keys of one length travel packed (LookupRequest.keys_packed): one buffer instead of a field, and
 an object on each side, per key. Keys of mixed lengths, and any key to a node from before
 keys_packed, go as the repeated field.
@@ -15,13 +20,18 @@ keys_packed, go as the repeated field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
+
+import numpy as np
 
 from kvstore_client import errors
 from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed
 from kvstore_client.proto import pb
+from kvstore_client.tokens import token_array
 
 HEX_KEY_BYTES = 64   # a token chain's key: a SHA-256 digest in hex
+PART_PAGES = 2048    # pages of one Lookup at most: the node looks up one part while the next comes
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedKeys:
@@ -37,64 +47,92 @@ class PackedKeys:
         step = self.key_bytes
         return [self.buffer[i:i + step] for i in range(0, len(self.buffer), step)]
 
+    def part(self, start: int, stop: int) -> "PackedKeys":
+        return PackedKeys(self.buffer[start * self.key_bytes:stop * self.key_bytes], self.key_bytes)
 
-Chain = Union[PackedKeys, list]
+
+@dataclasses.dataclass(frozen=True)
+class TokenChain:
+    """The full pages of a lookup's tokens, hashed only as their parts are asked for."""
+
+    tokens: np.ndarray
+    page_tokens: int
+    hash_seed: str
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.page_tokens
+
+    def parts(self, part_pages: int) -> Iterator[PackedKeys]:
+        """The chain's keys, part_pages at a time, each part chained from the last key of the one before."""
+        seed, step = self.hash_seed, part_pages * self.page_tokens
+        for start in range(0, len(self) * self.page_tokens, step):
+            packed = prefix_hashes_packed(self.tokens[start:start + step], self.page_tokens, seed)
+            seed = packed[-HEX_KEY_BYTES:].decode("ascii")
+            yield PackedKeys(packed, HEX_KEY_BYTES)
+
+
+Chain = Union[PackedKeys, TokenChain, list]
 
 
 def chain_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> list[bytes]:
     """The keys a lookup names, one by one: as given, or the namespace's chain over the tokens."""
     chain = lookup_chain(namespace, keys, tokens)
+    if isinstance(chain, TokenChain):
+        return [key for part in chain.parts(max(len(chain), 1)) for key in part.unpacked()]
     return chain.unpacked() if isinstance(chain, PackedKeys) else chain
 
 
 def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Chain:
-    """The keys a lookup names, packed where they have one length (a token chain always has)."""
+    """The keys a lookup names, packed where they have one length; tokens as a TokenChain."""
     if (keys is None) == (tokens is None):
         raise errors.InvalidArgument("pass exactly one of keys or tokens=")
     if keys is None:
         if not namespace.page_tokens:
             raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
-        packed = prefix_hashes_packed(tokens, namespace.page_tokens, namespace.hash_seed)
-        return PackedKeys(packed, HEX_KEY_BYTES) if packed else []
+        return TokenChain(token_array(tokens), namespace.page_tokens, namespace.hash_seed)
     packed = pack_keys(keys)
     return PackedKeys(*packed) if packed is not None else encode_keys(keys)
 
 
 def leading_hits(control: Any, limits: pb.Limits, namespace_id: int, chain: Chain) -> int:
-    """Leading pages of `chain` the node holds, over as many Lookups as its limit needs."""
-    requests = lookup_requests(limits, namespace_id, chain)
-    if len(requests) == 1:
-        return control.call("Lookup", requests[0]).hit_pages
-    parts = [control.submit("Lookup", request) for request in requests]
-    return leading_sum((part.result().hit_pages for part in parts), limits)
+    """Leading pages of `chain` the node holds, over as many Lookups as its limit needs, each sent
+    as soon as its part is ready."""
+    part_pages = pages_per_part(limits)
+    parts = [control.submit("Lookup", request) for request in lookup_requests(limits, namespace_id, chain)]
+    return leading_sum((part.result().hit_pages for part in parts), part_pages)
 
 
-def pages_per_lookup(limits: pb.Limits) -> int:
-    return limits.lookup_pages_max or limits.batch_pages_max   # 0: a node from before lookup_pages_max
+def pages_per_part(limits: pb.Limits) -> int:
+    most = limits.lookup_pages_max or limits.batch_pages_max   # 0: a node from before lookup_pages_max
+    return min(most, PART_PAGES)
 
 
-def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> list[pb.LookupRequest]:
-    """The Lookups of `chain`, each at most pages_per_lookup; at least one (an empty chain is the
-    node's to refuse)."""
-    most = pages_per_lookup(limits)
-    if isinstance(chain, PackedKeys) and not limits.lookup_keys_packed:
-        chain = chain.unpacked()   # a node from before keys_packed
-    return [_request(namespace_id, chain, start, start + most) for start in range(0, max(len(chain), 1), most)]
+def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> Iterator[pb.LookupRequest]:
+    """The Lookups of `chain`, each of at most pages_per_part, made one by one as they are taken; at
+    least one (an empty chain is the node's to refuse)."""
+    part_pages = pages_per_part(limits)
+    if isinstance(chain, TokenChain):
+        parts: Iterable[Any] = chain.parts(part_pages) if len(chain) else [PackedKeys(b"", HEX_KEY_BYTES)]
+    else:
+        parts = (chain[start:start + part_pages] if isinstance(chain, list) else chain.part(start, start + part_pages)
+                 for start in range(0, max(len(chain), 1), part_pages))
+    for part in parts:
+        if isinstance(part, PackedKeys) and not limits.lookup_keys_packed:
+            part = part.unpacked()   # a node from before keys_packed
+        yield _request(namespace_id, part)
 
 
-def leading_sum(hit_pages: Iterable[int], limits: pb.Limits) -> int:
+def leading_sum(hit_pages: Iterable[int], part_pages: int) -> int:
     """The chain's leading hits from its parts' answers, in order: up to the first part not wholly present."""
-    most, hits = pages_per_lookup(limits), 0
+    hits = 0
     for part_hits in hit_pages:
         hits += part_hits
-        if part_hits < most:
+        if part_hits < part_pages:
             break
     return hits
 
 
-def _request(namespace_id: int, chain: Chain, start: int, stop: int) -> pb.LookupRequest:
-    if isinstance(chain, PackedKeys):
-        step = chain.key_bytes
-        return pb.LookupRequest(namespace_id=namespace_id, keys_packed=chain.buffer[start * step:stop * step],
-                                key_bytes=step)
-    return pb.LookupRequest(namespace_id=namespace_id, keys=chain[start:stop])
+def _request(namespace_id: int, part: PackedKeys | list) -> pb.LookupRequest:
+    if isinstance(part, PackedKeys):
+        return pb.LookupRequest(namespace_id=namespace_id, keys_packed=part.buffer, key_bytes=part.key_bytes)
+    return pb.LookupRequest(namespace_id=namespace_id, keys=part)
