@@ -2,7 +2,7 @@
 path cuts a put into Reserve groups and Commit runs."""
 
 from kvstore_client.data_path import NETWORK_SHAPE, PipelineShape
-from kvstore_client.pipeline import stored_pages
+from kvstore_client.pipeline import changed_pages, stored_pages
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import SHAPE as SHM_SHAPE
 
@@ -51,3 +51,10 @@ def test_network_paths_group_by_bytes_and_commit_larger_runs():
     assert (NETWORK_SHAPE.group_pages(64 << 10), NETWORK_SHAPE.run_pages(64 << 10)) == (1024, 256)
     assert (NETWORK_SHAPE.group_pages(128 << 20), NETWORK_SHAPE.run_pages(128 << 20)) == (1, 1)
     assert PipelineShape(4, 1 << 20, 1).group_pages(1 << 20) == 4
+
+
+def test_pages_whose_copy_hashes_differ_from_their_commit_are_named_by_index():
+    acquired = pb.AcquireResponse(hit_pages=4, checksums=[11, 12, 13, 14])
+    assert changed_pages(acquired, None) == []                  # nothing hashed as it landed (another data path)
+    assert changed_pages(acquired, [11, 12, 13, 14]) == []
+    assert changed_pages(acquired, [11, 99, 13, 98]) == [1, 3]

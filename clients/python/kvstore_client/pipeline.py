@@ -290,7 +290,10 @@ def changed_pages(acquired: pb.AcquireResponse, landed: list[int] | None) -> lis
     """Indices of the pages whose copied bytes (hashed as they landed) differ from the node's checksums."""
     if landed is None:
         return []
-    return [i for i, (got, want) in enumerate(zip(landed, acquired.checksums)) if got != want]
+    want = list(acquired.checksums[:len(landed)])
+    if landed == want:   # the common case, compared without a loop in Python
+        return []
+    return [i for i, (got, sum_) in enumerate(zip(landed, want)) if got != sum_]
 
 
 def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[list[Segment]], verify: bool,
