@@ -189,7 +189,8 @@ class LocalServer:
             return
         fd = arena.fd_of(identity.tenant)
         owner.arena = arena.key(identity.tenant)
-        conn.sendmsg([framing.encode(0, b"")], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+        answer = framing.ARENA_OF_ONE_TENANT if arena.tenants_apart else b""
+        conn.sendmsg([framing.encode(0, answer)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
 
     def _answer(self, conn: socket.socket, kind: int, payload: bytearray, owner: Caller) -> None:
         method = framing.METHODS.get(kind)

@@ -2,8 +2,9 @@
 
 The node hands each tenant the memfd holding only that tenant's pages, at the same offsets as
 in its arena (kvstore/tiers/dram.py); the other tenants' slabs are holes here. The mapping is
-prefaulted only when the memfd is allocated whole (one tenant: the node's default): faulting
-in holes would allocate memory the node never gave this tenant (and the node punches it back).
+prefaulted only when the memfd holds the whole arena (tenants not told apart): faulting in the
+holes of a tenant's memfd would allocate memory the node never gave it (and the node punches it
+back).
 A page read from here is hashed as it is copied and compared with the checksum the node
 recorded at commit, so a page changed through a mapping is never returned as good.
 """
@@ -32,12 +33,12 @@ CACHED_COPY_BYTES = 256 << 10
 
 
 class ArenaMapping:
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, whole: bool = True):
+        """Map `fd` (taken: closed here); `whole`: it holds the whole arena, not one tenant's slabs."""
         try:
-            stat = os.fstat(fd)
-            self.nbytes = stat.st_size
-            self.whole = stat.st_blocks * 512 >= stat.st_size   # no holes: every slab is this tenant's
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self.whole else 0)
+            self.nbytes = os.fstat(fd).st_size
+            self.whole = whole
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if whole else 0)
             self._mmap = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

@@ -196,6 +196,7 @@ class LocalChannel:
         """With a token, it is shown in the connection's first frame (framing.AUTHENTICATE)."""
         self.path = path
         self.timeout_s = timeout_s
+        self.arena_of_one_tenant = False   # set by map_arena_fd
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         try:
@@ -222,7 +223,8 @@ class LocalChannel:
             raise errors.error_from_code(code, payload.decode(errors="replace"))
 
     def map_arena_fd(self) -> int:
-        """Ask for the arena; the server answers with its memfd (SCM_RIGHTS) or an error."""
+        """Ask for the arena; the server answers with its memfd (SCM_RIGHTS) or an error. Sets
+        arena_of_one_tenant: the memfd holds only the caller's tenant's slabs, the rest are holes."""
         with self._send_lock, self._recv_lock:
             assert not self._inflight, "map the arena before any other request"
             self._sock.sendall(framing.encode(framing.MAP_ARENA, b""))
@@ -241,6 +243,7 @@ class LocalChannel:
                 raise errors.error_from_code(code, payload.decode(errors="replace"))
             if len(fds) != 1:
                 raise errors.Internal(f"expected one arena fd from the server, got {len(fds)}")
+            self.arena_of_one_tenant = payload == framing.ARENA_OF_ONE_TENANT
             return fds[0]
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:

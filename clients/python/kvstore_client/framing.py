@@ -24,6 +24,9 @@ FRAME_BYTES_MAX = 16 << 20
 
 # Method 0 asks for the arena file descriptor (sent with SCM_RIGHTS beside the response).
 MAP_ARENA = 0
+# MAP_ARENA's answer when the fd is one tenant's memfd, holding only that tenant's slabs (its other
+# ranges are holes); an empty answer: the fd holds the whole arena.
+ARENA_OF_ONE_TENANT = b"one-tenant"
 # A bearer token (UTF-8), the connection's first frame: the node checks it against the peer uid's
 # tenant (required with auth.local_require_token) and refuses the connection once it is revoked.
 AUTHENTICATE = 255

@@ -34,7 +34,8 @@ class ShmDataPath:
 
     def __init__(self, channel: LocalChannel, instance_id: bytes):
         """Map the arena of the node whose Hello said `instance_id`, over `channel` (borrowed, not closed here)."""
-        arena = ArenaMapping(channel.map_arena_fd())
+        fd = channel.map_arena_fd()
+        arena = ArenaMapping(fd, whole=not channel.arena_of_one_tenant)
         try:
             if channel.call("Hello", pb.HelloRequest()).instance_id != instance_id:
                 raise errors.Unavailable(f"{channel.path} on this host belongs to another kvstore node")
