@@ -37,7 +37,7 @@ def test_durable_counts_written_pages_only_up_to_each_commits_durable_pages():
 
 
 def test_shared_memory_groups_small_pages_and_commits_short_runs():
-    assert (SHM_SHAPE.group_pages(4 << 10), SHM_SHAPE.run_pages(4 << 10)) == (2048, 512)
+    assert (SHM_SHAPE.group_pages(4 << 10), SHM_SHAPE.run_pages(4 << 10)) == (512, 512)
     assert (SHM_SHAPE.group_pages(64 << 10), SHM_SHAPE.run_pages(64 << 10)) == (128, 32)
     assert (SHM_SHAPE.group_pages(4 << 20), SHM_SHAPE.run_pages(4 << 20)) == (32, 1)
 
@@ -51,6 +51,7 @@ def test_network_paths_group_by_bytes_and_commit_larger_runs():
     assert (NETWORK_SHAPE.group_pages(64 << 10), NETWORK_SHAPE.run_pages(64 << 10)) == (1024, 256)
     assert (NETWORK_SHAPE.group_pages(128 << 20), NETWORK_SHAPE.run_pages(128 << 20)) == (1, 1)
     assert PipelineShape(4, 1 << 20, 1).group_pages(1 << 20) == 4
+    assert PipelineShape(4, 1 << 20, 1, reserve_group_pages_max=8).group_pages(1 << 10) == 8
 
 
 def test_pages_whose_copy_hashes_differ_from_their_commit_are_named_by_index():

@@ -32,6 +32,8 @@ class PipelineShape:
     reserve_group_pages_min: int    # a Reserve asks for at least this many pages ...
     reserve_group_bytes: int        # ... or as many as fit in this many bytes, if more
     commit_run_bytes: int           # a Commit covers as many pages as fit in this (at least one)
+    # ... but at most this many (0: no cap): the first Reserve of a put is waited for before any page moves.
+    reserve_group_pages_max: int = 0
     # A get is acquired in up to ACQUIRE_PARTS parts of at least this many pages, all sent at once, so
     # the node pins one part while the one before it is copied; 0: one Acquire for the whole batch.
     acquire_part_pages_min: int = 0
@@ -39,9 +41,11 @@ class PipelineShape:
     def __post_init__(self) -> None:
         assert self.reserve_group_pages_min >= 1 and self.reserve_group_bytes >= 0 and self.commit_run_bytes > 0
         assert self.acquire_part_pages_min >= 0
+        assert self.reserve_group_pages_max == 0 or self.reserve_group_pages_max >= self.reserve_group_pages_min
 
     def group_pages(self, page_bytes: int) -> int:
-        return max(self.reserve_group_pages_min, self.reserve_group_bytes // page_bytes)
+        pages = max(self.reserve_group_pages_min, self.reserve_group_bytes // page_bytes)
+        return min(pages, self.reserve_group_pages_max) if self.reserve_group_pages_max else pages
 
     def run_pages(self, page_bytes: int) -> int:
         return max(1, self.commit_run_bytes // page_bytes)

@@ -21,10 +21,12 @@ from kvstore_client.proto import pb
 # are short so it reads them back while they are still in the shared L3 cache (a second stream
 # from DRAM slows the copy itself by a third), and the last run's checksum is brief.
 # A message costs tens of microseconds on each side, more than copying a small page, so a Reserve
-# asks for 8 MiB of pages (a batch of 1024 pages of 4 KiB or 128 of 64 KiB in one) and its pages are
-# committed in runs of 2 MiB. A get is acquired in up to four parts (data_path.ACQUIRE_PARTS).
+# asks for 8 MiB of pages (a batch of 128 pages of 64 KiB in one) and its pages are committed in runs
+# of 2 MiB; but for at most 512 pages, which the node reserves in well under a millisecond, so pages
+# of 4 KiB start moving while the next 512 are reserved. A get is acquired in up to four parts
+# (data_path.ACQUIRE_PARTS).
 SHAPE = PipelineShape(reserve_group_pages_min=32, reserve_group_bytes=8 << 20, commit_run_bytes=2 << 20,
-                      acquire_part_pages_min=64)
+                      acquire_part_pages_min=64, reserve_group_pages_max=512)
 
 
 class ShmDataPath:
