@@ -148,7 +148,8 @@ def test_a_tenants_fd_exposes_no_byte_of_another_tenant_even_after_a_slab_moves(
     assert scan["found"] == [False] * 7 and scan["allocated_bytes"] == 0
 
 
-def changed_page_is_refused(node_address: str, token: str | None, key_prefix: str) -> None:
+def changed_page_is_refused(node_address: str, token: str | None, key_prefix: str, reader: str = "shm") -> None:
+    """A client changes a committed page through its own shared mapping; a get over `reader` refuses it."""
     data = pages(3, seed=21)
     keys = [f"{key_prefix}{i}" for i in range(3)]
     with KVStoreClient(node_address, token=token) as client:
@@ -161,8 +162,10 @@ def changed_page_is_refused(node_address: str, token: str | None, key_prefix: st
         arena = client._conn.data.arena
         arena.view[acquired.offsets[1] + 100] ^= 0xFF
         out = np.zeros_like(data)
-        with pytest.raises(errors.ChecksumMismatch, match=r"pages \[1\] .* changed them in shared memory"):
-            client.get(NS, keys, out)
+        with KVStoreClient(node_address, token=token, transport=reader) as reading:
+            assert reading.transport == reader
+            with pytest.raises(errors.ChecksumMismatch, match=r"pages \[1\] .* changed them in shared memory"):
+                reading.get(NS, keys, out)
         # The node re-hashed the slot, found it changed and dropped the page with what extends it.
         assert client.lookup(NS, keys) == 1
         out = np.zeros_like(data)
@@ -172,6 +175,11 @@ def changed_page_is_refused(node_address: str, token: str | None, key_prefix: st
 def test_a_committed_page_changed_in_shared_memory_is_refused_on_get(two_tenants):
     node, tokens = two_tenants
     changed_page_is_refused(node.address, tokens.alice, "c")
+
+
+def test_a_page_changed_in_shared_memory_is_refused_over_tcp_too(two_tenants):
+    node, tokens = two_tenants
+    changed_page_is_refused(node.address, tokens.alice, "t", reader="tcp")
 
 
 def test_the_default_tenant_gets_the_same_refusal(server):

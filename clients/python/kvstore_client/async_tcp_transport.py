@@ -21,7 +21,7 @@ import ssl
 
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
-from kvstore_client.data_path import Page
+from kvstore_client.data_path import Page, landed_checksums
 from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
                                         encode_request)
 
@@ -68,11 +68,12 @@ class AsyncTcpDataPath:
             self._check()
             await self._io(self._put(lease_id, token, pages, page_bytes))
 
-    async def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
-        """Read each page of a read lease into the caller's segments."""
+    async def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
+        """Read each page of a read lease into the caller's segments; returns each page's xxh3 as it landed."""
         async with self._lock:
             self._check()
             await self._io(self._get(lease_id, token, pages, page_bytes))
+        return landed_checksums(pages)
 
     def alive(self) -> bool:
         return self._broken is None and not self._reader.at_eof()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from kvstore_client import checksums
 from kvstore_client.buffers import Segment
 
 Page = tuple[int, int, list[Segment]]   # (index in the lease, arena offset, segments of the caller's buffer)
@@ -64,6 +65,11 @@ class PipelineShape:
 NETWORK_SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 << 20, commit_run_bytes=16 << 20)
 
 
+def landed_checksums(pages: list[Page]) -> list[int]:
+    """xxh3 of each page as it lies in the caller's segments, for a path that cannot hash as it copies."""
+    return [checksums.of_page(segments) for _, _, segments in pages]
+
+
 class DataPath(Protocol):
     name: str
     rdma_qp_num: int   # RDMA: the node's queue pair, named in Reserve and Acquire; 0 otherwise
@@ -76,8 +82,10 @@ class DataPath(Protocol):
 
     def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int] | None:
         """Read each pinned page into the caller's segments; raises Unavailable if the node is lost. Returns
-        each page's xxh3 where the path hashed what landed as it copied (shared memory, which a client of
-        the tenant could change: the caller compares them with the node's), else None."""
+        each page's xxh3 as it landed (shared memory hashes while it copies, TCP after the frames arrive),
+        which the caller compares with the node's: a client of the tenant could have changed the slot
+        through its shared mapping, so every plane refuses a changed page. RDMA returns None (no NIC here to
+        measure the cost of a pass over what the NIC wrote; verify=True checks it)."""
 
     def alive(self) -> bool:
         """False once the path is known broken or its node gone (a cheap check, no round trip)."""

@@ -307,7 +307,8 @@ def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[li
     if changed:
         raise errors.ChecksumMismatch(
             f"pages {changed} of this get no longer match the checksums recorded when they were committed: a "
-            "client of this tenant changed them in shared memory. The node drops each it finds changed; put them again")
+            "client of this tenant changed them in shared memory (or they were damaged on the way). The node drops "
+            "each it finds changed; put them again")
     if verify:
         for i in range(acquired.hit_pages):
             if checksums.of_page(segments[i]) != acquired.checksums[i]:

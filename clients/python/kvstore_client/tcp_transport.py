@@ -24,7 +24,7 @@ from typing import Iterator
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
 from kvstore_client.channel import call_deadline_at, peer_open
-from kvstore_client.data_path import Page, PipelineShape
+from kvstore_client.data_path import Page, PipelineShape, landed_checksums
 from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
                                         encode_request)
 
@@ -104,10 +104,11 @@ class TcpDataPath:
         with self._lock, self._bounded_by_call():
             self._put(lease_id, token, pages, page_bytes)
 
-    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
-        """Read each page of a read lease into the caller's segments."""
+    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
+        """Read each page of a read lease into the caller's segments; returns each page's xxh3 as it landed."""
         with self._lock, self._bounded_by_call():
             self._get(lease_id, token, pages, page_bytes)
+        return landed_checksums(pages)
 
     def alive(self) -> bool:
         """False once the path broke or the node closed the connection (it stopped, or the
