@@ -130,15 +130,13 @@ def test_copy_hash_into_equals_the_python_path(page):
     assert sums == [xxhash.xxh3_64_intdigest(python_arena[o:o + page].tobytes()) for o in offsets]
 
 
-@pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
-def test_read_pages_natively_equals_the_memmove_path(page, monkeypatch):
-    """ArenaMapping.read_pages fills each page's segments from its slot, the same with kvstore_native
-    (copy_out) as without (memmove per segment)."""
+def _arena_and_two_outs(page: int, seed: int):
+    """A random arena of pages in shuffled slots, and two zeroed outputs cut into the same random segments."""
     import os
 
     from kvstore_client.arena import ArenaMapping
 
-    rng = np.random.default_rng(page + 1)
+    rng = np.random.default_rng(seed)
     count = int(rng.integers(1, 40))
     fd = os.memfd_create("arena")
     os.ftruncate(fd, count * page)
@@ -149,6 +147,14 @@ def test_read_pages_natively_equals_the_memmove_path(page, monkeypatch):
     python_out = native_out.copy()
     shift = python_out.ctypes.data - native_out.ctypes.data
     python_pages = [[(address + shift, nbytes) for address, nbytes in segments] for segments in native_pages]
+    return arena, offsets, (native_out, native_pages), (python_out, python_pages)
+
+
+@pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
+def test_read_pages_natively_equals_the_memmove_path(page, monkeypatch):
+    """ArenaMapping.read_pages fills each page's segments from its slot, the same with kvstore_native
+    (copy_out) as without (memmove per segment)."""
+    arena, offsets, (native_out, native_pages), (python_out, python_pages) = _arena_and_two_outs(page, seed=page + 1)
     arena.read_pages(offsets, native_pages)
     monkeypatch.setattr(native, "module", None)
     arena.read_pages(offsets, python_pages)
@@ -162,21 +168,7 @@ def test_read_pages_natively_equals_the_memmove_path(page, monkeypatch):
 def test_read_pages_hashed_natively_equals_the_python_path(page, monkeypatch):
     """ArenaMapping.read_pages_hashed fills each page's segments and returns the xxh3 of what landed, the
     same with kvstore_native (copy_out_hashed) as without (memmove and xxhash)."""
-    import os
-
-    from kvstore_client.arena import ArenaMapping
-
-    rng = np.random.default_rng(page + 2)
-    count = int(rng.integers(1, 40))
-    fd = os.memfd_create("arena")
-    os.ftruncate(fd, count * page)
-    arena = ArenaMapping(fd)
-    arena.view[:] = rng.integers(0, 256, size=count * page, dtype=np.uint8).tobytes()
-    offsets = (rng.permutation(count) * page).tolist()
-    native_out, native_pages = _random_pages(rng, count, page)
-    python_out = native_out.copy()
-    shift = python_out.ctypes.data - native_out.ctypes.data
-    python_pages = [[(address + shift, nbytes) for address, nbytes in segments] for segments in native_pages]
+    arena, offsets, (native_out, native_pages), (python_out, python_pages) = _arena_and_two_outs(page, seed=page + 2)
     native_sums = arena.read_pages_hashed(offsets, native_pages)
     monkeypatch.setattr(native, "module", None)
     python_sums = arena.read_pages_hashed(offsets, python_pages)

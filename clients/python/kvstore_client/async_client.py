@@ -499,11 +499,8 @@ class AsyncKVStoreClient:
                                             [answer.hit_pages for answer in acquired.parts])
             landed: dict[int, list[int] | None] = {}
             try:
-                for answer, count, (_, segments, _) in zip(acquired.parts, counts, prepared):
-                    if count:
-                        landed[answer.lease_id] = await conn.data.get(
-                            answer.lease_id, answer.data_token,
-                            [(i, answer.offsets[i], segments[i]) for i in range(count)], answer.page_bytes)
+                for load in groups.part_loads(acquired, counts, [segments for _, segments, _ in prepared]):
+                    landed[load[0]] = await conn.data.get(*load)
             finally:
                 changed = groups.release(conn.control, acquired, landed)
             groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify,

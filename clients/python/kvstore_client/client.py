@@ -310,11 +310,8 @@ class KVStoreClient:
             try:
                 counts = groups.whole_positions([raw_keys for raw_keys, _, _ in prepared],
                                                 [answer.hit_pages for answer in acquired.parts])
-                for answer, count, (_, segments, _) in zip(acquired.parts, counts, prepared):
-                    if count:
-                        landed[answer.lease_id] = conn.data.get(
-                            answer.lease_id, answer.data_token,
-                            [(i, answer.offsets[i], segments[i]) for i in range(count)], answer.page_bytes)
+                for load in groups.part_loads(acquired, counts, [segments for _, segments, _ in prepared]):
+                    landed[load[0]] = conn.data.get(*load)
             finally:
                 changed = groups.release(conn.control, acquired, landed)
             groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify,

@@ -168,6 +168,14 @@ def whole_positions(part_keys: Sequence[Sequence[bytes]], hits: Sequence[int]) -
         hits = cut
 
 
+def part_loads(acquired: pb.AcquireGroupResponse, counts: Sequence[int],
+               segments: Sequence[list[list[Segment]]]) -> list[tuple[int, bytes, list, int]]:
+    """(lease id, data token, pages, page bytes) of each part with pages to load: a data path's get arguments."""
+    return [(answer.lease_id, answer.data_token, [(i, answer.offsets[i], part[i]) for i in range(count)],
+             answer.page_bytes)
+            for answer, count, part in zip(acquired.parts, counts, segments) if count]
+
+
 def release(control: Any, acquired: pb.AcquireGroupResponse, landed: dict[int, list[int] | None]) -> dict[int, list[int]]:
     """Release a group read's leases; a lease with pages that changed in shared memory (`landed`: each lease's
     hashes of what its copy landed, where the data path took them) names them in a Release of its own.
