@@ -416,14 +416,19 @@ static void copy_out_batch(const batch_t *b) {
     }
 }
 
-/* (base, offsets, pages) -> list[int]: `run` over the batch, one checksum a page. */
-static PyObject *batch_sums(PyObject *args, void (*run)(const batch_t *, uint64_t *)) {
+/* The batch named by a call's (base, offsets, pages) arguments. */
+static int batch_from_args(PyObject *args, batch_t *b) {
     unsigned long long base;
     PyObject *offsets, *pages;
     if (!PyArg_ParseTuple(args, "KOO", &base, &offsets, &pages))
-        return NULL;
+        return 0;
+    return parse_batch(base, offsets, pages, b);
+}
+
+/* (base, offsets, pages) -> list[int]: `run` over the batch, one checksum a page. */
+static PyObject *batch_sums(PyObject *args, void (*run)(const batch_t *, uint64_t *)) {
     batch_t b;
-    if (!parse_batch(base, offsets, pages, &b))
+    if (!batch_from_args(args, &b))
         return NULL;
     PyObject *result = NULL;
     uint64_t *sums = malloc((b.pages ? b.pages : 1) * sizeof(*sums));
@@ -462,12 +467,8 @@ static PyObject *py_copy_out_hashed(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_copy_out(PyObject *self, PyObject *args) {
-    unsigned long long base;
-    PyObject *offsets, *pages;
-    if (!PyArg_ParseTuple(args, "KOO", &base, &offsets, &pages))
-        return NULL;
     batch_t b;
-    if (!parse_batch(base, offsets, pages, &b))
+    if (!batch_from_args(args, &b))
         return NULL;
     if (b.total >= UNLOCKED_BYTES_MIN) {
         Py_BEGIN_ALLOW_THREADS

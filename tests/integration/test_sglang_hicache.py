@@ -347,12 +347,7 @@ def test_hybrid_model_pools_back_up_and_hit_like_the_file_backend(server, tmp_pa
     indexer.fill_random(seed=12)
     mamba = SGLangMambaPool(slots=8)
     mamba.fill_random(seed=13)
-    ours = create(server, kv)
-    theirs = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
-    theirs.register_mem_pool_host(kv)
-    for backend in (ours, theirs):
-        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
-        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    ours, theirs = ours_and_file_backend(server, tmp_path, kv, indexer, mamba)
     # Mamba states move straight between their slots and the arena; the KV-shaped pool through its flat page.
     assert ours._sidecars[str(PoolName.MAMBA)].zero_copy and not ours._sidecars[str(PoolName.INDEXER)].zero_copy
     keys = prefix_hashes(tokens(4 * PAGE, seed=11), PAGE)
@@ -567,6 +562,16 @@ def exists_v2_indexer_mamba(backend, keys):
     return result.kv_hit_pages, result.restorable_prefix_pages
 
 
+def ours_and_file_backend(server, tmp_path, kv, indexer, mamba):
+    """kvstore's backend and SGLang's file backend over the same KV pool, each with the indexer and Mamba pools."""
+    ours = create(server, kv)
+    theirs = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
+    theirs.register_mem_pool_host(kv)
+    for backend in (ours, theirs):
+        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    return ours, theirs
+
 def hybrid_pools(seed):
     """A KV pool, a DSA indexer pool (a page beside every KV page) and a Mamba state pool (trailing pages)."""
     kv = SGLangHostPool("page_first", pages=12, page_size=PAGE)
@@ -597,12 +602,7 @@ def test_a_backup_makes_each_position_visible_whole_and_hits_like_the_file_backe
     the one that bounds the answer, never finds one part of a position ahead of another. At the end every
     batch_exists_v2 answer equals SGLang's file backend's on the same backups."""
     kv, indexer, mamba = hybrid_pools(seed=41)
-    ours = create(server, kv)
-    theirs = HiCacheFile(storage_config(server, file_storage_path=str(tmp_path / "hicache")))
-    theirs.register_mem_pool_host(kv)
-    for backend in (ours, theirs):
-        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
-        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    ours, theirs = ours_and_file_backend(server, tmp_path, kv, indexer, mamba)
     keys = prefix_hashes(tokens(10 * PAGE, seed=41), PAGE)
     namespaces = [ours.namespace, ours._sidecars[str(PoolName.INDEXER)].namespace,
                   ours._sidecars[str(PoolName.MAMBA)].namespace]
