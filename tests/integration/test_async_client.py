@@ -200,6 +200,10 @@ def test_pages_over_tcp_come_back_byte_for_byte(start_server):
             assert await asyncio.gather(*(client.get(ns, chain, o) for chain, o in zip(chains, outs))) == [4] * 8
             assert all(np.array_equal(o, data[4 * c:4 * c + 4]) for c, o in enumerate(outs))
             assert threading.active_count() == threads_before
+            # A get posts its Release without waiting for the answer: the node ends the lease soon after.
+            deadline = time.monotonic() + 10
+            while (await client.stats()).leases_open and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             assert (await client.stats()).leases_open == 0
 
     asyncio.run(run())
