@@ -75,6 +75,11 @@ class CacheController:
 
     # -- listener (the store's lock is held: queue only) ---------------------------------
 
+    @property
+    def wants_commits(self) -> bool:
+        """Only write_through queues committed pages as they come (write_back finds them in the index)."""
+        return self.config.write_policy == WRITE_THROUGH
+
     def on_commit(self, records: list[PageRecord]) -> None:
         if self.config.write_policy == WRITE_THROUGH:
             self._enqueue(records)

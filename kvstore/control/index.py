@@ -148,13 +148,18 @@ class PageIndex:
         return record
 
     def add_chain(self, namespace_id: int, keys: list[bytes], parent: PageRecord | None, offsets: list[int],
-                  slot_bytes: int, checksums: list[int]) -> list[PageRecord]:
-        """add() of a commit's pages, each the parent of the next (the first's parent is `parent`)."""
-        records = []
-        for key, offset, checksum in zip(keys, offsets, checksums, strict=True):
-            parent = self.add((namespace_id, key), parent, offset, slot_bytes, checksum)
-            records.append(parent)
-        return records
+                  slot_bytes: int, checksums: list[int], records: bool = True) -> list[PageRecord] | int:
+        """add() of a commit's pages, each the parent of the next (the first's parent is `parent`), touched
+        together (one access tick). Returns their records, or with records=False their number (the C
+        index then makes no object per page)."""
+        added = []
+        try:
+            for key, offset, checksum in zip(keys, offsets, checksums, strict=True):
+                parent = self.add((namespace_id, key), parent, offset, slot_bytes, checksum)
+                added.append(parent)
+        finally:
+            self.touch_all(added)
+        return added if records else len(added)
 
     def insert(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
                checksum: int) -> PageRecord:
@@ -169,6 +174,11 @@ class PageIndex:
         if None in records:
             del records[records.index(None):]
         return records
+
+    def positions_held(self, namespace_id: int, keys: list[bytes]) -> list[int]:
+        """The positions of the keys whose pages are held in any tier (all of them, not only leading ones)."""
+        held = self._pages
+        return [i for i, key in enumerate(keys) if (namespace_id, key) in held]
 
     def leading_offsets(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> list[int]:
         """The DRAM offsets (NO_SLOT: on NVMe only) of leading(namespace_id, keys). With key_bytes,

@@ -19,7 +19,8 @@ What differs, and why it does not matter to callers:
 
 `leading(ns, keys, key_bytes=n)` also takes the keys packed in one bytes-like, n bytes each, so a
 long lookup is one call without a bytes object per key; `leading_offsets` answers the DRAM offsets
-directly. `add_chain` adds a commit's pages, each the next one's parent, in one call.
+directly. `add_chain` adds a commit's pages, each the next one's parent, in one call, and makes no record
+for them when asked not to; `positions_held` finds which of a Reserve's keys are held, in one call.
 
 Not thread-safe: the page store's lock guards every call.
 """
@@ -37,6 +38,10 @@ try:
     import kvstore_native
     _NativeIndex = getattr(kvstore_native, "PageIndex", None)
 except ImportError:  # pragma: no cover - where native/ is not built
+    _NativeIndex = None
+if _NativeIndex is not None and not hasattr(_NativeIndex, "positions_held"):   # pragma: no cover
+    log.warning("kvstore_native was built from older sources (its PageIndex has no positions_held): "
+                "rebuild it with `pip install ./native`; the page index runs in Python meanwhile")
     _NativeIndex = None
 
 

@@ -58,10 +58,17 @@ class TenantLedger:
             assert len(self._owner_names) < 1 << 16, "at most 65535 tenants hold DRAM slots"
             owner = self._owner_ids[tenant] = len(self._owner_names)
             self._owner_names.append(tenant)
-        owners = self._owners
-        for offset in offsets:
-            assert not owners[offset // SLOT_ALIGN], f"slot {offset} is taken twice"
-            owners[offset // SLOT_ALIGN] = owner
+        owners, count = self._owners, len(offsets)
+        start, stride = offsets[0] // SLOT_ALIGN if offsets else 0, slot_bytes // SLOT_ALIGN
+        run = slice(start, start + stride * count, stride)
+        if count > 1 and offsets == list(range(offsets[0], offsets[0] + slot_bytes * count, slot_bytes)):
+            # Slots one after another in a slab (the allocator's usual answer): one slice, no step per slot.
+            assert owners[run].count(0) == count, f"a slot of {offsets[0]}..{offsets[-1]} is taken twice"
+            owners[run] = array.array("H", [owner]) * count
+        else:
+            for offset in offsets:
+                assert not owners[offset // SLOT_ALIGN], f"slot {offset} is taken twice"
+                owners[offset // SLOT_ALIGN] = owner
         self.dram_bytes[tenant] = self.dram_bytes.get(tenant, 0) + slot_bytes * len(offsets)
 
     def freed(self, offset: int, slot_bytes: int) -> None:

@@ -143,9 +143,11 @@ class KVStoreService:
         if request.durable and self.controller is None:
             raise errors.InvalidArgument("durable=true needs the NVMe tier, and this node has none (nvme.enabled)")
         if request.checksums_from_writer:   # the writer hashed the pages as it copied them: no read-back
-            states, sums, published = self.store.commit_written(request.lease_id, indices, list(request.checksums))
+            states, sums, published = self.store.commit_written(request.lease_id, indices, list(request.checksums),
+                                                                records=request.durable)
         else:
-            states, sums, published = self.store.commit(request.lease_id, indices, list(request.checksums))
+            states, sums, published = self.store.commit(request.lease_id, indices, list(request.checksums),
+                                                        records=request.durable)
         durable = 0
         if request.durable and published:
             deadline = time.monotonic() + self.config.controller.promote_wait_ms_max / 1000

@@ -19,6 +19,7 @@ listener only queues work.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import hmac
@@ -98,6 +99,9 @@ class Counters:
 class StoreListener(Protocol):
     """Told of page events with the store's lock held: queue work, never call the store back."""
 
+    # Whether on_commit is called: a record per committed page costs more than indexing the page.
+    wants_commits: bool
+
     def on_commit(self, records: list[PageRecord]) -> None: ...
     def on_hit(self, records: list[PageRecord]) -> None: ...
     def on_wanted(self, records: list[PageRecord]) -> None: ...
@@ -105,6 +109,8 @@ class StoreListener(Protocol):
 
 
 class _NoListener:
+    wants_commits = False
+
     def on_commit(self, records: list[PageRecord]) -> None: pass
     def on_hit(self, records: list[PageRecord]) -> None: pass
     def on_wanted(self, records: list[PageRecord]) -> None: pass
@@ -166,7 +172,9 @@ class PageStore:
         self.leases = LeaseTable()
         self.namespaces: dict[int, Namespace] = {}
         self._namespace_used: dict[int, float] = {}        # last use, for reclaiming idle ones
-        self._pending: dict[PageId, int] = {}              # reserved, uncommitted page -> lease id
+        # Reserved, uncommitted pages: namespace -> key -> lease id. A dict per namespace, so that a
+        # Reserve's keys are checked and claimed with set operations rather than a step per key.
+        self._pending: dict[int, dict[bytes, int]] = {}
         # Pages whose NVMe copy is being deleted (outside the lock): not written down meanwhile,
         # or the delete could erase the fresh copy. A count per id: deletes may overlap.
         self._nvme_deleting: dict[PageId, int] = {}
@@ -205,13 +213,14 @@ class PageStore:
 
     def _reclaim_idle(self, candidates: list[int]) -> bool:
         """Lock held: forget the least recently used namespace with no page, lease or write."""
-        busy = {lease.namespace_id for lease in self.leases.all()} | {ns for ns, _ in self._pending}
+        busy = {lease.namespace_id for lease in self.leases.all()} | {ns for ns, keys in self._pending.items() if keys}
         idle = [i for i in candidates if i not in busy and not self.index.pages_by_namespace.get(i)]
         if not idle:
             return False
         victim = min(idle, key=lambda i: self._namespace_used.get(i, 0.0))
         del self.namespaces[victim]
         self._namespace_used.pop(victim, None)
+        self._pending.pop(victim, None)
         self.index.pages_by_namespace.pop(victim, None)
         log.info("idle namespace reclaimed id=%016x", victim)
         return True
@@ -272,13 +281,16 @@ class PageStore:
 
     def reserve(self, ns_id: int, keys: list[bytes], parent_key: bytes, lease_id: int, ttl_ms: int,
                 owner: object | None, absent_parent: str = "refuse") -> Reservation:
-        """Step one: a write lease, the state of each key, pages of the chain pinned. No slots yet."""
+        """Step one: a write lease, the state of each key, pages of the chain pinned. No slots yet.
+
+        The keys are distinct (checks.keys)."""
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
         tenant = self.namespaces[ns_id].tenant
         states = [pb.PARENT_MISSING] * len(keys)
         with self._lock:
             if self.draining:
                 raise errors.Draining("the server is draining for shutdown and takes no new leases")
+            claimed = self._pending.setdefault(ns_id, {})
             if lease_id:
                 lease = self._lease(lease_id, WRITE)
                 if lease.namespace_id != ns_id:
@@ -288,7 +300,7 @@ class PageStore:
                         "parent_key of an extending Reserve must be the last key reserved under the lease")
             else:
                 parent = self.index.get((ns_id, parent_key)) if parent_key else None
-                absent = bool(parent_key) and parent is None and (ns_id, parent_key) not in self._pending
+                absent = bool(parent_key) and parent is None and parent_key not in claimed
                 if absent and absent_parent != "anchor":
                     return Reservation(None, 0, states, [0] * len(keys), [], slot_bytes, False, tenant)
                 lease = self.leases.open(WRITE, ns_id, self.clock(), ttl_ms, owner)
@@ -298,21 +310,35 @@ class PageStore:
                     self._pin(lease, parent)
             first_index = len(lease.keys)
             lease.keys.extend(keys)
-            wanted = []
-            for i, key in enumerate(keys):
-                record = self.index.get((ns_id, key))
-                if record is not None:
-                    states[i] = pb.PRESENT
-                    self._pin(lease, record)
-                elif (ns_id, key) in self._pending:
-                    states[i] = pb.IN_FLIGHT
-                else:  # claimed now, in this lock section, so no other lease reserves it meanwhile
-                    wanted.append(i)
-                    states[i] = pb.NO_SPACE
-                    self._pending[(ns_id, key)] = lease.lease_id
+            held = self.index.positions_held(ns_id, keys)
+            if not held and claimed.keys().isdisjoint(keys):
+                # The usual Reserve: every page new. Claimed now, in this lock section, so no other lease
+                # reserves one meanwhile.
+                claimed.update(dict.fromkeys(keys, lease.lease_id))
+                wanted = list(range(len(keys)))
+                states = [pb.NO_SPACE] * len(keys)
+            else:
+                wanted = self._claim_each(lease, keys, held, claimed, states)
             lease.busy += 1   # not reaped between the two steps
             self._namespace_used[ns_id] = self.clock()
         return Reservation(lease, first_index, states, [0] * len(keys), wanted, slot_bytes, bool(lease_id), tenant)
+
+    def _claim_each(self, lease: Lease, keys: list[bytes], held: list[int], claimed: dict[bytes, int],
+                    states: list[int]) -> list[int]:
+        """Lock held: reserve()'s states key by key, when some page is held or in flight; the positions wanted."""
+        held_positions = set(held)
+        wanted = []
+        for i, key in enumerate(keys):
+            if i in held_positions:
+                states[i] = pb.PRESENT
+                self._pin(lease, self.index.get((lease.namespace_id, key)))
+            elif key in claimed:
+                states[i] = pb.IN_FLIGHT
+            else:  # claimed now, in this lock section, so no other lease reserves it meanwhile
+                wanted.append(i)
+                states[i] = pb.NO_SPACE
+                claimed[key] = lease.lease_id
+        return wanted
 
     def fill(self, reservation: Reservation, evict: Evict) -> int:
         """Step two: slots for the wanted pages; returns how many are still short of a slot."""
@@ -327,9 +353,15 @@ class PageStore:
             reservation.refusal = self.ledger.dram_refusal(reservation.tenant) if room < wanted else ""
             granted = self._allocate(reservation.slot_bytes, room, evict, reservation.tenant)
             page_bytes = self.namespaces[lease.namespace_id].page_bytes
-            for i, offset in zip(reservation.wanted, granted):
-                lease.slots[reservation.first_index + i] = offset
-                reservation.states[i], reservation.offsets[i] = pb.RESERVED, offset
+            first, count = reservation.first_index, len(granted)
+            if wanted == len(reservation.states):   # every page wanted: the first `count` get slots
+                lease.slots.update(zip(range(first, first + count), granted))
+                reservation.states[:count] = [pb.RESERVED] * count
+                reservation.offsets[:count] = granted
+            else:
+                for i, offset in zip(reservation.wanted, granted):
+                    lease.slots[first + i] = offset
+                    reservation.states[i], reservation.offsets[i] = pb.RESERVED, offset
             self.counters.bytes_reserved += len(granted) * page_bytes
             reservation.wanted = reservation.wanted[len(granted):]
             if reservation.wanted:
@@ -347,10 +379,11 @@ class PageStore:
             lease.busy -= 1
             if reservation.wanted and reservation.refusal:   # counted once, after any second try
                 self.ledger.of(reservation.tenant).dram_refused_pages += len(reservation.wanted)
+            claimed = self._pending[lease.namespace_id]
             for i in reservation.wanted:   # claimed in step one, given no slot: free for others again
-                page_id = (lease.namespace_id, lease.keys[reservation.first_index + i])
-                if self._pending.get(page_id) == lease.lease_id:
-                    del self._pending[page_id]
+                key = lease.keys[reservation.first_index + i]
+                if claimed.get(key) == lease.lease_id:
+                    del claimed[key]
             if lease.slots or reservation.extending or lease.ended:
                 return
             self._end_lease(lease)
@@ -362,13 +395,14 @@ class PageStore:
                     f"no slot of {reservation.slot_bytes} bytes can be freed: every page is pinned by a lease, "
                     "waiting to be written down, or the arena is full of other page sizes")
 
-    def commit(self, lease_id: int, indices: list[int], checksums: list[int]) -> tuple[list[int], list[int],
-                                                                                    list[PageRecord]]:
+    def commit(self, lease_id: int, indices: list[int], checksums: list[int],
+               records: bool = False) -> tuple[list[int], list[int], list[PageRecord]]:
         """Hash the slots (unlocked: they belong to this lease alone), check, publish in chain order.
 
         A slot the node already hashed as its data-plane write landed (end_transfer) is not read again.
 
-        Returns (states, checksums, pages published)."""
+        Returns (states, checksums, records of the pages published). The records are made only when
+        asked for (a durable commit waits on them); else the list is empty."""
         with self._lock:
             lease = self._lease(lease_id, WRITE)
             indices = self._committable(lease, indices)
@@ -401,14 +435,14 @@ class PageStore:
                         "nothing in this commit was made visible: rewrite the slot or abort")
             if self.leases.get(lease.lease_id) is not lease:
                 raise errors.LeaseNotFound(f"lease {lease_id:#x} ended while its commit was checked")
-            states, published = self._publish(lease, indices, sums)
+            states, published = self._publish(lease, indices, sums, records)
             if not lease.slots:
                 self._end_lease(lease)
         failpoints.hit("commit.after_publish")
         return states, sums, published
 
-    def commit_written(self, lease_id: int, indices: list[int], checksums: list[int]) -> tuple[
-            list[int], list[int], list[PageRecord]]:
+    def commit_written(self, lease_id: int, indices: list[int], checksums: list[int],
+                       records: bool = False) -> tuple[list[int], list[int], list[PageRecord]]:
         """Publish slots whose checksums the lease's writer computed as it copied them in (one pass over
         the bytes: kvstore_native.copy_hash), without reading the slots back. A page is still never
         published without a checksum from its writer or from this node; the scrubber, promotion from
@@ -420,7 +454,7 @@ class PageStore:
             if len(checksums) != len(indices):
                 raise errors.InvalidArgument(
                     f"{len(checksums)} checksums for {len(indices)} pages: checksums_from_writer needs one per page")
-            states, published = self._publish(lease, indices, checksums)
+            states, published = self._publish(lease, indices, checksums, records)
             if not lease.slots:
                 self._end_lease(lease)
         failpoints.hit("commit.after_publish")
@@ -434,7 +468,7 @@ class PageStore:
         the store or earlier in the group, before anything is published; all of it then happens in
         one lock section, so no Lookup, LookupGroup or Acquire sees part of the group. A failed check
         raises naming the lease and leaves every lease as it was (open, its slots uncommitted).
-        Slots are hashed outside the lock, as in commit(). Returns commit()'s answer per part."""
+        Slots are hashed outside the lock, as in commit(). Returns commit()'s answer per part (no records)."""
         with self._lock:
             leases = self._group_leases(parts)
             plans = []
@@ -477,7 +511,7 @@ class PageStore:
             self._check_publishable([(lease, indices) for lease, indices, *_ in plans])
             results = []
             for (lease, indices, *_), got in zip(plans, sums):
-                states, published = self._publish(lease, indices, got)
+                states, published = self._publish(lease, indices, got, False)
                 results.append((states, got, published))
             for lease, *_ in plans:
                 if not lease.slots:
@@ -520,6 +554,8 @@ class PageStore:
     def _committable(self, lease: Lease, indices: list[int]) -> list[int]:
         """Lock held: the indices a commit names (none: every uncommitted one), each reserved and idle."""
         indices = indices or sorted(lease.slots)
+        if not lease.writing and not lease.committing and all(map(lease.slots.__contains__, indices)):
+            return indices   # the usual commit, checked without a step per index
         for index in indices:
             if index not in lease.slots:
                 raise errors.InvalidArgument(
@@ -532,42 +568,51 @@ class PageStore:
                                       "wait for that Commit's answer")
         return indices
 
-    def _publish(self, lease: Lease, indices: list[int], sums: list[int]) -> tuple[list[int], list[PageRecord]]:
+    def _publish(self, lease: Lease, indices: list[int], sums: list[int],
+                 records: bool) -> tuple[list[int], list[PageRecord]]:
         """Lock held: make checked pages visible in chain order; a page whose parent is gone is dropped, unless
-        it is the first of a lease that named an absent parent to anchor at."""
+        it is the first of a lease that named an absent parent to anchor at. Returns (states, the published
+        pages' records when `records` is asked for, else [])."""
         ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
         first = indices[0] if indices else 0
         parent_key = keys[first - 1] if first else lease.parent_key
         chain_parent = index.get((ns_id, parent_key)) if parent_key else None
+        wants_commits = self.listener.wants_commits
         if indices and indices[-1] - first == len(indices) - 1 and (chain_parent is not None or not parent_key):
-            # The usual commit: consecutive pages under a parent held here (or none), one index call.
-            offsets = []
-            for position in indices:
-                offsets.append(lease.slots.pop(position))
-                lease.arrived.pop(position, None)
-                del self._pending[(ns_id, keys[position])]
-            published = index.add_chain(ns_id, list(keys[first:first + len(indices)]), chain_parent, offsets,
-                                        slot_bytes, list(sums))
-            states = [pb.COMMITTED] * len(published)
+            # The usual commit: consecutive pages under a parent held here (or none), one index call,
+            # and no object per page unless someone reads them.
+            offsets = list(map(lease.slots.pop, indices))
+            if lease.arrived:
+                for position in indices:
+                    lease.arrived.pop(position, None)
+            chain_keys = keys[first:first + len(indices)]
+            _consume(map(self._pending[ns_id].__delitem__, chain_keys))
+            published = index.add_chain(ns_id, chain_keys, chain_parent, offsets, slot_bytes, list(sums),
+                                        records=records or wants_commits)
+            count = len(indices)
+            states = [pb.COMMITTED] * count
         else:
             states, published = self._publish_each(lease, indices, sums, slot_bytes)
-        index.touch_all(published)
-        self.counters.pages_committed += len(published)
-        self.listener.on_commit(published)
+            index.touch_all(published)
+            count = len(published)
+        self.counters.pages_committed += count
+        if wants_commits:
+            self.listener.on_commit(published)
         self._committed.notify_all()
-        return states, published
+        return states, published if records else []
 
     def _publish_each(self, lease: Lease, indices: list[int], sums: list[int],
                       slot_bytes: int) -> tuple[list[int], list[PageRecord]]:
         """_publish page by page: a gap in the chain, a parent gone, or an anchored first page."""
         ns_id, keys, index = lease.namespace_id, lease.keys, self.index
+        claimed = self._pending[ns_id]
         states, published = [], []
         for position, checksum in zip(indices, sums):
             key = keys[position]
             offset = lease.slots.pop(position)
             lease.arrived.pop(position, None)
-            del self._pending[(ns_id, key)]
+            del claimed[key]
             parent_key = keys[position - 1] if position else lease.parent_key
             parent = index.get((ns_id, parent_key)) if parent_key else None
             anchor = b""
@@ -1170,8 +1215,10 @@ class PageStore:
         if lease.ended:
             return
         lease.ended = True
-        for index in lease.slots:
-            del self._pending[(lease.namespace_id, lease.keys[index])]
+        if lease.slots:   # a write lease's uncommitted pages are claimed no more
+            claimed, keys = self._pending[lease.namespace_id], lease.keys
+            for index in lease.slots:
+                del claimed[keys[index]]
         if not lease.transfers:  # else bytes still move through its slots: the last transfer frees them
             self._free_lease_memory(lease)
         if self.leases.get(lease.lease_id) is lease:
@@ -1211,6 +1258,11 @@ class PageStore:
 
     def _free_slot(self, offset: int) -> None:
         self.ledger.freed(offset, self.allocator.free(offset))
+
+
+def _consume(iterator: Iterable) -> None:
+    """Run an iterator to its end (a map of a C method: the loop stays in C)."""
+    collections.deque(iterator, maxlen=0)
 
 
 def _any_shard(record: PageRecord) -> int:

@@ -437,9 +437,20 @@ done:
     return rc;
 }
 
-/* Insert one page; returns its slot, or -1 with an error set. `parent` is NONE for a root. */
+/* The tenant slot of a namespace's pages (tenant_of asked, once per call that adds pages); -1 on error. */
+static int64_t tenant_of_namespace(index_t *self, PyObject *ns_id) {
+    PyObject *name = self->tenant_of == Py_None ? PyUnicode_FromStringAndSize("", 0)
+                                                : PyObject_CallOneArg(self->tenant_of, ns_id);
+    int64_t tenant = name ? tenant_lookup(self, name, 1) : -1;
+    Py_XDECREF(name);
+    return tenant;
+}
+
+/* Insert one page; returns its slot, or -1 with an error set. `parent` is NONE for a root; `tenant` is
+ * tenant_of_namespace(ns_id). */
 static int64_t add_page(index_t *self, PyObject *ns_id, const uint8_t *data, size_t len, uint32_t parent,
-                        int64_t offset, uint32_t slot_bytes, uint64_t checksum, int on_nvme, PyObject *anchor) {
+                        int64_t offset, uint32_t slot_bytes, uint64_t checksum, int on_nvme, PyObject *anchor,
+                        int64_t tenant) {
     int64_t ns = ns_lookup(self, ns_id, 1);
     if (ns < 0)
         return -1;
@@ -458,17 +469,7 @@ static int64_t add_page(index_t *self, PyObject *ns_id, const uint8_t *data, siz
         PyErr_SetString(PyExc_AssertionError, "a page is anchored only when its parent is absent");
         return -1;
     }
-    int64_t tenant;
-    if (self->tenant_of == Py_None) {
-        PyObject *empty = PyUnicode_FromStringAndSize("", 0);
-        tenant = empty ? tenant_lookup(self, empty, 1) : -1;
-        Py_XDECREF(empty);
-    } else {
-        PyObject *name = PyObject_CallOneArg(self->tenant_of, ns_id);
-        tenant = name ? tenant_lookup(self, name, 1) : -1;
-        Py_XDECREF(name);
-    }
-    if (tenant < 0 || table_reserve(self, self->table_count + 1) < 0)
+    if (table_reserve(self, self->table_count + 1) < 0)
         return -1;
     uint8_t *long_key = NULL;
     if (k.len > INLINE_KEY && !(long_key = malloc(k.len))) {
@@ -554,19 +555,24 @@ static PyObject *index_add(index_t *self, PyObject *args, PyObject *kwargs) {
     int64_t parent_page = parent_arg(self, parent);
     if (parent_page < 0 || parse_page_id(page_id, &ns_id, &data, &len) < 0)
         return NULL;
+    int64_t tenant = tenant_of_namespace(self, ns_id);
+    if (tenant < 0)
+        return NULL;
     int64_t page = add_page(self, ns_id, data, (size_t)len, (uint32_t)parent_page, offset, (uint32_t)slot_bytes,
-                            checksum, on_nvme, anchor);
+                            checksum, on_nvme, anchor, tenant);
     return page < 0 ? NULL : record_of(self, (uint32_t)page);
 }
 
-/* add_chain(ns_id, keys, parent, offsets, slot_bytes, checksums) -> list[record]: a commit's pages, each
- * the parent of the next (the first's parent is `parent`, a record or None), one call. */
+/* add_chain(ns_id, keys, parent, offsets, slot_bytes, checksums, records=True): a commit's pages, each the
+ * parent of the next (the first's parent is `parent`, a record or None), added and touched (one access
+ * tick) in one call. Returns their records, or with records=False their number: no object per page. */
 static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"namespace_id", "keys", "parent", "offsets", "slot_bytes", "checksums", NULL};
+    static char *names[] = {"namespace_id", "keys", "parent", "offsets", "slot_bytes", "checksums", "records", NULL};
     PyObject *ns_id, *keys, *parent, *offsets, *checksums;
     unsigned long slot_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!kO!", names, &ns_id, &PyList_Type, &keys, &parent,
-                                     &PyList_Type, &offsets, &slot_bytes, &PyList_Type, &checksums))
+    int want_records = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!kO!|p", names, &ns_id, &PyList_Type, &keys, &parent,
+                                     &PyList_Type, &offsets, &slot_bytes, &PyList_Type, &checksums, &want_records))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (PyList_GET_SIZE(offsets) != n || PyList_GET_SIZE(checksums) != n) {
@@ -576,31 +582,59 @@ static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs
     int64_t previous = parent_arg(self, parent);
     if (previous < 0)
         return NULL;
-    PyObject *records = PyList_New(n);
-    if (!records)
+    int64_t tenant = n ? tenant_of_namespace(self, ns_id) : 0;
+    if (tenant < 0)
         return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+    PyObject *records = want_records ? PyList_New(n) : NULL;
+    if (want_records && !records)
+        return NULL;
+    uint32_t *pages = PyMem_Malloc((n ? n : 1) * sizeof *pages);
+    if (!pages) {
+        Py_XDECREF(records);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t added = 0;
+    for (; added < n; added++) {
+        PyObject *key = PyList_GET_ITEM(keys, added);
         if (!PyBytes_Check(key)) {
             PyErr_SetString(PyExc_TypeError, "keys are bytes");
-            goto fail;
+            break;
         }
-        long long offset = PyLong_AsLongLong(PyList_GET_ITEM(offsets, i));
-        unsigned long long checksum = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(checksums, i));
+        long long offset = PyLong_AsLongLong(PyList_GET_ITEM(offsets, added));
+        unsigned long long checksum = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(checksums, added));
         if (PyErr_Occurred())
-            goto fail;
+            break;
         int64_t page = add_page(self, ns_id, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
-                                (uint32_t)previous, offset, (uint32_t)slot_bytes, checksum, 0, NULL);
-        PyObject *record = page < 0 ? NULL : record_of(self, (uint32_t)page);
-        if (!record)
-            goto fail;
-        PyList_SET_ITEM(records, i, record);
+                                (uint32_t)previous, offset, (uint32_t)slot_bytes, checksum, 0, NULL, tenant);
+        if (page < 0)
+            break;
+        pages[added] = (uint32_t)page;
         previous = page;
     }
-    return records;
-fail:
-    Py_DECREF(records);
-    return NULL;
+    /* Pages added before a failure stay added (as add() one at a time leaves them), touched like the rest. */
+    int failed = added < n;
+    uint64_t tick = self->clock++;
+    for (Py_ssize_t i = 0; i < added; i++) {
+        self->pages[pages[i]].tick = tick;
+        if (offer(self, pages[i]) < 0) {
+            failed = 1;
+            break;
+        }
+        if (records && !failed) {
+            PyObject *record = record_of(self, pages[i]);
+            if (!record) {
+                failed = 1;
+                break;
+            }
+            PyList_SET_ITEM(records, i, record);
+        }
+    }
+    PyMem_Free(pages);
+    if (failed) {
+        Py_XDECREF(records);
+        return NULL;
+    }
+    return records ? records : PyLong_FromSsize_t(n);
 }
 
 /* The keys argument of leading: a list of bytes, or one bytes-like of keys `key_bytes` long each. */
@@ -715,6 +749,46 @@ static PyObject *index_leading(index_t *self, PyObject *args, PyObject *kwargs) 
 
 static PyObject *index_leading_offsets(index_t *self, PyObject *args, PyObject *kwargs) {
     return leading_common(self, args, kwargs, 1);
+}
+
+/* positions_held(ns_id, keys) -> list[int]: the positions of the keys whose pages are held (any of them). */
+static PyObject *index_positions_held(index_t *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"namespace_id", "keys", NULL};
+    PyObject *ns_id, *obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", names, &ns_id, &obj))
+        return NULL;
+    keys_arg_t keys;
+    if (keys_open(&keys, obj, 0) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    int64_t ns = out ? ns_lookup(self, ns_id, 0) : -1;
+    if (ns < 0) {
+        if (out && PyErr_Occurred())
+            Py_CLEAR(out);
+        keys_close(&keys);
+        return out;
+    }
+    for (Py_ssize_t i = 0; i < keys.count; i++) {
+        const uint8_t *data;
+        size_t len;
+        if (keys_get(&keys, i, &data, &len) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+        pkey_t k;
+        key_encode(&k, data, len);
+        if (table_find(self, (uint32_t)ns, &k, NULL) == NONE)
+            continue;
+        PyObject *position = PyLong_FromSsize_t(i);
+        int failed = !position || PyList_Append(out, position) < 0;
+        Py_XDECREF(position);
+        if (failed) {
+            Py_CLEAR(out);
+            break;
+        }
+    }
+    keys_close(&keys);
+    return out;
 }
 
 /* Apply fn to the page of every record in a sequence. */
@@ -1339,7 +1413,10 @@ static PyMethodDef index_methods[] = {
     {"add", (PyCFunction)(void (*)(void))index_add, METH_VARARGS | METH_KEYWORDS,
      "add(page_id, parent, offset, slot_bytes, checksum, on_nvme=False, anchor=b'') -> record"},
     {"add_chain", (PyCFunction)(void (*)(void))index_add_chain, METH_VARARGS | METH_KEYWORDS,
-     "add_chain(namespace_id, keys, parent, offsets, slot_bytes, checksums) -> records, each the next's parent"},
+     "add_chain(namespace_id, keys, parent, offsets, slot_bytes, checksums, records=True) -> records (or, with "
+     "records=False, their number), each the next's parent, added and touched together"},
+    {"positions_held", (PyCFunction)(void (*)(void))index_positions_held, METH_VARARGS | METH_KEYWORDS,
+     "positions_held(namespace_id, keys) -> positions of the keys whose pages are held, in order"},
     {"leading", (PyCFunction)(void (*)(void))index_leading, METH_VARARGS | METH_KEYWORDS,
      "leading(namespace_id, keys, key_bytes=0) -> records of the leading keys present; keys may be one "
      "bytes-like of key_bytes-long keys"},

@@ -105,6 +105,17 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         parents = pair.both(parent_id) if parent_id else (None, None)
         added = ([], [])
         size = rng.choice(SIZES)
+        if not anchor and rng.random() < 0.4:   # a commit's chain in one call, with or without its records
+            keys = list(dict.fromkeys(key for key in (random_key(rng, pool) for _ in range(rng.randrange(1, 6)))
+                                      if (ns, key) not in py))
+            chain_offsets = [offsets.pop() for _ in keys[:len(offsets)]]
+            keys = keys[:len(chain_offsets)]
+            checksums = [rng.getrandbits(64) for _ in keys]
+            records = rng.random() < 0.5
+            got = [index.add_chain(ns, keys, parent, chain_offsets, size, checksums, records=records)
+                   for index, parent in zip((py, c), parents)]
+            assert ids(got[0]) == ids(got[1]) == [(ns, key) for key in keys] if records else got == [len(keys)] * 2
+            return
         for _ in range(rng.randrange(1, 6)):
             key = random_key(rng, pool)
             if (ns, key) in py:
@@ -189,6 +200,7 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         rng.shuffle(keys)
         assert ids(py.leading(ns, keys)) == ids(c.leading(ns, keys))
         assert py.leading_offsets(ns, keys) == c.leading_offsets(ns, keys)
+        assert py.positions_held(ns, keys) == c.positions_held(ns, keys)
 
 
 @needs_native
@@ -235,6 +247,13 @@ def test_add_chain_links_each_page_under_the_one_before(implementation):
     records = index.add_chain(1, [b"x", b"y", b"z"], root, [4096, 8192, 12288], 4096, [1, 2, 3])
     assert [r.parent for r in records] == [root, records[0], records[1]]
     assert [r.checksum for r in records] == [1, 2, 3] and records[2].is_leaf()
+    assert len({r.tick for r in records}) == 1 and records[0].tick > 0   # touched together
+    assert index.add_chain(1, [b"v", b"w"], records[2], [16384, 20480], 4096, [4, 5], records=False) == 2
+    assert [r.page_id for r in index.leading(1, [b"r", b"x", b"y", b"z", b"v", b"w"])][-1] == (1, b"w")
+    assert index.positions_held(1, [b"nope", b"w", b"q", b"r"]) == [1, 3]
+    assert index.positions_held(99, [b"w"]) == []
+    leaf = index.get((1, b"w"))
+    assert index.evict_dram(4096, False) is leaf and not leaf.alive   # the new leaf was offered for eviction
     index.check_prefix_closed()
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from kvstore import config
 from kvstore.control.identity import ADMIN, TENANT, Caller, Identity
+from kvstore.control.quotas import TenantLedger
 from kvstore_client import errors
 from kvstore_client.proto import pb
 from node_parts import close_node, make_node
@@ -221,3 +222,21 @@ def test_after_a_restart_each_tenant_owns_its_recovered_nvme_pages_and_its_quota
         svc.store.check_invariants()
     finally:
         close_node(svc)
+
+
+@pytest.mark.parametrize("offsets", [[4096 * i for i in range(8)], [8192 * i for i in range(4)], [0, 12288, 4096]])
+def test_the_ledger_records_each_slot_taken_and_refuses_a_slot_taken_twice(offsets):
+    """Slots one after another are recorded with one slice, others one by one: the same ledger either way."""
+    slot_bytes = offsets[1] - offsets[0] if offsets[1] > offsets[0] else 4096
+    ledger = TenantLedger({}, 1 << 20)
+    ledger.took("alice", slot_bytes, offsets)
+    assert ledger.dram_bytes["alice"] == slot_bytes * len(offsets)
+    with pytest.raises(AssertionError, match="taken twice"):
+        ledger.took("bob", slot_bytes, [offsets[-1]])
+    with pytest.raises(AssertionError, match="taken twice"):
+        ledger.took("bob", slot_bytes, offsets)
+    for offset in offsets:
+        ledger.freed(offset, slot_bytes)
+    assert ledger.dram_bytes["alice"] == 0
+    ledger.took("bob", slot_bytes, offsets)   # every slot free again
+    assert ledger.dram_bytes["bob"] == slot_bytes * len(offsets)
