@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvstore_client.keys import Namespace, encode_key, namespace_id, page_hash, prefix_hashes, salt_seed
+from kvstore_client.keys import Namespace, encode_key, encode_keys, namespace_id, page_hash, prefix_hashes, salt_seed
 
 
 def reference_get_hash_str(token_ids, prior_hash=None):
@@ -70,6 +70,14 @@ def test_keys_are_sent_as_they_are():
         encode_key(b"x" * 65)
     with pytest.raises(ValueError):
         encode_key("")
+
+
+def test_a_batch_of_keys_is_encoded_whatever_mix_of_str_and_bytes_it_holds():
+    assert encode_keys(["a1", "é"]) == [b"a1", "é".encode()]
+    assert encode_keys([b"a", "b", bytearray(b"c"), memoryview(b"d")]) == [b"a", b"b", b"c", b"d"]
+    for bad in (["a", 3], [b"a", ""], ["x" * 65]):
+        with pytest.raises(ValueError):
+            encode_keys(bad)
 
 
 def test_namespace_id_is_stable_and_separates_layouts():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvstore_client import errors
-from kvstore_client.buffers import Segment, page_segments
+from kvstore_client.buffers import PageSegments, page_segments
 from kvstore_client.keys import Key, Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
 from kvstore_client.tokens import token_array
@@ -60,7 +60,7 @@ def prefetch_policy(policy: str) -> int:
 
 
 def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, tokens: Any,
-              parent: Key | None, anchor: Key | None) -> tuple[list[bytes], list[list[Segment]], list[Any]]:
+              parent: Key | None, anchor: Key | None) -> tuple[list[bytes], PageSegments, list[Any]]:
     """A put's keys, its pages' segments and the objects that keep those segments' memory alive."""
     raw_keys = page_keys(namespace, keys, tokens)
     if buffers is None:
@@ -72,7 +72,7 @@ def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, to
 
 
 def get_pages(namespace: Namespace, keys: Sequence[Key] | None, out: Any,
-              tokens: Any) -> tuple[list[bytes], list[list[Segment]], list[Any]]:
+              tokens: Any) -> tuple[list[bytes], PageSegments, list[Any]]:
     """A get's keys, the segments of `out` its pages are copied into and the objects that keep them alive."""
     raw_keys = page_keys(namespace, keys, tokens)
     if out is None:

@@ -1,4 +1,4 @@
-"""Turn what callers hand us into page segments: lists of (address, nbytes) per page.
+"""Turn what callers hand us into page segments: a sequence of (address, nbytes) pairs per page.
 
 Accepted, for put (read) and get (written):
   - one C-contiguous numpy array or CPU torch tensor holding n pages back to back;
@@ -10,7 +10,9 @@ that is also what SGLang's zero-copy path hands a backend: host pointers and len
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from itertools import repeat
+from typing import Any, Iterator, Union
 
 import numpy as np
 
@@ -19,15 +21,55 @@ from kvstore_client.errors import InvalidArgument, PageSizeMismatch
 Segment = tuple[int, int]
 
 
-def page_segments(buffers: Any, pages: int, page_bytes: int, writable: bool) -> tuple[list[list[Segment]], list[Any]]:
+class PageRows(Sequence):
+    """Pages back to back in one buffer: page i is the one segment (base + i * page_bytes, page_bytes).
+
+    Sliced without copying, and a page's segments are made only as it is walked (in C: zip over a
+    range), so a put of thousands of small pages builds no list of them up front.
+    """
+
+    __slots__ = ("base", "page_bytes", "count")
+
+    def __init__(self, base: int, page_bytes: int, count: int):
+        self.base, self.page_bytes, self.count = base, page_bytes, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.count)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return PageRows(self.base + start * self.page_bytes, self.page_bytes, max(0, stop - start))
+        if index < 0:
+            index += self.count
+        if not 0 <= index < self.count:
+            raise IndexError("page index out of range")
+        return ((self.base + index * self.page_bytes, self.page_bytes),)
+
+    def __iter__(self) -> Iterator[tuple[Segment]]:
+        end = self.base + self.count * self.page_bytes
+        return zip(zip(range(self.base, end, self.page_bytes), repeat(self.page_bytes)))
+
+    def __repr__(self) -> str:
+        return f"PageRows(base={self.base:#x}, page_bytes={self.page_bytes}, count={self.count})"
+
+
+PageSegments = Union[PageRows, list[Sequence[Segment]]]
+
+
+def page_segments(buffers: Any, pages: int, page_bytes: int, writable: bool) -> tuple[PageSegments, list[Any]]:
     """Segments of each page, and the objects that must stay alive while they are used."""
     keepalive: list[Any] = []
+    if isinstance(buffers, PageRows) and buffers.page_bytes == page_bytes and len(buffers) == pages:
+        return buffers, keepalive   # already checked, by the call that made them (a cluster's per-node piece)
     if _is_array_like(buffers):
         base, nbytes = _address(buffers, writable, keepalive)
         if nbytes != pages * page_bytes:
             raise PageSizeMismatch(
                 f"buffer holds {nbytes} bytes, expected {pages} pages x {page_bytes} bytes")
-        return [[(base + i * page_bytes, page_bytes)] for i in range(pages)], keepalive
+        return PageRows(base, page_bytes, pages), keepalive
     if len(buffers) != pages:
         raise InvalidArgument(f"got {len(buffers)} page buffers for {pages} keys")
     result = []

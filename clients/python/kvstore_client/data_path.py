@@ -11,12 +11,40 @@ one-sided reads and writes (rdma_transport.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Iterator, Protocol, Sequence, Union
 
 from kvstore_client import checksums
 from kvstore_client.buffers import Segment
 
-Page = tuple[int, int, list[Segment]]   # (index in the lease, arena offset, segments of the caller's buffer)
+Page = tuple[int, int, Sequence[Segment]]   # (index in the lease, arena offset, segments of the caller's buffer)
+
+
+class PageColumns:
+    """Pages to move as three columns (indices in the lease, arena offsets, segments), made by slicing what
+    the node answered and the caller's pages, without a tuple per page. Walked, it yields each page's
+    (index, offset, segments) as a list of Page does (TCP, RDMA); shared memory hands two columns to one
+    native copy."""
+
+    __slots__ = ("indices", "offsets", "segments")
+
+    def __init__(self, indices: Sequence[int], offsets: Sequence[int], segments: Sequence[Sequence[Segment]]):
+        self.indices, self.offsets, self.segments = indices, offsets, segments
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[Page]:
+        return zip(self.indices, self.offsets, self.segments)
+
+
+Pages = Union[PageColumns, list[Page]]
+
+
+def offsets_and_segments(pages: Pages) -> tuple[Sequence[int], Sequence[Sequence[Segment]]]:
+    """The arena offsets and the segments of `pages`, as two sequences."""
+    if isinstance(pages, PageColumns):
+        return pages.offsets, pages.segments
+    return [offset for _, offset, _ in pages], [segments for _, _, segments in pages]
 
 # A get's Acquires: one more is one more message each way, so a batch is cut in few parts.
 ACQUIRE_PARTS = 4
@@ -65,7 +93,7 @@ class PipelineShape:
 NETWORK_SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 << 20, commit_run_bytes=16 << 20)
 
 
-def landed_checksums(pages: list[Page]) -> list[int]:
+def landed_checksums(pages: Pages) -> list[int]:
     """xxh3 of each page as it lies in the caller's segments, for a path that cannot hash as it copies."""
     return [checksums.of_page(segments) for _, _, segments in pages]
 
@@ -75,12 +103,12 @@ class DataPath(Protocol):
     rdma_qp_num: int   # RDMA: the node's queue pair, named in Reserve and Acquire; 0 otherwise
     shape: PipelineShape
 
-    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int] | None:
+    def put(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int] | None:
         """Write each page into its reserved slot; raises Unavailable if the node is lost. Returns each
         page's xxh3 where the path computed it from the bytes it copied (its Commit then says so and the
         node reads nothing back), else None."""
 
-    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int] | None:
+    def get(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int] | None:
         """Read each pinned page into the caller's segments; raises Unavailable if the node is lost. Returns
         each page's xxh3 as it landed (shared memory hashes while it copies, TCP after the frames arrive),
         which the caller compares with the node's: a client of the tenant could have changed the slot

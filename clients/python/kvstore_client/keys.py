@@ -137,7 +137,10 @@ def encode_key(key: Key) -> bytes:
 def encode_keys(keys: Iterable[Key]) -> list[bytes]:
     if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
         raise InvalidArgument(f"keys must be a sequence of keys, got {type(keys).__name__}")
-    raw = [k.encode() if isinstance(k, str) else bytes(k) if isinstance(k, _BYTES) else encode_key(k) for k in keys]
+    try:   # the common case, str keys, encoded in one pass in C
+        raw = list(map(str.encode, keys))
+    except (TypeError, AttributeError):
+        raw = [k.encode() if isinstance(k, str) else bytes(k) if isinstance(k, _BYTES) else encode_key(k) for k in keys]
     sizes = set(map(len, raw))   # checked once over the batch: a long prompt is thousands of keys
     if sizes and (min(sizes) == 0 or max(sizes) > KEY_BYTES_MAX):
         bad = next(len(k) for k in raw if not 0 < len(k) <= KEY_BYTES_MAX)

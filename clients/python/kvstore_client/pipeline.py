@@ -25,8 +25,8 @@ import time
 from typing import Any, Sequence
 
 from kvstore_client import checksums, errors
-from kvstore_client.buffers import Segment
-from kvstore_client.data_path import DataPath
+from kvstore_client.buffers import PageSegments, Segment
+from kvstore_client.data_path import DataPath, PageColumns
 from kvstore_client.proto import pb
 
 # A transfer into or out of a leased slot must end this long before the lease can expire.
@@ -38,7 +38,7 @@ STORED_STATES = (pb.RESERVED, pb.PRESENT, pb.IN_FLIGHT)
 class PutBatch:
     """One batch of a put: keys continuing the chain after `parent`, with their pages' segments."""
 
-    def __init__(self, page_bytes: int, parent: bytes, keys: list[bytes], segments: list[list[Segment]],
+    def __init__(self, page_bytes: int, parent: bytes, keys: list[bytes], segments: PageSegments,
                  verify: bool, durable: bool, anchor: bytes = b""):
         """`anchor`: instead of `parent`, the key of a page before keys[0] the node may no longer hold."""
         self.page_bytes, self.parent, self.keys, self.segments = page_bytes, anchor or parent, keys, segments
@@ -101,13 +101,13 @@ class PutBatch:
         first, low, high = reserved.first_index, indices[0], indices[-1] + 1
         if high - low == len(indices):   # a run without gaps: sliced, not gathered page by page
             lease_indices = range(first + low, first + high)
-            pages = list(zip(lease_indices, reserved.offsets[low:high], self.segments[start + low:start + high]))
+            pages = PageColumns(lease_indices, reserved.offsets[low:high], self.segments[start + low:start + high])
         else:
             lease_indices = [first + i for i in indices]
-            pages = [(first + i, reserved.offsets[i], self.segments[start + i]) for i in indices]
+            pages = PageColumns(lease_indices, [reserved.offsets[i] for i in indices],
+                                [self.segments[start + i] for i in indices])
         written = data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
-        sums, from_writer = commit_checksums(written, [page[2] for page in pages] if written is None else [],
-                                             self.verify)
+        sums, from_writer = commit_checksums(written, pages.segments if written is None else [], self.verify)
         if after is not None:
             after.result()
         return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=lease_indices,
@@ -217,7 +217,7 @@ def _why_not_written(index: int, commit_state: int | None) -> str:
     return f"page {index} was reserved but never committed"
 
 
-def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments: list[list[Segment]],
+def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments: PageSegments,
               verify: bool) -> int:
     """Acquire the leading pages (the request names namespace, keys and prefetch policy), move them, release;
     returns how many were loaded.
@@ -243,7 +243,7 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments
                 break
             landed = None
             try:
-                pages = list(zip(range(hits), acquired.offsets, segments[start:start + hits]))
+                pages = PageColumns(range(hits), acquired.offsets[:hits], segments[start:start + hits])
                 landed = data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
             finally:
                 changed = changed_pages(acquired, landed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from kvstore_client import errors
 from kvstore_client.arena import ArenaMapping
 from kvstore_client.channel import LocalChannel
-from kvstore_client.data_path import Page, PipelineShape
+from kvstore_client.data_path import Pages, PipelineShape, offsets_and_segments
 from kvstore_client.proto import pb
 
 # With kvstore_native the SDK checksums each page as it copies it, and the node reads nothing
@@ -47,8 +47,8 @@ class ShmDataPath:
         self.arena = arena
         self._channel = channel
 
-    def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int] | None:
-        _, offsets, segments = zip(*pages)
+    def put(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int] | None:
+        offsets, segments = offsets_and_segments(pages)
         sums = self.arena.write_hashed(offsets, segments)
         if sums is None:   # no kvstore_native: memmove, and the node hashes the slots at commit
             write = self.arena.write
@@ -57,8 +57,8 @@ class ShmDataPath:
         self._check_same_node()
         return sums
 
-    def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
-        _, offsets, segments = zip(*pages)
+    def get(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int]:
+        offsets, segments = offsets_and_segments(pages)
         sums = self.arena.read_pages_hashed(offsets, segments)
         self._check_same_node()
         return sums

@@ -1,0 +1,49 @@
+"""How a put's or get's buffers become page segments, and how a run of pages is handed to a data path."""
+
+import numpy as np
+import pytest
+
+from kvstore_client.buffers import PageRows, page_segments
+from kvstore_client.data_path import PageColumns, offsets_and_segments
+from kvstore_client.errors import PageSizeMismatch
+
+
+def test_an_array_of_pages_is_described_by_its_base_and_is_walked_page_by_page():
+    pages = np.zeros((6, 64), dtype=np.uint8)
+    rows, _ = page_segments(pages, 6, 64, writable=False)
+    base = pages.ctypes.data
+    assert isinstance(rows, PageRows) and len(rows) == 6
+    assert list(rows) == [((base + i * 64, 64),) for i in range(6)]
+    assert rows[2] == ((base + 128, 64),) and rows[-1] == ((base + 320, 64),)
+    with pytest.raises(IndexError):
+        rows[6]
+
+
+def test_a_slice_of_page_rows_is_the_same_pages_without_a_copy():
+    base = np.zeros((8, 32), dtype=np.uint8)
+    rows, _ = page_segments(base, 8, 32, writable=True)
+    assert list(rows[3:6]) == list(rows)[3:6] and isinstance(rows[3:6], PageRows)
+    assert list(rows[5:2]) == [] and list(rows[6:100]) == list(rows)[6:]
+    assert list(rows[::3]) == list(rows)[::3]
+
+
+def test_page_rows_pass_through_page_segments_only_for_the_same_pages():
+    rows = PageRows(4096, 64, 3)
+    assert page_segments(rows, 3, 64, writable=False)[0] is rows
+    with pytest.raises(PageSizeMismatch):
+        page_segments(rows, 3, 32, writable=False)     # walked as a list of pages, each of 64 bytes
+
+
+def test_an_array_of_the_wrong_size_is_refused():
+    with pytest.raises(PageSizeMismatch, match="expected 4 pages x 64 bytes"):
+        page_segments(np.zeros((3, 64), dtype=np.uint8), 4, 64, writable=False)
+
+
+def test_page_columns_walk_as_page_triples_and_give_their_offsets_and_segments():
+    base = 1 << 20
+    rows = PageRows(base, 16, 3)
+    columns = PageColumns(range(5, 8), [0, 16, 48], rows)
+    assert len(columns) == 3
+    assert list(columns) == [(5, 0, ((base, 16),)), (6, 16, ((base + 16, 16),)), (7, 48, ((base + 32, 16),))]
+    assert offsets_and_segments(columns) == ([0, 16, 48], rows)
+    assert offsets_and_segments(list(columns)) == ([0, 16, 48], list(rows))
