@@ -71,8 +71,8 @@ class Fabric:
         return PutBatch(PAGE, parent, keys, segments, True, False).run(self.control, path, self.ns_id)
 
     def get(self, path, keys, segments):
-        request = pb.AcquireRequest(namespace_id=self.ns_id, keys=keys, policy=pb.WAIT_COMPLETE)
-        return get_batch(self.control, path, request, segments, True)
+        request = pb.AcquireRequest(namespace_id=self.ns_id, policy=pb.WAIT_COMPLETE)
+        return get_batch(self.control, path, request, keys, segments, True)
 
     def close(self):
         self.server.close()

@@ -159,9 +159,8 @@ class KVStoreClient:
         loaded = 0
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:
-                request = pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys[start:stop],
-                                            policy=prefetch, timeout_ms=timeout_ms, wait_ms=wait_ms)
-                return get_batch(conn.control, conn.data, request, segments[start:stop], verify)
+                request = pb.AcquireRequest(namespace_id=ns_id, policy=prefetch, timeout_ms=timeout_ms, wait_ms=wait_ms)
+                return get_batch(conn.control, conn.data, request, raw_keys[start:stop], segments[start:stop], verify)
 
             batch_loaded = self._on_node(
                 lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)), retry_if=_always,

@@ -217,10 +217,10 @@ def _why_not_written(index: int, commit_state: int | None) -> str:
     return f"page {index} was reserved but never committed"
 
 
-def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments: PageSegments,
+def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, keys: list[bytes], segments: PageSegments,
               verify: bool) -> int:
-    """Acquire the leading pages (the request names namespace, keys and prefetch policy), move them, release;
-    returns how many were loaded.
+    """Acquire the leading pages of `keys` (the request names the rest: namespace, prefetch policy, waits), move
+    them, release; returns how many were loaded.
 
     Where the data path's shape says so, the keys are acquired in parts, every Acquire sent at once: the
     node pins the next part while this one is copied. Loading stops at the first part not wholly hit;
@@ -229,9 +229,9 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments
     request.rdma_qp_num = data.rdma_qp_num
     # A part waiting for commits or promotion would add its wait to the parts before it: one Acquire then.
     whole = request.wait_ms or request.timeout_ms
-    part = len(request.keys) if whole else data.shape.acquire_part_pages(len(request.keys))
-    bounds = [(start, min(start + part, len(request.keys))) for start in range(0, len(request.keys), part)]
-    calls = [(time.monotonic(), control.submit("Acquire", _acquire_part(request, start, stop)))
+    part = len(keys) if whole else data.shape.acquire_part_pages(len(keys))
+    bounds = [(start, min(start + part, len(keys))) for start in range(0, len(keys), part)]
+    calls = [(time.monotonic(), control.submit("Acquire", _acquire_part(request, keys[start:stop])))
              for start, stop in bounds]
     loaded, leases, answered = 0, [], 0
     try:
@@ -262,14 +262,10 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, segments
     return loaded
 
 
-def _acquire_part(request: pb.AcquireRequest, start: int, stop: int) -> pb.AcquireRequest:
-    """The Acquire of keys[start:stop]: the request itself when that is all of them."""
-    if start == 0 and stop == len(request.keys):
-        return request
-    part = pb.AcquireRequest()
-    part.CopyFrom(request)
-    del part.keys[:]
-    part.keys.extend(request.keys[start:stop])
+def _acquire_part(request: pb.AcquireRequest, keys: list[bytes]) -> pb.AcquireRequest:
+    """The Acquire of `keys`, its other fields those of `request` (which names no keys)."""
+    part = pb.AcquireRequest(keys=keys)
+    part.MergeFrom(request)
     return part
 
 
