@@ -19,7 +19,6 @@ listener only queues work.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import hmac
@@ -587,7 +586,9 @@ class PageStore:
                 for position in indices:
                     lease.arrived.pop(position, None)
             chain_keys = keys[first:first + len(indices)]
-            _consume(map(self._pending[ns_id].__delitem__, chain_keys))
+            claimed = self._pending[ns_id]
+            for key in chain_keys:
+                del claimed[key]
             published = index.add_chain(ns_id, chain_keys, chain_parent, offsets, slot_bytes, list(sums),
                                         records=records or wants_commits)
             count = len(indices)
@@ -1258,11 +1259,6 @@ class PageStore:
 
     def _free_slot(self, offset: int) -> None:
         self.ledger.freed(offset, self.allocator.free(offset))
-
-
-def _consume(iterator: Iterable) -> None:
-    """Run an iterator to its end (a map of a C method: the loop stays in C)."""
-    collections.deque(iterator, maxlen=0)
 
 
 def _any_shard(record: PageRecord) -> int:

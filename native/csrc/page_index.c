@@ -299,6 +299,7 @@ static void index_dealloc(index_t *self) {
     free(self->heaps);
     free(self->pages);
     free(self->table);
+    free(self->tags);
     free(self->proxies);
     free(self->ns);
     free(self->usage);
@@ -446,17 +447,18 @@ static int64_t tenant_of_namespace(index_t *self, PyObject *ns_id) {
     return tenant;
 }
 
-/* Insert one page; returns its slot, or -1 with an error set. `parent` is NONE for a root; `tenant` is
- * tenant_of_namespace(ns_id). */
-static int64_t add_page(index_t *self, PyObject *ns_id, const uint8_t *data, size_t len, uint32_t parent,
+/* Insert one page; returns its slot, or -1 with an error set. `parent` is NONE for a root; `ns` is
+ * ns_lookup(ns_id, create) and `tenant` tenant_of_namespace(ns_id), both asked once per call of the caller. */
+static int64_t add_page(index_t *self, PyObject *ns_id, int64_t ns, const uint8_t *data, size_t len, uint32_t parent,
                         int64_t offset, uint32_t slot_bytes, uint64_t checksum, int on_nvme, PyObject *anchor,
                         int64_t tenant) {
-    int64_t ns = ns_lookup(self, ns_id, 1);
-    if (ns < 0)
-        return -1;
     pkey_t k;
     key_encode(&k, data, len);
-    if (table_find(self, (uint32_t)ns, &k, NULL) != NONE) {
+    size_t position;   /* where the page goes in the key table: found before anything changes the table */
+    if (table_reserve(self, self->table_count + 1) < 0)
+        return -1;
+    uint64_t hash = key_hash(self, (uint32_t)ns, k.data, k.len, k.hex);
+    if (table_find_hashed(self, (uint32_t)ns, &k, hash, &position) != NONE) {
         PyErr_SetString(PyExc_AssertionError, "a committed page is immutable");
         return -1;
     }
@@ -469,8 +471,6 @@ static int64_t add_page(index_t *self, PyObject *ns_id, const uint8_t *data, siz
         PyErr_SetString(PyExc_AssertionError, "a page is anchored only when its parent is absent");
         return -1;
     }
-    if (table_reserve(self, self->table_count + 1) < 0)
-        return -1;
     uint8_t *long_key = NULL;
     if (k.len > INLINE_KEY && !(long_key = malloc(k.len))) {
         PyErr_NoMemory();
@@ -504,7 +504,7 @@ static int64_t add_page(index_t *self, PyObject *ns_id, const uint8_t *data, siz
         siblings_push(self, &self->pages[parent].child, page);
     else
         siblings_push(self, &self->ns[ns].roots, page);
-    table_place(self, page);
+    table_put(self, position, page, hash);
     self->table_count++;
     self->alive++;
     self->ns[ns].pages++;
@@ -555,10 +555,11 @@ static PyObject *index_add(index_t *self, PyObject *args, PyObject *kwargs) {
     int64_t parent_page = parent_arg(self, parent);
     if (parent_page < 0 || parse_page_id(page_id, &ns_id, &data, &len) < 0)
         return NULL;
-    int64_t tenant = tenant_of_namespace(self, ns_id);
+    int64_t ns = ns_lookup(self, ns_id, 1);
+    int64_t tenant = ns < 0 ? -1 : tenant_of_namespace(self, ns_id);
     if (tenant < 0)
         return NULL;
-    int64_t page = add_page(self, ns_id, data, (size_t)len, (uint32_t)parent_page, offset, (uint32_t)slot_bytes,
+    int64_t page = add_page(self, ns_id, ns, data, (size_t)len, (uint32_t)parent_page, offset, (uint32_t)slot_bytes,
                             checksum, on_nvme, anchor, tenant);
     return page < 0 ? NULL : record_of(self, (uint32_t)page);
 }
@@ -582,8 +583,9 @@ static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs
     int64_t previous = parent_arg(self, parent);
     if (previous < 0)
         return NULL;
-    int64_t tenant = n ? tenant_of_namespace(self, ns_id) : 0;
-    if (tenant < 0)
+    int64_t ns = n ? ns_lookup(self, ns_id, 1) : 0;
+    int64_t tenant = n && ns >= 0 ? tenant_of_namespace(self, ns_id) : 0;
+    if (ns < 0 || tenant < 0)
         return NULL;
     PyObject *records = want_records ? PyList_New(n) : NULL;
     if (want_records && !records)
@@ -604,7 +606,7 @@ static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs
         unsigned long long checksum = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(checksums, added));
         if (PyErr_Occurred())
             break;
-        int64_t page = add_page(self, ns_id, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
+        int64_t page = add_page(self, ns_id, ns, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
                                 (uint32_t)previous, offset, (uint32_t)slot_bytes, checksum, 0, NULL, tenant);
         if (page < 0)
             break;
@@ -1393,7 +1395,7 @@ static PyObject *index_namespace_rows(index_t *self, PyObject *unused) {
 
 /* memory_bytes() -> bytes this index holds in C (slots in use, key table, heaps; tests and the bench). */
 static PyObject *index_memory_bytes(index_t *self, PyObject *unused) {
-    size_t total = (size_t)self->used * sizeof(page_t) + (self->table ? (self->table_mask + 1) * 4 : 0)
+    size_t total = (size_t)self->used * sizeof(page_t) + (self->table ? (self->table_mask + 1) * 5 : 0)
                    + (self->proxies ? (self->proxy_mask + 1) * sizeof(proxy_slot_t) : 0);
     for (size_t i = 0; i < self->heap_count; i++)
         total += self->heaps[i].capacity * sizeof(entry_t);

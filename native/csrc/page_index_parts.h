@@ -65,7 +65,8 @@ typedef struct {
     page_t *pages;
     uint32_t used, capacity, free_head;
     Py_ssize_t alive;
-    uint32_t *table;
+    uint32_t *table;            /* page slot numbers by key hash, open addressing */
+    uint8_t *tags;              /* one byte of each position's hash; 0: the position is empty */
     size_t table_mask, table_count;
     proxy_slot_t *proxies;
     size_t proxy_mask, proxy_count;
@@ -140,6 +141,8 @@ PI_HIDDEN uint64_t page_hash(const index_t *self, const page_t *p);
 PI_HIDDEN int page_matches(const page_t *p, uint32_t ns, const pkey_t *k);
 PI_HIDDEN PyObject *page_key_object(const page_t *p);
 PI_HIDDEN uint32_t table_find(const index_t *self, uint32_t ns, const pkey_t *k, size_t *position);
+PI_HIDDEN uint32_t table_find_hashed(const index_t *self, uint32_t ns, const pkey_t *k, uint64_t h, size_t *position);
+PI_HIDDEN void table_put(index_t *self, size_t position, uint32_t page, uint64_t h);
 PI_HIDDEN void table_place(index_t *self, uint32_t page);
 PI_HIDDEN int table_reserve(index_t *self, size_t count);
 PI_HIDDEN void table_delete(index_t *self, size_t i);

@@ -43,9 +43,18 @@ uint64_t key_hash(const index_t *self, uint32_t ns, const uint8_t *data, size_t 
         memcpy(&w, data + i, 8);
         h = mix64(h ^ w) + i;
     }
-    if (i < len) {
-        uint64_t w = 0;
-        memcpy(&w, data + i, len - i);
+    if (i < len) {   /* 1 to 7 bytes left: read in fixed-size loads that cover each (no memcpy call) */
+        const uint8_t *rest = data + i;
+        size_t left = len - i;
+        uint64_t w;
+        if (left >= 4) {
+            uint32_t head, tail;
+            memcpy(&head, rest, 4);
+            memcpy(&tail, rest + left - 4, 4);
+            w = (uint64_t)head << 32 | tail;
+        } else {
+            w = (uint64_t)rest[0] << 16 | (uint64_t)rest[left / 2] << 8 | rest[left - 1];
+        }
         h = mix64(h ^ w ^ UINT64_C(0x9e3779b97f4a7c15));
     }
     return mix64(h);
@@ -78,26 +87,52 @@ PyObject *page_key_object(const page_t *p) {
 
 /* ---------------------------------------------------------------- the key table */
 
+/* Beside each table position, one byte of its page's hash (never 0; 0 marks an empty position): a probe
+ * reads a page's slot only when this byte matches, so a key that is absent (every new page of a put)
+ * costs the probe run in this byte array, not a cache miss on a page slot per position passed. */
+static inline uint8_t hash_tag(uint64_t h) {
+    uint8_t tag = (uint8_t)(h >> 56);
+    return tag ? tag : 1;
+}
+
+/* The page holding (ns, k), or NONE. `position`: where it is, or where it would go (the empty position
+ * the probe stopped at; valid until the table next changes). */
 uint32_t table_find(const index_t *self, uint32_t ns, const pkey_t *k, size_t *position) {
     if (!self->table)
         return NONE;
-    size_t i = key_hash(self, ns, k->data, k->len, k->hex) & self->table_mask;
-    for (;; i = (i + 1) & self->table_mask) {
-        uint32_t at = self->table[i];
-        if (at == NONE)
-            return NONE;
-        if (page_matches(&self->pages[at], ns, k)) {
+    return table_find_hashed(self, ns, k, key_hash(self, ns, k->data, k->len, k->hex), position);
+}
+
+/* table_find with the key's hash (key_hash) already taken. */
+uint32_t table_find_hashed(const index_t *self, uint32_t ns, const pkey_t *k, uint64_t h, size_t *position) {
+    uint8_t tag = hash_tag(h);
+    for (size_t i = h & self->table_mask;; i = (i + 1) & self->table_mask) {
+        uint8_t at_tag = self->tags[i];
+        if (!at_tag) {
             if (position)
                 *position = i;
-            return at;
+            return NONE;
+        }
+        if (at_tag == tag && page_matches(&self->pages[self->table[i]], ns, k)) {
+            if (position)
+                *position = i;
+            return self->table[i];
         }
     }
 }
 
+/* Put `page` at `position`, the empty one table_find gave for its key, whose hash is `h`. */
+void table_put(index_t *self, size_t position, uint32_t page, uint64_t h) {
+    self->tags[position] = hash_tag(h);
+    self->table[position] = page;
+}
+
 void table_place(index_t *self, uint32_t page) {
-    size_t i = page_hash(self, &self->pages[page]) & self->table_mask;
-    while (self->table[i] != NONE)
+    uint64_t h = page_hash(self, &self->pages[page]);
+    size_t i = h & self->table_mask;
+    while (self->tags[i])
         i = (i + 1) & self->table_mask;
+    self->tags[i] = hash_tag(h);
     self->table[i] = page;
 }
 
@@ -109,20 +144,25 @@ int table_reserve(index_t *self, size_t count) {
     while (count * 10 > grown * 7)
         grown *= 2;
     uint32_t *old = self->table;
+    uint8_t *old_tags = self->tags;
     self->table = malloc(grown * sizeof *self->table);
-    if (!self->table) {
+    self->tags = calloc(grown, 1);
+    if (!self->table || !self->tags) {
+        free(self->table);
+        free(self->tags);
         self->table = old;
+        self->tags = old_tags;
         PyErr_NoMemory();
         return -1;
     }
-    memset(self->table, 0xff, grown * sizeof *self->table);
     self->table_mask = grown - 1;
-    if (old) {
-        for (size_t i = 0; i < capacity; i++)
-            if (old[i] != NONE)
-                table_place(self, old[i]);
-        free(old);
-    }
+    /* The table holds exactly the pages alive: placed in slot order, a sequential read of the slots
+     * (in the old table's order, a cache miss on a slot per page). */
+    for (uint32_t page = 0; page < self->used; page++)
+        if (self->pages[page].flags & F_ALIVE)
+            table_place(self, page);
+    free(old);
+    free(old_tags);
     return 0;
 }
 
@@ -132,17 +172,18 @@ void table_delete(index_t *self, size_t i) {
     size_t j = i;
     for (;;) {
         j = (j + 1) & mask;
-        uint32_t at = self->table[j];
-        if (at == NONE)
+        if (!self->tags[j])
             break;
+        uint32_t at = self->table[j];
         size_t home = page_hash(self, &self->pages[at]) & mask;
         /* move `at` back to i unless its home lies cyclically in (i, j] */
         if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
             self->table[i] = at;
+            self->tags[i] = self->tags[j];
             i = j;
         }
     }
-    self->table[i] = NONE;
+    self->tags[i] = 0;
     self->table_count--;
 }
 

@@ -295,3 +295,28 @@ def test_the_node_takes_the_python_index_when_told_or_when_the_c_one_is_not_buil
     assert type(native_index.make_page_index(False, print, print, str)) is PageIndex
     expected = "NativePageIndex" if native_index.available() else "PageIndex"
     assert type(native_index.make_page_index(True, print, print, str)).__name__ == expected
+
+
+@needs_native
+def test_keys_stay_found_as_the_key_table_grows_and_pages_leave():
+    """Thousands of pages of every key form: the key table grows (rehashed from the page slots) and
+    shrinks its probe runs as pages leave; each key is found, or found absent, as the Python index says."""
+    rng = random.Random(7)
+    pair, pool = Pair(), []
+    keys = list(dict.fromkeys(random_key(rng, pool) for _ in range(6000)))
+    for start in range(0, len(keys), 500):
+        chain = keys[start:start + 500]
+        for index in (pair.py, pair.c):
+            index.add_chain(1, chain, None, [4096 * (start + i) for i in range(len(chain))], 4096,
+                            list(range(len(chain))), records=False)
+    for key in rng.sample(keys, 40):   # each takes the rest of its chain with it
+        for index in (pair.py, pair.c):
+            record = index.get((1, key))
+            if record is not None:
+                index.remove_subtree(record)
+    pair.freed[0].sort()
+    pair.freed[1].sort()
+    probe = keys + [random_key(rng, []) for _ in range(500)]
+    assert pair.c.positions_held(1, probe) == pair.py.positions_held(1, probe)
+    assert len(pair.c) == len(pair.py) < len(keys) * 3 // 4
+    same_state(pair)
