@@ -250,7 +250,10 @@ class CacheController:
         on_disk: set[PageRecord] = set()
         txn_bytes = self.config.write_txn_bytes
         for shard, group in (item for pair in by_shard.items() for item in _by_bytes(*pair, txn_bytes)):
-            pages = [self._stored(record) for record in group]
+            stored = [(record, page) for record in group if (page := self._stored(record)) is not None]
+            group, pages = [record for record, _ in stored], [page for _, page in stored]
+            if not pages:   # every page of the group was deleted since it was claimed
+                continue
             try:
                 self._save_namespaces(group)
                 failpoints.hit("writedown.before_lmdb_commit")
@@ -275,8 +278,12 @@ class CacheController:
             finally:
                 self._store.nvme_deleted(page_ids)
 
-    def _stored(self, record: PageRecord) -> tuple[StoredPage, memoryview]:
-        ns_id, key, parent_key, page_bytes, checksum, view = self._store.stored_page(record)
+    def _stored(self, record: PageRecord) -> tuple[StoredPage, memoryview] | None:
+        """The page as written down, or None once it left the index."""
+        stored = self._store.stored_page(record)
+        if stored is None:
+            return None
+        ns_id, key, parent_key, page_bytes, checksum, view = stored
         return StoredPage(ns_id, key, parent_key, page_bytes, checksum), view
 
     def _save_namespaces(self, records: list[PageRecord]) -> None:

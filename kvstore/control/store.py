@@ -945,10 +945,14 @@ class PageStore:
         failpoints.hit("evict.after_victims")
         return victims
 
-    def stored_page(self, record: PageRecord) -> tuple[int, bytes, bytes, int, int, memoryview]:
-        """(namespace, key, parent key, page bytes, checksum, slot bytes) of a busy page to write down."""
+    def stored_page(self, record: PageRecord) -> tuple[int, bytes, bytes, int, int, memoryview] | None:
+        """(namespace, key, parent key, page bytes, checksum, slot bytes) of a busy page to write down;
+        None once it was deleted: it is not written (a removed page's parent may read None, and a
+        page stored as a root would come back as one after a restart)."""
         with self._lock:
             assert record.busy and record.offset != NO_SLOT, "only a claimed DRAM page is written down"
+            if not record.alive:
+                return None
             page_bytes = self._page_bytes(record)
             parent_key = record.parent.page_id[1] if record.parent is not None else b""
             view = self.arena.view[record.offset:record.offset + page_bytes]

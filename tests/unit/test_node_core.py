@@ -409,3 +409,28 @@ def test_a_get_that_waited_for_commits_still_has_its_time_to_promote(node):
     assert a.hit_pages == 3 and a.promoted_pages == 3
     node.release(pb.ReleaseRequest(lease_ids=[a.lease_id]), None)
     node.store.check_invariants()
+
+
+def test_a_page_deleted_while_claimed_for_write_down_is_not_written(tmp_path):
+    """Else a deleted page (whose parent the C index reads as None once removed) could reach NVMe as a
+    root, and come back as one after a restart that cut its garbage delete short."""
+    node = make_node(tmp_path, [*NODE, "controller.write_policy=write_back"])
+    try:
+        ns = open_ns(node, SMALL)
+        keys = chain("d", 3)
+        put(node, ns, keys, SMALL)
+        records = [node.store.index.get((ns, key)) for key in keys]
+        batch = node.store.claim_unsaved(records, 8)
+        assert batch == records
+        node.delete(pb.DeleteRequest(namespace_id=ns, keys=[keys[1]]), None)   # takes keys[2] with it
+        written, write = [], node.nvme.write
+        def recording_write(shard, pages):   # the real LMDB write, and what it was given
+            written.extend((page.key, page.parent_key) for page, _ in pages)
+            return write(shard, pages)
+        node.nvme.write = recording_write
+        assert [r.page_id[1] for r in node.controller._write_down(batch)] == [keys[0]]
+        assert written == [(keys[0], b"")]
+        assert len(list(node.nvme.scan())) == 1
+        node.store.check_invariants()
+    finally:
+        close_node(node)
