@@ -42,10 +42,11 @@ from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens,
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
+from kvstore_client.data_path import PageColumns
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.pipeline import (LEASE_MARGIN_S, PutResult, changed_pages, check_loaded, commit_checksums,
-                                     stored_pages)
+                                     reserved_pages, stored_pages)
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import ShmDataPath
 from kvstore_client.transport_choice import candidates
@@ -609,11 +610,11 @@ async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: byt
         if time.monotonic() > sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S:
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
-        pages = [(reserved.first_index + i, reserved.offsets[i], segments[i]) for i in indices]
+        pages = reserved_pages(reserved, indices, segments)
         written = await conn.data.put(reserved.lease_id, reserved.data_token, pages, page_bytes)
-        sums, from_writer = commit_checksums(written, [segments[i] for i in indices], verify)
+        sums, from_writer = commit_checksums(written, pages.segments if written is None else [], verify)
         committed = await control.call("Commit", pb.CommitRequest(
-            lease_id=reserved.lease_id, indices=[p[0] for p in pages], checksums=sums, durable=durable,
+            lease_id=reserved.lease_id, indices=pages.indices, checksums=sums, durable=durable,
             checksums_from_writer=from_writer), timeout_s)
     except BaseException:
         control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
@@ -630,9 +631,9 @@ async def _stage_batch(conn: _Connection, ns_id: int, namespace: Namespace, keys
         anchor_absent_parent=anchored), timeout_s)
     try:
         positions = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
-        pages = [(reserved.first_index + i, reserved.offsets[i], segments[i]) for i in positions]
+        pages = reserved_pages(reserved, positions, segments)
         written = await conn.data.put(reserved.lease_id, reserved.data_token, pages, namespace.page_bytes) \
-            if pages else None
+            if positions else None
         return groups.staged_pages(namespace, keys, reserved, positions, written, segments, verify, sent_at)
     except BaseException:
         if reserved.lease_id:
@@ -674,7 +675,8 @@ async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, 
     landed = None
     try:
         landed = await conn.data.get(acquired.lease_id, acquired.data_token,
-                                     [(i, acquired.offsets[i], segments[i]) for i in range(hits)], acquired.page_bytes)
+                                     PageColumns(range(hits), acquired.offsets[:hits], segments[:hits]),
+                                     acquired.page_bytes)
     finally:
         changed = changed_pages(acquired, landed)
         conn.control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))

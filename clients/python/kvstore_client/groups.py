@@ -18,7 +18,7 @@ from kvstore_client import checksums, errors
 from kvstore_client.buffers import Segment
 from kvstore_client.keys import Key, Namespace, encode_keys
 from kvstore_client.pipeline import (LEASE_MARGIN_S, STORED_STATES, PutResult, changed_pages, check_loaded,
-                                     commit_checksums)
+                                     commit_checksums, reserved_pages)
 from kvstore_client.proto import pb
 
 HIT_POLICIES = {"all_pages": pb.GROUP_ALL_PAGES, "trailing_pages": pb.GROUP_TRAILING_PAGES}
@@ -88,8 +88,8 @@ def stage_batch(control: Any, data: Any, ns_id: int, namespace: Namespace, keys:
         rdma_qp_num=data.rdma_qp_num, anchor_absent_parent=anchored))
     try:
         positions = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
-        pages = [(reserved.first_index + i, reserved.offsets[i], segments[i]) for i in positions]
-        written = data.put(reserved.lease_id, reserved.data_token, pages, namespace.page_bytes) if pages else None
+        pages = reserved_pages(reserved, positions, segments)
+        written = data.put(reserved.lease_id, reserved.data_token, pages, namespace.page_bytes) if positions else None
         return staged_pages(namespace, keys, reserved, positions, written, segments, verify, sent_at)
     except BaseException:
         if reserved.lease_id:
@@ -101,7 +101,11 @@ def staged_pages(namespace: Namespace, keys: list[bytes], reserved: pb.ReserveRe
                  written: list[int] | None, segments: list[list[Segment]], verify: bool,
                  sent_at: float) -> StagedPages:
     """What a Reserve and the copy into its slots staged (both clients)."""
-    sums, from_writer = commit_checksums(written, [segments[i] for i in positions], verify) if positions else ([], False)
+    if not positions:
+        sums, from_writer = [], False
+    else:
+        sums, from_writer = commit_checksums(written, [segments[i] for i in positions] if written is None else [],
+                                             verify)
     slots = {keys[i]: (reserved.first_index + i, sums[n] if sums else None) for n, i in enumerate(positions)}
     return StagedPages(namespace, keys, list(reserved.states), reserved.lease_id if positions else 0, slots,
                        from_writer, sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S)

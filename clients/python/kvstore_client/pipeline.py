@@ -98,21 +98,27 @@ class PutBatch:
         if time.monotonic() > move_until:
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
-        first, low, high = reserved.first_index, indices[0], indices[-1] + 1
-        if high - low == len(indices):   # a run without gaps: sliced, not gathered page by page
-            lease_indices = range(first + low, first + high)
-            pages = PageColumns(lease_indices, reserved.offsets[low:high], self.segments[start + low:start + high])
-        else:
-            lease_indices = [first + i for i in indices]
-            pages = PageColumns(lease_indices, [reserved.offsets[i] for i in indices],
-                                [self.segments[start + i] for i in indices])
+        pages = reserved_pages(reserved, indices, self.segments, start)
         written = data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
         sums, from_writer = commit_checksums(written, pages.segments if written is None else [], self.verify)
         if after is not None:
             after.result()
-        return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=lease_indices,
+        return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=pages.indices,
                                                          checksums=sums, durable=self.durable,
                                                          checksums_from_writer=from_writer))
+
+
+def reserved_pages(reserved: pb.ReserveResponse, indices: list[int], segments: PageSegments,
+                   start: int = 0) -> PageColumns:
+    """The pages a Reserve gave slots to, keys[start + i] for i in `indices` (ascending), with their lease
+    indices, slots and segments[start + i]; a run without gaps is sliced, not gathered page by page."""
+    first = reserved.first_index
+    low, high = (indices[0], indices[-1] + 1) if indices else (0, 0)
+    if high - low == len(indices):
+        return PageColumns(range(first + low, first + high), reserved.offsets[low:high],
+                           segments[start + low:start + high])
+    return PageColumns([first + i for i in indices], [reserved.offsets[i] for i in indices],
+                       [segments[start + i] for i in indices])
 
 
 def _reserved_indices(states: list[int]) -> list[int]:
