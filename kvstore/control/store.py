@@ -1147,11 +1147,20 @@ class PageStore:
         keep_unsaved = evict is Evict.CLEAN
         evicted = False
         while len(offsets) < count:
-            victim = self.index.evict_dram(slot_bytes, keep_unsaved)
-            if victim is None and not self._evict_for_slab(keep_unsaved):
-                break
-            if victim is not None:
+            # A victim of this size in this memfd's slabs frees one slot that allocation then hands out:
+            # evict as many as are still needed before allocating again, stopping early at one held in
+            # another memfd (it may free a whole slab instead, or nothing usable here).
+            victims = 0
+            while victims < count - len(offsets):
+                victim = self.index.evict_dram(slot_bytes, keep_unsaved)
+                if victim is None:
+                    break
                 self._evicted(victim)
+                victims += 1
+                if self.arena.key(victim.tenant) != holder:
+                    break
+            if not victims and not self._evict_for_slab(keep_unsaved):
+                break
             evicted = True
             offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder)
         self.ledger.took(tenant, slot_bytes, offsets)
