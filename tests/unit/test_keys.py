@@ -75,6 +75,7 @@ def test_keys_are_sent_as_they_are():
 def test_a_batch_of_keys_is_encoded_whatever_mix_of_str_and_bytes_it_holds():
     assert encode_keys(["a1", "é"]) == [b"a1", "é".encode()]
     assert encode_keys([b"a", "b", bytearray(b"c"), memoryview(b"d")]) == [b"a", b"b", b"c", b"d"]
+    assert encode_keys(key for key in ["a", b"b", "c"]) == [b"a", b"b", b"c"]   # an iterator is read once
     for bad in (["a", 3], [b"a", ""], ["x" * 65]):
         with pytest.raises(ValueError):
             encode_keys(bad)

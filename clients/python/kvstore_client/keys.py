@@ -137,6 +137,8 @@ def encode_key(key: Key) -> bytes:
 def encode_keys(keys: Iterable[Key]) -> list[bytes]:
     if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
         raise InvalidArgument(f"keys must be a sequence of keys, got {type(keys).__name__}")
+    if not isinstance(keys, (list, tuple)):
+        keys = list(keys)   # walked twice below when not all str
     try:   # the common case, str keys, encoded in one pass in C
         raw = list(map(str.encode, keys))
     except (TypeError, AttributeError):
