@@ -92,7 +92,7 @@ class PutBatch:
         return control.submit("Reserve", request)
 
     def _move_and_commit(self, control: Any, data: DataPath, reserved: pb.ReserveResponse, start: int,
-                         indices: list[int], move_until: float, after: Any) -> Any:
+                         indices: Sequence[int], move_until: float, after: Any) -> Any:
         """Move a run of reserved pages (keys[start + i] for i in indices) into their slots, then submit its
         Commit, once `after` (the Commit before it, on a channel without order) has answered."""
         if time.monotonic() > move_until:
@@ -108,7 +108,7 @@ class PutBatch:
                                                          checksums_from_writer=from_writer))
 
 
-def reserved_pages(reserved: pb.ReserveResponse, indices: list[int], segments: PageSegments,
+def reserved_pages(reserved: pb.ReserveResponse, indices: Sequence[int], segments: PageSegments,
                    start: int = 0) -> PageColumns:
     """The pages a Reserve gave slots to, keys[start + i] for i in `indices` (ascending), with their lease
     indices, slots and segments[start + i]; a run without gaps is sliced, not gathered page by page."""
@@ -121,10 +121,10 @@ def reserved_pages(reserved: pb.ReserveResponse, indices: list[int], segments: P
                        [segments[start + i] for i in indices])
 
 
-def _reserved_indices(states: list[int]) -> list[int]:
-    """Positions of the pages a Reserve gave this put a slot for (most often all of them)."""
+def _reserved_indices(states: list[int]) -> Sequence[int]:
+    """Positions of the pages a Reserve gave this put a slot for (most often all of them: a range)."""
     if states.count(pb.RESERVED) == len(states):
-        return list(range(len(states)))
+        return range(len(states))
     return [i for i, state in enumerate(states) if state == pb.RESERVED]
 
 
@@ -197,9 +197,9 @@ def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], du
 
 def _all_stored(states: Sequence[int], answers: Sequence[pb.CommitResponse]) -> bool:
     """Whether every key was stored (the common case, counted without a loop in Python)."""
-    states = list(states)
+    states = states if isinstance(states, list) else list(states)
     reserved = states.count(pb.RESERVED)
-    if reserved + states.count(pb.PRESENT) + states.count(pb.IN_FLIGHT) != len(states):
+    if reserved != len(states) and reserved + states.count(pb.PRESENT) + states.count(pb.IN_FLIGHT) != len(states):
         return False
     written = [answer.states for answer in answers]
     return sum(map(len, written)) == reserved and sum(list(w).count(pb.COMMITTED) for w in written) == reserved
