@@ -7,6 +7,8 @@ DRAM (an arena slot), on NVMe, or both:
 - DRAM eviction takes the least recently used unpinned page that is either also on NVMe
   (only its DRAM copy goes: "clean") or a leaf (it leaves the index). The caller may ask for
   clean pages only, so that write_back never loses a page that is not yet written down.
+  A run of victims can be taken in one call (evict_dram_many), which hands the freed slots
+  back to the caller instead of calling on_removed/on_dram_dropped for each.
 - NVMe eviction takes the least recently used page with no child on NVMe (so what survives
   a restart stays prefix-closed), dropping only its NVMe copy when it is also in DRAM.
 - Delete takes a page with everything that extends it.
@@ -289,6 +291,30 @@ class PageIndex:
             self._remove(record)
         return record
 
+    def evict_dram_many(self, slot_bytes: int | None, clean_only: bool, count: int,
+                        own_tenant: str | None = None) -> tuple[list[int], list[str]]:
+        """Up to `count` evict_dram(slot_bytes, clean_only) in a row, with no callback per victim: returns
+        the DRAM offsets the victims held (each now the caller's to free) and their tenants, in eviction
+        order. With `own_tenant`, a victim of another tenant is the last one taken."""
+        offsets: list[int] = []
+        tenants: list[str] = []
+        while len(offsets) < count:
+            entry = self._oldest(slot_bytes, clean_only, None)
+            if entry is None:
+                break
+            record = entry[2]
+            heapq.heappop(self._dram[(record.tenant, record.slot_bytes, record.on_nvme)])
+            offsets.append(record.offset)
+            tenants.append(record.tenant)
+            if record.on_nvme:
+                self._drop_dram(record, notify=False)
+            else:
+                self._remove(record, notify=False)
+                record.offset = NO_SLOT
+            if own_tenant is not None and record.tenant != own_tenant:
+                break
+        return offsets, tenants
+
     def oldest_evictable_slot_bytes(self, clean_only: bool) -> int | None:
         """The slot size whose LRU evictable page is oldest across sizes (to free a whole slab)."""
         entry = self._oldest(None, clean_only, None)
@@ -410,7 +436,8 @@ class PageIndex:
         if not roots:
             del self._roots[record.page_id[0]]
 
-    def _remove(self, record: PageRecord) -> None:
+    def _remove(self, record: PageRecord, notify: bool = True) -> None:
+        """Take a leaf out of the index; with `notify`, an unpinned one goes to on_removed."""
         assert record.is_leaf(), "only leaves leave the index"
         del self._pages[record.page_id]
         if record.anchor:
@@ -437,7 +464,7 @@ class PageIndex:
             parent.children.discard(record)
             if not parent.children:
                 self._offer(parent)
-        if record.pins == 0:
+        if record.pins == 0 and notify:
             self._on_removed(record)
 
     def _usage(self, tenant: str) -> TenantUsage:
@@ -446,10 +473,11 @@ class PageIndex:
             usage = self.usage[tenant] = TenantUsage()
         return usage
 
-    def _drop_dram(self, record: PageRecord) -> None:
+    def _drop_dram(self, record: PageRecord, notify: bool = True) -> None:
         self.dram_pages -= 1
         self._usage(record.tenant).dram_pages -= 1
-        self._on_dram_dropped(record)
+        if notify:
+            self._on_dram_dropped(record)
         record.offset = NO_SLOT
 
     def _offer(self, record: PageRecord) -> None:

@@ -175,8 +175,10 @@ static void usage_count(index_t *self, const page_t *p, int step) {
     u->nvme_bytes += step * nvme * (int64_t)p->slot_bytes;
 }
 
-/* PageIndex._remove. */
-static int remove_page(index_t *self, uint32_t page) {
+/* PageIndex._remove: the leaf leaves the index; with notify, an unpinned one goes to on_removed. Without,
+ * the caller frees its DRAM slot: its offset reads NO_SLOT, and its slot is freed now unless a record
+ * still views it (then as that record goes). */
+static int remove_page_notify(index_t *self, uint32_t page, int notify) {
     page_t *p = &self->pages[page];
     if (p->child != NONE) {
         PyErr_SetString(PyExc_AssertionError, "only leaves leave the index");
@@ -204,16 +206,26 @@ static int remove_page(index_t *self, uint32_t page) {
     p->parent = NONE;   /* the parent's slot may be reused once it is gone too */
     if (parent != NONE && self->pages[parent].child == NONE && offer(self, parent) < 0)
         return -1;
-    if (p->pins == 0)
+    if (p->pins == 0 && notify)
         return call_with_record(self, self->on_removed, page);
+    p = &self->pages[page];
+    if (p->pins == 0) {
+        p->offset = NO_SLOT;
+        if (!(p->flags & F_PROXY))
+            page_free(self, page);
+    }
     return 0;
 }
 
-static int drop_dram(index_t *self, uint32_t page) {
+static int remove_page(index_t *self, uint32_t page) {
+    return remove_page_notify(self, page, 1);
+}
+
+static int drop_dram(index_t *self, uint32_t page, int notify) {
     page_t *p = &self->pages[page];
     self->dram_pages--;
     self->usage[p->tenant].dram_pages--;
-    if (call_with_record(self, self->on_dram_dropped, page) < 0)
+    if (notify && call_with_record(self, self->on_dram_dropped, page) < 0)
         return -1;
     self->pages[page].offset = NO_SLOT;
     return 0;
@@ -969,12 +981,53 @@ static PyObject *index_evict_dram(index_t *self, PyObject *args, PyObject *kwarg
     PyObject *record = record_of(self, page);
     if (!record)
         return NULL;
-    int failed = (self->pages[page].flags & F_NVME) ? drop_dram(self, page) : remove_page(self, page);
+    int failed = (self->pages[page].flags & F_NVME) ? drop_dram(self, page, 1) : remove_page(self, page);
     if (failed) {
         Py_DECREF(record);
         return NULL;
     }
     return record;
+}
+
+/* PageIndex.evict_dram_many: victims taken as evict_dram takes them, with no record or callback each. */
+static PyObject *index_evict_dram_many(index_t *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"slot_bytes", "clean_only", "count", "own_tenant", NULL};
+    PyObject *size_obj, *own_obj = Py_None;
+    int clean_only;
+    Py_ssize_t count;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Opn|O", names, &size_obj, &clean_only, &count, &own_obj))
+        return NULL;
+    int64_t slot_bytes, own;
+    if (slot_bytes_arg(size_obj, &slot_bytes) < 0 || tenant_arg(self, own_obj, &own) < 0)
+        return NULL;
+    PyObject *offsets = PyList_New(0), *tenants = PyList_New(0);
+    if (!offsets || !tenants)
+        goto fail;
+    while (PyList_GET_SIZE(offsets) < count) {
+        heap_t *best = oldest_dram(self, slot_bytes, clean_only, -1);
+        if (!best)
+            break;
+        uint32_t page = heap_pop(best).page;
+        page_t *p = &self->pages[page];
+        uint16_t tenant = p->tenant;
+        PyObject *offset = PyLong_FromLongLong(p->offset);
+        if (!offset || PyList_Append(offsets, offset) < 0) {
+            Py_XDECREF(offset);
+            goto fail;
+        }
+        Py_DECREF(offset);
+        if (PyList_Append(tenants, PyList_GET_ITEM(self->tenant_names, tenant)) < 0)
+            goto fail;
+        if ((p->flags & F_NVME) ? drop_dram(self, page, 0) : remove_page_notify(self, page, 0))
+            goto fail;
+        if (own != -1 && tenant != own)
+            break;
+    }
+    return Py_BuildValue("(NN)", offsets, tenants);
+fail:
+    Py_XDECREF(offsets);
+    Py_XDECREF(tenants);
+    return NULL;
 }
 
 static PyObject *index_oldest_evictable_slot_bytes(index_t *self, PyObject *args, PyObject *kwargs) {
@@ -1434,6 +1487,8 @@ static PyMethodDef index_methods[] = {
     {"release_busy", (PyCFunction)index_release_busy, METH_O, "release_busy(record)"},
     {"evict_dram", (PyCFunction)(void (*)(void))index_evict_dram, METH_VARARGS | METH_KEYWORDS,
      "evict_dram(slot_bytes, clean_only, tenant=None) -> record | None"},
+    {"evict_dram_many", (PyCFunction)(void (*)(void))index_evict_dram_many, METH_VARARGS | METH_KEYWORDS,
+     "evict_dram_many(slot_bytes, clean_only, count, own_tenant=None) -> (offsets, tenants)"},
     {"oldest_evictable_slot_bytes", (PyCFunction)(void (*)(void))index_oldest_evictable_slot_bytes,
      METH_VARARGS | METH_KEYWORDS, "oldest_evictable_slot_bytes(clean_only) -> int | None"},
     {"evict_nvme", (PyCFunction)(void (*)(void))index_evict_nvme, METH_VARARGS | METH_KEYWORDS,

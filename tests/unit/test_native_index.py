@@ -145,6 +145,18 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         group = pinned.pop(rng.randrange(len(pinned)))
         py.unpin_all(group[0])
         c.unpin_all(group[1])
+    elif op < 0.64:   # a run of victims in one call, freed by the caller
+        size = rng.choice(SIZES + (None,))
+        clean_only = rng.random() < 0.3
+        own_tenant = rng.choice(("a", "b", "nobody", None))
+        count = rng.randrange(0, 8)
+        got = (py.evict_dram_many(size, clean_only, count, own_tenant),
+               c.evict_dram_many(size, clean_only, count, own_tenant))
+        assert got[0] == got[1]
+        assert len(got[0][0]) <= count and NO_SLOT not in got[0][0]
+        if own_tenant is not None and got[0][1]:
+            assert all(tenant == own_tenant for tenant in got[0][1][:-1])
+        offsets.extend(got[0][0])   # the slots are free again
     elif op < 0.7:
         size = rng.choice(SIZES + (None,))
         clean_only = rng.random() < 0.3
@@ -254,6 +266,27 @@ def test_add_chain_links_each_page_under_the_one_before(implementation):
     assert index.positions_held(99, [b"w"]) == []
     leaf = index.get((1, b"w"))
     assert index.evict_dram(4096, False) is leaf and not leaf.alive   # the new leaf was offered for eviction
+    index.check_prefix_closed()
+
+
+@pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
+                                                                    marks=needs_native)])
+def test_a_run_of_victims_is_taken_leaf_first_and_handed_back_without_callbacks(implementation):
+    called = []
+    index = implementation(called.append, called.append, lambda ns: {1: "a", 2: "b"}[ns])
+    index.add_chain(1, [b"x", b"y", b"z"], None, [0, 4096, 8192], 4096, [1, 2, 3])
+    index.add_chain(2, [b"u", b"v"], None, [12288, 16384], 4096, [4, 5])
+    clean = index.insert((1, b"w"), None, 20480, 4096, 6)
+    index.set_on_nvme(clean, True)
+    held = index.get((1, b"z"))
+    assert index.evict_dram_many(4096, False, 2) == ([8192, 4096], ["a", "a"])   # leaf first, its parent next
+    assert not held.alive and held.offset == NO_SLOT and index.dram_pages == 4
+    # another tenant's victim ends a run taken for one tenant; a clean page keeps its record on NVMe
+    assert index.evict_dram_many(4096, False, 5, "a") == ([0, 16384], ["a", "b"])
+    assert index.evict_dram_many(4096, True, 5) == ([20480], ["a"])
+    assert clean.alive and clean.on_nvme and not clean.in_dram and index.get((1, b"w")) is clean
+    assert index.evict_dram_many(4096, False, 5) == ([12288], ["b"]) and index.evict_dram_many(4096, False, 5) == ([], [])
+    assert called == [] and len(index) == 1 and index.dram_pages == 0
     index.check_prefix_closed()
 
 
