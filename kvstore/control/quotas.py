@@ -77,6 +77,23 @@ class TenantLedger:
         self._owners[offset // SLOT_ALIGN] = 0
         self.dram_bytes[self._owner_names[owner]] -= slot_bytes
 
+    def freed_many(self, offsets: list[int], slot_bytes: int) -> None:
+        """freed() of each of these slots, all of size `slot_bytes`."""
+        owners, count = self._owners, len(offsets)
+        step = offsets[1] - offsets[0] if count > 1 else 0
+        if abs(step) == slot_bytes and offsets == list(range(offsets[0], offsets[0] + step * count, step)):
+            # Slots one after another, up or down, of one owner (eviction's usual victims: a commit's pages,
+            # leaf first): one slice, no step per slot.
+            start, stride = min(offsets[0], offsets[-1]) // SLOT_ALIGN, slot_bytes // SLOT_ALIGN
+            run = slice(start, start + stride * count, stride)
+            owner = owners[start]
+            if owner and owners[run].count(owner) == count:
+                owners[run] = array.array("H", bytes(2 * count))
+                self.dram_bytes[self._owner_names[owner]] -= slot_bytes * count
+                return
+        for offset in offsets:
+            self.freed(offset, slot_bytes)
+
     def of(self, tenant: str) -> TenantCounters:
         counters = self.counters.get(tenant)
         if counters is None:

@@ -283,6 +283,35 @@ class SlabAllocator:
             partial[slab.base] = slab
         return slab.slot_bytes
 
+    def free_many(self, offsets: list[int], slot_bytes: int) -> None:
+        """free() of each of these slots, all of size `slot_bytes`, in order. Slots one after another, up
+        or down (eviction's usual victims: a commit's pages, leaf first), are taken back a slab at a time."""
+        count = len(offsets)
+        step = offsets[1] - offsets[0] if count > 1 else 0
+        if abs(step) != slot_bytes or offsets != list(range(offsets[0], offsets[0] + step * count, step)):
+            for offset in offsets:
+                assert self.free(offset) == slot_bytes, f"slot {offset} is not of {slot_bytes} bytes"
+            return
+        start = 0
+        while start < count:
+            first = offsets[start]
+            base = first - first % self.slab_bytes
+            in_slab = (base + self.slab_bytes - first) // slot_bytes if step > 0 else (first - base) // slot_bytes + 1
+            end = min(count, start + in_slab)
+            slab = self._slabs[base]
+            assert slab.slot_bytes == slot_bytes and (first - base) % slot_bytes == 0, \
+                f"offset {first} is not the start of a {slot_bytes}-byte slot"
+            slab.free += offsets[start:end]
+            self.used_bytes -= slot_bytes * (end - start)
+            partial = self._partial[(slab.tenant, slot_bytes)]
+            if len(slab.free) == slab.capacity:
+                partial.pop(base, None)
+                del self._slabs[base]
+                self._free_slabs.setdefault(slab.tenant, []).append(base)
+            else:
+                partial[base] = slab
+            start = end
+
     def has_free_slab(self) -> bool:
         return any(self._free_slabs.values())
 

@@ -1,5 +1,7 @@
 """The slab allocator hands out aligned slots per size and returns empty slabs to the pool."""
 
+import pytest
+
 from kvstore.tiers.dram import SLOT_ALIGN, SlabAllocator, slot_bytes_for
 
 SLAB = 64 * 1024
@@ -29,3 +31,26 @@ def test_an_emptied_slab_serves_another_size():
         alloc.free(offset)
     assert alloc.has_free_slab() and alloc.used_bytes == 0
     assert alloc.allocate(SLAB) == 0
+
+
+def allocator_state(alloc):
+    return (alloc.used_bytes, {holder: list(bases) for holder, bases in alloc._free_slabs.items()},
+            {base: list(slab.free) for base, slab in alloc._slabs.items()},
+            {key: list(slabs) for key, slabs in alloc._partial.items()})
+
+
+@pytest.mark.parametrize("pick", ["up", "down", "down across slabs", "scattered"])
+def test_slots_freed_together_leave_the_allocator_as_freed_one_by_one(pick):
+    """free_many takes a run back a slab at a time; every list and the next allocations end as with free() each."""
+    one_by_one, together = SlabAllocator(4 * SLAB, SLAB), SlabAllocator(4 * SLAB, SLAB)
+    offsets = one_by_one.allocate_many(4096, 40)
+    assert together.allocate_many(4096, 40) == offsets
+    freed = {"up": offsets[3:16], "down": offsets[16:3:-1], "down across slabs": offsets[::-1],
+             "scattered": offsets[5:30:3]}[pick]
+    for offset in freed:
+        one_by_one.free(offset)
+    together.free_many(freed, 4096)
+    assert allocator_state(together) == allocator_state(one_by_one)
+    assert together.allocate_many(8192, 20) == one_by_one.allocate_many(8192, 20)
+    assert together.allocate_many(4096, 30) == one_by_one.allocate_many(4096, 30)
+    assert allocator_state(together) == allocator_state(one_by_one)

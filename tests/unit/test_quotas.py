@@ -240,3 +240,21 @@ def test_the_ledger_records_each_slot_taken_and_refuses_a_slot_taken_twice(offse
     assert ledger.dram_bytes["alice"] == 0
     ledger.took("bob", slot_bytes, offsets)   # every slot free again
     assert ledger.dram_bytes["bob"] == slot_bytes * len(offsets)
+
+
+@pytest.mark.parametrize("order", ["up", "down", "scattered", "two owners"])
+def test_slots_freed_together_leave_the_ledger_as_freed_one_by_one(order):
+    """freed_many takes a run of slots with one slice when it can; the ledger ends as after freed() each."""
+    offsets = [4096 * i for i in range(8)]
+    one_by_one, together = TenantLedger({}, 1 << 20), TenantLedger({}, 1 << 20)
+    for ledger in (one_by_one, together):
+        ledger.took("alice", 4096, offsets[:6])
+        ledger.took("bob" if order == "two owners" else "alice", 4096, offsets[6:])
+    freed = {"up": offsets, "down": offsets[::-1], "scattered": [0, 16384, 4096, 8192],
+             "two owners": offsets[4:]}[order]
+    for offset in freed:
+        one_by_one.freed(offset, 4096)
+    together.freed_many(freed, 4096)
+    assert together.dram_bytes == one_by_one.dram_bytes and together._owners == one_by_one._owners
+    with pytest.raises(AssertionError, match="was not taken"):
+        together.freed_many(freed[:2], 4096)
