@@ -19,6 +19,7 @@ listener only queues work.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import hmac
@@ -1145,21 +1146,16 @@ class PageStore:
         holder = self.arena.key(tenant)   # slabs are held whole by one tenant's memfd
         offsets = self.allocator.allocate_many(slot_bytes, count, holder)
         keep_unsaved = evict is Evict.CLEAN
+        own_tenant = tenant if self.arena.tenants_apart else None   # whose victims free slots in `holder`
         evicted = False
         while len(offsets) < count:
             # A victim of this size in this memfd's slabs frees one slot that allocation then hands out:
             # evict as many as are still needed before allocating again, stopping early at one held in
             # another memfd (it may free a whole slab instead, or nothing usable here).
-            victims = 0
-            while victims < count - len(offsets):
-                victim = self.index.evict_dram(slot_bytes, keep_unsaved)
-                if victim is None:
-                    break
-                self._evicted(victim)
-                victims += 1
-                if self.arena.key(victim.tenant) != holder:
-                    break
-            if not victims and not self._evict_for_slab(keep_unsaved):
+            freed, tenants = self.index.evict_dram_many(slot_bytes, keep_unsaved, count - len(offsets), own_tenant)
+            if freed:
+                self._evicted_many(slot_bytes, freed, tenants)
+            elif not self._evict_for_slab(keep_unsaved):
                 break
             evicted = True
             offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder)
@@ -1200,6 +1196,14 @@ class PageStore:
     def _evicted(self, record: PageRecord) -> None:
         self.counters.evictions += 1
         self.ledger.of(record.tenant).evictions += 1
+
+    def _evicted_many(self, slot_bytes: int, offsets: list[int], tenants: list[str]) -> None:
+        """Victims of one slot size taken by evict_dram_many: their slots freed, their evictions counted."""
+        self.allocator.free_many(offsets, slot_bytes)
+        self.ledger.freed_many(offsets, slot_bytes)
+        self.counters.evictions += len(tenants)
+        for tenant, victims in collections.Counter(tenants).items():
+            self.ledger.of(tenant).evictions += victims
 
     def _evict_for_slab(self, keep_unsaved: bool) -> bool:
         """Evict the oldest pages of other sizes until a whole slab is free (bounded)."""
