@@ -291,15 +291,17 @@ class PageIndex:
             self._remove(record)
         return record
 
-    def evict_dram_many(self, slot_bytes: int | None, clean_only: bool, count: int,
-                        own_tenant: str | None = None) -> tuple[list[int], list[str]]:
-        """Up to `count` evict_dram(slot_bytes, clean_only) in a row, with no callback per victim: returns
-        the DRAM offsets the victims held (each now the caller's to free) and their tenants, in eviction
-        order. With `own_tenant`, a victim of another tenant is the last one taken."""
+    def evict_dram_many(self, slot_bytes: int | None, clean_only: bool, count: int, own_tenant: str | None = None,
+                        tenant: str | None = None, until_bytes: int = 0) -> tuple[list[int], list[str]]:
+        """Up to `count` evict_dram(slot_bytes, clean_only, tenant) in a row, with no callback per victim:
+        returns the DRAM offsets the victims held (each now the caller's to free) and their tenants, in
+        eviction order. With `own_tenant`, a victim of another tenant is the last one taken; with
+        `until_bytes`, the victim whose slot brings the run's slot bytes to that many is."""
         offsets: list[int] = []
         tenants: list[str] = []
+        freed_bytes = 0
         while len(offsets) < count:
-            entry = self._oldest(slot_bytes, clean_only, None)
+            entry = self._oldest(slot_bytes, clean_only, tenant)
             if entry is None:
                 break
             record = entry[2]
@@ -311,7 +313,8 @@ class PageIndex:
             else:
                 self._remove(record, notify=False)
                 record.offset = NO_SLOT
-            if own_tenant is not None and record.tenant != own_tenant:
+            freed_bytes += record.slot_bytes
+            if (own_tenant is not None and record.tenant != own_tenant) or 0 < until_bytes <= freed_bytes:
                 break
         return offsets, tenants
 

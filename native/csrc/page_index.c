@@ -991,20 +991,23 @@ static PyObject *index_evict_dram(index_t *self, PyObject *args, PyObject *kwarg
 
 /* PageIndex.evict_dram_many: victims taken as evict_dram takes them, with no record or callback each. */
 static PyObject *index_evict_dram_many(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"slot_bytes", "clean_only", "count", "own_tenant", NULL};
-    PyObject *size_obj, *own_obj = Py_None;
+    static char *names[] = {"slot_bytes", "clean_only", "count", "own_tenant", "tenant", "until_bytes", NULL};
+    PyObject *size_obj, *own_obj = Py_None, *tenant_obj = Py_None;
     int clean_only;
     Py_ssize_t count;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Opn|O", names, &size_obj, &clean_only, &count, &own_obj))
+    long long until_bytes = 0, freed_bytes = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Opn|OOL", names, &size_obj, &clean_only, &count, &own_obj,
+                                     &tenant_obj, &until_bytes))
         return NULL;
-    int64_t slot_bytes, own;
-    if (slot_bytes_arg(size_obj, &slot_bytes) < 0 || tenant_arg(self, own_obj, &own) < 0)
+    int64_t slot_bytes, own, only;
+    if (slot_bytes_arg(size_obj, &slot_bytes) < 0 || tenant_arg(self, own_obj, &own) < 0
+        || tenant_arg(self, tenant_obj, &only) < 0)
         return NULL;
     PyObject *offsets = PyList_New(0), *tenants = PyList_New(0);
     if (!offsets || !tenants)
         goto fail;
     while (PyList_GET_SIZE(offsets) < count) {
-        heap_t *best = oldest_dram(self, slot_bytes, clean_only, -1);
+        heap_t *best = oldest_dram(self, slot_bytes, clean_only, only);
         if (!best)
             break;
         uint32_t page = heap_pop(best).page;
@@ -1018,9 +1021,10 @@ static PyObject *index_evict_dram_many(index_t *self, PyObject *args, PyObject *
         Py_DECREF(offset);
         if (PyList_Append(tenants, PyList_GET_ITEM(self->tenant_names, tenant)) < 0)
             goto fail;
+        freed_bytes += p->slot_bytes;
         if ((p->flags & F_NVME) ? drop_dram(self, page, 0) : remove_page_notify(self, page, 0))
             goto fail;
-        if (own != -1 && tenant != own)
+        if ((own != -1 && tenant != own) || (until_bytes > 0 && freed_bytes >= until_bytes))
             break;
     }
     return Py_BuildValue("(NN)", offsets, tenants);
@@ -1488,7 +1492,8 @@ static PyMethodDef index_methods[] = {
     {"evict_dram", (PyCFunction)(void (*)(void))index_evict_dram, METH_VARARGS | METH_KEYWORDS,
      "evict_dram(slot_bytes, clean_only, tenant=None) -> record | None"},
     {"evict_dram_many", (PyCFunction)(void (*)(void))index_evict_dram_many, METH_VARARGS | METH_KEYWORDS,
-     "evict_dram_many(slot_bytes, clean_only, count, own_tenant=None) -> (offsets, tenants)"},
+     "evict_dram_many(slot_bytes, clean_only, count, own_tenant=None, tenant=None, until_bytes=0)"
+     " -> (offsets, tenants)"},
     {"oldest_evictable_slot_bytes", (PyCFunction)(void (*)(void))index_oldest_evictable_slot_bytes,
      METH_VARARGS | METH_KEYWORDS, "oldest_evictable_slot_bytes(clean_only) -> int | None"},
     {"evict_nvme", (PyCFunction)(void (*)(void))index_evict_nvme, METH_VARARGS | METH_KEYWORDS,

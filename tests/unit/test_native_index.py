@@ -149,13 +149,17 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         size = rng.choice(SIZES + (None,))
         clean_only = rng.random() < 0.3
         own_tenant = rng.choice(("a", "b", "nobody", None))
+        tenant = rng.choice(("a", "b", "nobody", None))
+        until_bytes = rng.choice((0, 0, 4096, 12288, 20000))
         count = rng.randrange(0, 8)
-        got = (py.evict_dram_many(size, clean_only, count, own_tenant),
-               c.evict_dram_many(size, clean_only, count, own_tenant))
+        got = (py.evict_dram_many(size, clean_only, count, own_tenant, tenant, until_bytes),
+               c.evict_dram_many(size, clean_only, count, own_tenant, tenant, until_bytes))
         assert got[0] == got[1]
         assert len(got[0][0]) <= count and NO_SLOT not in got[0][0]
         if own_tenant is not None and got[0][1]:
-            assert all(tenant == own_tenant for tenant in got[0][1][:-1])
+            assert all(victim == own_tenant for victim in got[0][1][:-1])
+        if tenant is not None:
+            assert set(got[0][1]) <= {tenant}
         offsets.extend(got[0][0])   # the slots are free again
     elif op < 0.7:
         size = rng.choice(SIZES + (None,))
@@ -288,6 +292,19 @@ def test_a_run_of_victims_is_taken_leaf_first_and_handed_back_without_callbacks(
     assert index.evict_dram_many(4096, False, 5) == ([12288], ["b"]) and index.evict_dram_many(4096, False, 5) == ([], [])
     assert called == [] and len(index) == 1 and index.dram_pages == 0
     index.check_prefix_closed()
+
+
+@pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
+                                                                    marks=needs_native)])
+def test_a_run_for_one_tenant_stops_once_its_slots_add_up_to_the_bytes_asked(implementation):
+    index = implementation(lambda r: None, lambda r: None, lambda ns: {1: "a", 2: "b"}[ns])
+    index.insert((2, b"other"), None, 0, 4096, 0)                       # the oldest, but another tenant's
+    index.add_chain(1, [b"big"], None, [8192], 8192, [1])
+    index.add_chain(1, [b"x", b"y"], None, [16384, 20480], 4096, [2, 3])
+    assert index.evict_dram_many(None, False, 10, tenant="a", until_bytes=10000) == ([8192, 20480], ["a", "a"])
+    assert index.evict_dram_many(None, False, 10, tenant="nobody") == ([], [])
+    assert index.evict_dram_many(None, False, 10, until_bytes=1) == ([0], ["b"])
+    assert len(index) == 1 and index.dram_pages == 1
 
 
 @needs_native
