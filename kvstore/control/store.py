@@ -1172,11 +1172,15 @@ class PageStore:
         if not limit:
             return count
         keep_unsaved = evict is Evict.CLEAN or self.protect_unsaved
-        while self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes > limit:
-            victim = self.index.evict_dram(None, keep_unsaved, tenant)
-            if victim is None:
-                break
-            self._evicted(victim)
+        excess = self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes - limit
+        if excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
+            freed, _ = self.index.evict_dram_many(None, keep_unsaved, len(self.index), tenant=tenant,
+                                                  until_bytes=excess)
+            for offset in freed:
+                self._free_slot(offset)
+            if freed:
+                self.counters.evictions += len(freed)
+                self.ledger.of(tenant).evictions += len(freed)
         return min(count, max(limit - self.ledger.dram_bytes.get(tenant, 0), 0) // slot_bytes)
 
     def _nvme_room(self, tenant: str, slot_bytes: int, victims: list[PageRecord]) -> bool:
