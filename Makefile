@@ -58,6 +58,7 @@ quickstart: $(STAMP)
 bench: $(STAMP) $(NATIVE)
 	mkdir -p bench/results
 	$(BIN)/python bench/shm_throughput.py --json bench/results/shm_throughput.json
+	$(BIN)/python bench/full_cache_put.py --json bench/results/full_cache_put.json
 
 # Put/get next to memmove and Mooncake Store's shared-memory path, lookups, prefix hashing
 # (bench/hot_path.py), then node memory per indexed page and lookup latency by index (bench/index_memory.py).
