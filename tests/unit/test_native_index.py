@@ -329,8 +329,10 @@ def test_keys_that_are_almost_lowercase_hex_stay_distinct_keys():
     not, at any position, is a key of its own, as in the Python index."""
     rng = random.Random(5)
     hex_key = rng.randbytes(32).hex().encode()
-    near = [hex_key[:i] + bytes([c]) + hex_key[i + 1:] for i in (0, 31, 63) for c in b"AFg/:`\x80\xff"]
-    keys = [hex_key, hex_key.upper(), *near]
+    every_digit = b"0123456789abcdef" * 4
+    near = [hex_key[:i] + bytes([c]) + hex_key[i + 1:] for i in (0, 1, 15, 16, 31, 32, 47, 62, 63)
+            for c in b"AFg/:`\x80\xff"]
+    keys = [hex_key, every_digit, every_digit[::-1], hex_key.upper(), *near]
     pair = Pair()
     for offset, key in enumerate(keys):
         for index in (pair.py, pair.c):
