@@ -80,9 +80,8 @@ class CacheController:
         """Only write_through queues committed pages as they come (write_back finds them in the index)."""
         return self.config.write_policy == WRITE_THROUGH
 
-    def on_commit(self, records: list[PageRecord]) -> None:
-        if self.config.write_policy == WRITE_THROUGH:
-            self._enqueue(records)
+    def on_commit(self, records: list[PageRecord]) -> None:   # called only while wants_commits
+        self._enqueue(records)
 
     def on_hit(self, records: list[PageRecord]) -> None:
         if self.config.write_policy == SELECTIVE:

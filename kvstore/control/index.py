@@ -280,16 +280,8 @@ class PageIndex:
     def evict_dram(self, slot_bytes: int | None, clean_only: bool, tenant: str | None = None) -> PageRecord | None:
         """Free the DRAM slot of the least recently used evictable page of this size (None: any size),
         of this tenant (None: any), if there is one."""
-        entry = self._oldest(slot_bytes, clean_only, tenant)
-        if entry is None:
-            return None
-        record = entry[2]
-        heapq.heappop(self._dram[(record.tenant, record.slot_bytes, record.on_nvme)])
-        if record.on_nvme:
-            self._drop_dram(record)
-        else:
-            self._remove(record)
-        return record
+        victim = self._evict_oldest(slot_bytes, clean_only, tenant, notify=True)
+        return victim[0] if victim else None
 
     def evict_dram_many(self, slot_bytes: int | None, clean_only: bool, count: int, own_tenant: str | None = None,
                         tenant: str | None = None, until_bytes: int = 0) -> tuple[list[int], list[str]]:
@@ -301,22 +293,34 @@ class PageIndex:
         tenants: list[str] = []
         freed_bytes = 0
         while len(offsets) < count:
-            entry = self._oldest(slot_bytes, clean_only, tenant)
-            if entry is None:
+            victim = self._evict_oldest(slot_bytes, clean_only, tenant, notify=False)
+            if victim is None:
                 break
-            record = entry[2]
-            heapq.heappop(self._dram[(record.tenant, record.slot_bytes, record.on_nvme)])
-            offsets.append(record.offset)
+            record, offset = victim
+            offsets.append(offset)
             tenants.append(record.tenant)
-            if record.on_nvme:
-                self._drop_dram(record, notify=False)
-            else:
-                self._remove(record, notify=False)
-                record.offset = NO_SLOT
             freed_bytes += record.slot_bytes
             if (own_tenant is not None and record.tenant != own_tenant) or 0 < until_bytes <= freed_bytes:
                 break
         return offsets, tenants
+
+    def _evict_oldest(self, slot_bytes: int | None, clean_only: bool, tenant: str | None,
+                      notify: bool) -> tuple[PageRecord, int] | None:
+        """evict_dram's victim and the DRAM offset it held. Without `notify`, neither on_removed nor
+        on_dram_dropped is called: the slot is the caller's to free."""
+        entry = self._oldest(slot_bytes, clean_only, tenant)
+        if entry is None:
+            return None
+        record = entry[2]
+        heapq.heappop(self._dram[(record.tenant, record.slot_bytes, record.on_nvme)])
+        offset = record.offset
+        if record.on_nvme:
+            self._drop_dram(record, notify)
+        else:
+            self._remove(record, notify)
+            if not notify:
+                record.offset = NO_SLOT
+        return record, offset
 
     def oldest_evictable_slot_bytes(self, clean_only: bool) -> int | None:
         """The slot size whose LRU evictable page is oldest across sizes (to free a whole slab)."""
