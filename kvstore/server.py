@@ -243,7 +243,8 @@ def _tcp_tls(config: Config) -> ssl.SSLContext | None:
 
 def _listen_local(path: str, service: KVStoreService, arena: Arena, config: Config, auth: Authenticator) -> LocalServer:
     try:
-        return LocalServer(path, service, arena, config.allowed_uids, config.shm.connections_max, auth)
+        return LocalServer(path, service, arena, config.allowed_uids, config.shm.connections_max, auth,
+                           spin_s=config.shm.spin_us / 1e6)
     except OSError as exc:
         if exc.errno is None:  # already says what is wrong (another server, not a socket)
             raise

@@ -60,6 +60,8 @@ def test_sizes_and_lists_parse():
     ("tcp.address=localhost", "tcp.address"),
     ("tcp.write_buffer_low_bytes=64MiB", "tcp.write_buffer_low_bytes"),
     ("tcp.connections_max=0", "tcp.connections_max"),
+    ("shm.spin_us=-1", "shm.spin_us"),
+    ("shm.spin_us=20000", "shm.spin_us"),
     ("rdma.queue_pairs_max=0", "rdma.queue_pairs_max"),
 ])
 def test_data_plane_settings_are_checked(override, dotted):

