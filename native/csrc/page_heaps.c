@@ -1,5 +1,14 @@
 /* The page index's lazy-deletion LRU heaps: entries (tick, seq, slot), stale ones skipped when they
- * reach the top, under the rules of PageIndex._dram_evictable / _nvme_evictable (index.py). */
+ * reach the top, under the rules of PageIndex._dram_evictable / _nvme_evictable (index.py).
+ *
+ * Nearly every entry is offered in order: a touch offers its pages at the newest tick. Those go to a
+ * queue (`run`), appended and popped in O(1). The few that are not (a parent offered at its older tick
+ * when its last child leaves; entries pushed back) go to a binary heap, which stays small. The oldest
+ * entry is the older of the two fronts: every seq differs, so the order is exactly that of one heap.
+ * One heap of a full cache's entries is larger than the CPU's caches, and each eviction sifted through
+ * it twice (the victim out, its parent in): about 380 ns a victim at 262k pages. */
+#include <string.h>
+
 #include "page_index_parts.h"
 
 /* ---------------------------------------------------------------- heaps */
@@ -25,7 +34,37 @@ static void heap_sift_down(heap_t *h, size_t i) {
     h->items[i] = item;
 }
 
+static void heap_heapify(heap_t *h) {
+    for (size_t i = h->count / 2; i-- > 0;)
+        heap_sift_down(h, i);
+}
+
+static int run_append(heap_t *h, entry_t item) {
+    if (h->run_end == h->run_capacity) {
+        size_t live = h->run_end - h->run_head;
+        if (h->run_head && h->run_head >= live) {   /* at least half of it popped: slide the rest down */
+            memmove(h->run, h->run + h->run_head, live * sizeof *h->run);
+        } else {
+            size_t grown = h->run_capacity ? h->run_capacity * 2 : 16;
+            entry_t *run = realloc(h->run, grown * sizeof *run);
+            if (!run) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            h->run = run;
+            h->run_capacity = grown;
+            memmove(h->run, h->run + h->run_head, live * sizeof *h->run);
+        }
+        h->run_head = 0;
+        h->run_end = live;
+    }
+    h->run[h->run_end++] = item;
+    return 0;
+}
+
 int heap_push(heap_t *h, entry_t item) {
+    if (h->run_head == h->run_end || !entry_less(&item, &h->run[h->run_end - 1]))
+        return run_append(h, item);
     if (h->count == h->capacity) {
         size_t grown = h->capacity ? h->capacity * 2 : 16;
         entry_t *items = realloc(h->items, grown * sizeof *items);
@@ -48,7 +87,26 @@ int heap_push(heap_t *h, entry_t item) {
     return 0;
 }
 
+size_t heap_size(const heap_t *h) {
+    return h->count + (h->run_end - h->run_head);
+}
+
+/* The oldest entry, or NULL when there is none. */
+const entry_t *heap_top(const heap_t *h) {
+    const entry_t *queued = h->run_head < h->run_end ? &h->run[h->run_head] : NULL;
+    if (!h->count)
+        return queued;
+    return queued && entry_less(queued, &h->items[0]) ? queued : &h->items[0];
+}
+
+/* Take the oldest entry (there is one). */
 entry_t heap_pop(heap_t *h) {
+    if (heap_top(h) != h->items) {
+        entry_t top = h->run[h->run_head++];
+        if (h->run_head == h->run_end)
+            h->run_head = h->run_end = 0;
+        return top;
+    }
     entry_t top = h->items[0];
     h->items[0] = h->items[--h->count];
     if (h->count)
@@ -56,9 +114,9 @@ entry_t heap_pop(heap_t *h) {
     return top;
 }
 
-void heap_heapify(heap_t *h) {
-    for (size_t i = h->count / 2; i-- > 0;)
-        heap_sift_down(h, i);
+void heap_free(heap_t *h) {
+    free(h->items);
+    free(h->run);
 }
 
 int dram_evictable(const index_t *self, const entry_t *e, int clean) {
@@ -107,13 +165,19 @@ heap_t *heap_for(index_t *self, int nvme, uint16_t tenant, uint32_t slot_bytes, 
 int heap_offer(index_t *self, heap_t *h, entry_t entry) {
     if (heap_push(h, entry) < 0)
         return -1;
-    if (h->count > 64 && h->count > 4 * (size_t)self->alive) {
+    if (heap_size(h) > 64 && heap_size(h) > 4 * (size_t)self->alive) {   /* drop the stale entries */
         size_t kept = 0;
         for (size_t i = 0; i < h->count; i++)
             if (entry_evictable(self, h, &h->items[i]))
                 h->items[kept++] = h->items[i];
         h->count = kept;
         heap_heapify(h);
+        kept = 0;
+        for (size_t i = h->run_head; i < h->run_end; i++)
+            if (entry_evictable(self, h, &h->run[i]))
+                h->run[kept++] = h->run[i];
+        h->run_head = 0;
+        h->run_end = kept;
     }
     return 0;
 }
@@ -146,9 +210,9 @@ heap_t *oldest_heap(index_t *self, heap_t **selected, size_t count) {
     heap_t *best = NULL;
     for (size_t i = 0; i < count; i++) {
         heap_t *h = selected[i];
-        while (h->count && !entry_evictable(self, h, &h->items[0]))
+        while (heap_size(h) && !entry_evictable(self, h, heap_top(h)))
             heap_pop(h);
-        if (h->count && (!best || entry_less(&h->items[0], &best->items[0])))
+        if (heap_size(h) && (!best || entry_less(heap_top(h), heap_top(best))))
             best = h;
     }
     return best;

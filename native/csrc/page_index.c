@@ -8,8 +8,8 @@
  * - a key of up to 32 bytes lives in the slot; a 64-character lowercase hex key (SGLang's) is kept
  *   as its 32 bytes and written back as hex; any other longer key gets a malloc'd copy;
  * - an open-addressing table of slot numbers keyed by (namespace, key), linear probing;
- * - lazy-deletion binary heaps of (tick, seq, slot) per (tenant, slot size, clean) for DRAM and
- *   per tenant for NVMe, popped under the rules of PageIndex._dram_evictable/_nvme_evictable.
+ * - lazy-deletion LRU orders of (tick, seq, slot) per (tenant, slot size, clean) for DRAM and
+ *   per tenant for NVMe (a queue of entries offered in order beside a heap of the rest), popped under the rules of PageIndex._dram_evictable/_nvme_evictable.
  *
  * Records are proxies (`IndexRecord`) made on demand: a side table maps a slot to its live proxy,
  * so the same page gives the same object while anyone holds it. A removed page keeps its slot
@@ -307,11 +307,12 @@ static void index_dealloc(index_t *self) {
     for (uint32_t i = 0; i < self->ns_count; i++)
         Py_DECREF(self->ns[i].id);
     for (size_t i = 0; i < self->heap_count; i++)
-        free(self->heaps[i].items);
+        heap_free(&self->heaps[i]);
     free(self->heaps);
     free(self->pages);
     free(self->table);
     free(self->tags);
+    free(self->distances);
     free(self->proxies);
     free(self->ns);
     free(self->usage);
@@ -950,7 +951,7 @@ static heap_t *oldest_dram(index_t *self, int64_t slot_bytes, int clean_only, in
             || (tenant != -1 && h->tenant != tenant))
             continue;
         heap_t *one = h;
-        if (oldest_heap(self, &one, 1) && (!best || entry_less(&h->items[0], &best->items[0])))
+        if (oldest_heap(self, &one, 1) && (!best || entry_less(heap_top(h), heap_top(best))))
             best = h;
     }
     return best;
@@ -1042,7 +1043,7 @@ static PyObject *index_oldest_evictable_slot_bytes(index_t *self, PyObject *args
     heap_t *best = oldest_dram(self, -1, clean_only, -1);
     if (!best)
         Py_RETURN_NONE;
-    return PyLong_FromUnsignedLong(self->pages[best->items[0].page].slot_bytes);
+    return PyLong_FromUnsignedLong(self->pages[heap_top(best)->page].slot_bytes);
 }
 
 typedef struct {
@@ -1332,7 +1333,7 @@ static PyObject *index_all(index_t *self, PyObject *arg) {
 /* _recovered(records): offer pages adopted from NVMe at start-up, all at tick 0, in this order. */
 static PyObject *index_offer_recovered(index_t *self, PyObject *records) {
     for (size_t i = 0; i < self->heap_count; i++)
-        if (self->heaps[i].nvme && self->heaps[i].count) {
+        if (self->heaps[i].nvme && heap_size(&self->heaps[i])) {
             PyErr_SetString(PyExc_AssertionError, "recovery runs before anything else reaches the index");
             return NULL;
         }
@@ -1363,7 +1364,9 @@ static PyObject *index_check_prefix_closed(index_t *self, PyObject *unused) {
         if (!check(in_dram(p) || (p->flags & (F_NVME | F_BUSY)), "an indexed page is held somewhere"))
             return NULL;
         pkey_t k = {.data = page_key(p), .len = p->key_len, .hex = (p->flags & F_HEX) != 0};
-        if (!check(table_find(self, p->ns, &k, NULL) == i, "a page is found by its key"))
+        size_t position;
+        if (!check(table_find(self, p->ns, &k, &position) == i, "a page is found by its key")
+            || !check(table_distance_agrees(self, position), "a page's distance from its home position is kept"))
             return NULL;
         if (p->parent != NONE) {
             page_t *parent = &self->pages[p->parent];
@@ -1452,10 +1455,10 @@ static PyObject *index_namespace_rows(index_t *self, PyObject *unused) {
 
 /* memory_bytes() -> bytes this index holds in C (slots in use, key table, heaps; tests and the bench). */
 static PyObject *index_memory_bytes(index_t *self, PyObject *unused) {
-    size_t total = (size_t)self->used * sizeof(page_t) + (self->table ? (self->table_mask + 1) * 5 : 0)
+    size_t total = (size_t)self->used * sizeof(page_t) + (self->table ? (self->table_mask + 1) * 6 : 0)
                    + (self->proxies ? (self->proxy_mask + 1) * sizeof(proxy_slot_t) : 0);
     for (size_t i = 0; i < self->heap_count; i++)
-        total += self->heaps[i].capacity * sizeof(entry_t);
+        total += (self->heaps[i].capacity + self->heaps[i].run_capacity) * sizeof(entry_t);
     return PyLong_FromSize_t(total);
 }
 

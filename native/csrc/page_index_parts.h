@@ -37,9 +37,13 @@ typedef struct __attribute__((packed)) {
     uint32_t page;
 } entry_t;
 
+/* One LRU order (page_heaps.c): the entries offered in order, oldest first, as a queue, and a binary
+ * heap of the entries offered out of order. */
 typedef struct {
-    entry_t *items;
+    entry_t *items;                 /* the binary heap */
     size_t count, capacity;
+    entry_t *run;                   /* the queue: run[run_head .. run_end) */
+    size_t run_head, run_end, run_capacity;
     uint32_t slot_bytes;
     uint16_t tenant;
     uint8_t nvme, clean;
@@ -67,6 +71,7 @@ typedef struct {
     Py_ssize_t alive;
     uint32_t *table;            /* page slot numbers by key hash, open addressing */
     uint8_t *tags;              /* one byte of each position's hash; 0: the position is empty */
+    uint8_t *distances;         /* how far past its home position each page sits (FAR: its hash says) */
     size_t table_mask, table_count;
     proxy_slot_t *proxies;
     size_t proxy_mask, proxy_count;
@@ -143,8 +148,8 @@ PI_HIDDEN PyObject *page_key_object(const page_t *p);
 PI_HIDDEN uint32_t table_find(const index_t *self, uint32_t ns, const pkey_t *k, size_t *position);
 PI_HIDDEN uint32_t table_find_hashed(const index_t *self, uint32_t ns, const pkey_t *k, uint64_t h, size_t *position);
 PI_HIDDEN void table_put(index_t *self, size_t position, uint32_t page, uint64_t h);
-PI_HIDDEN void table_place(index_t *self, uint32_t page);
 PI_HIDDEN int table_reserve(index_t *self, size_t count);
+PI_HIDDEN int table_distance_agrees(const index_t *self, size_t position);
 PI_HIDDEN void table_delete(index_t *self, size_t i);
 PI_HIDDEN PyObject *proxy_find(const index_t *self, uint32_t page);
 PI_HIDDEN int proxy_put(index_t *self, uint32_t page, PyObject *proxy);
@@ -160,7 +165,9 @@ PI_HIDDEN PyObject *page_id_of(index_t *self, uint32_t page);
 PI_HIDDEN int entry_less(const entry_t *a, const entry_t *b);
 PI_HIDDEN int heap_push(heap_t *h, entry_t item);
 PI_HIDDEN entry_t heap_pop(heap_t *h);
-PI_HIDDEN void heap_heapify(heap_t *h);
+PI_HIDDEN size_t heap_size(const heap_t *h);
+PI_HIDDEN const entry_t *heap_top(const heap_t *h);
+PI_HIDDEN void heap_free(heap_t *h);
 PI_HIDDEN int dram_evictable(const index_t *self, const entry_t *e, int clean);
 PI_HIDDEN int nvme_evictable(const index_t *self, const entry_t *e);
 PI_HIDDEN int entry_evictable(const index_t *self, const heap_t *h, const entry_t *e);

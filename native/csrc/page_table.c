@@ -1,5 +1,5 @@
 /* The page index's keys (stored form, hashing), its key table (open addressing of slot numbers,
- * linear probing, backward-shift deletion) and the table of live records by slot. */
+ * linear probing, backward-shift deletion; a tag byte and a distance byte beside each position) and the table of live records by slot. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -127,6 +127,13 @@ static inline uint8_t hash_tag(uint64_t h) {
     return tag ? tag : 1;
 }
 
+/* A distance of FAR or more is stored as FAR, and read back from the page's hash. */
+#define FAR 255
+
+static inline void set_distance(index_t *self, size_t position, size_t distance) {
+    self->distances[position] = (uint8_t)(distance < FAR ? distance : FAR);
+}
+
 /* The page holding (ns, k), or NONE. `position`: where it is, or where it would go (the empty position
  * the probe stopped at; valid until the table next changes). */
 uint32_t table_find(const index_t *self, uint32_t ns, const pkey_t *k, size_t *position) {
@@ -157,15 +164,15 @@ uint32_t table_find_hashed(const index_t *self, uint32_t ns, const pkey_t *k, ui
 void table_put(index_t *self, size_t position, uint32_t page, uint64_t h) {
     self->tags[position] = hash_tag(h);
     self->table[position] = page;
+    set_distance(self, position, (position - (h & self->table_mask)) & self->table_mask);
 }
 
-void table_place(index_t *self, uint32_t page) {
+static void table_place(index_t *self, uint32_t page) {
     uint64_t h = page_hash(self, &self->pages[page]);
     size_t i = h & self->table_mask;
     while (self->tags[i])
         i = (i + 1) & self->table_mask;
-    self->tags[i] = hash_tag(h);
-    self->table[i] = page;
+    table_put(self, i, page, h);
 }
 
 int table_reserve(index_t *self, size_t count) {
@@ -176,14 +183,17 @@ int table_reserve(index_t *self, size_t count) {
     while (count * 10 > grown * 7)
         grown *= 2;
     uint32_t *old = self->table;
-    uint8_t *old_tags = self->tags;
+    uint8_t *old_tags = self->tags, *old_distances = self->distances;
     self->table = malloc(grown * sizeof *self->table);
     self->tags = calloc(grown, 1);
-    if (!self->table || !self->tags) {
+    self->distances = malloc(grown);
+    if (!self->table || !self->tags || !self->distances) {
         free(self->table);
         free(self->tags);
+        free(self->distances);
         self->table = old;
         self->tags = old_tags;
+        self->distances = old_distances;
         PyErr_NoMemory();
         return -1;
     }
@@ -195,10 +205,20 @@ int table_reserve(index_t *self, size_t count) {
             table_place(self, page);
     free(old);
     free(old_tags);
+    free(old_distances);
     return 0;
 }
 
-/* Backward-shift deletion: no tombstones, probe runs stay as short as at insert. */
+/* Whether the distance kept at `position` is its page's distance from its home (check_prefix_closed). */
+int table_distance_agrees(const index_t *self, size_t position) {
+    size_t home = page_hash(self, &self->pages[self->table[position]]) & self->table_mask;
+    size_t distance = (position - home) & self->table_mask;
+    return self->distances[position] == (distance < FAR ? distance : FAR);
+}
+
+/* Backward-shift deletion: no tombstones, probe runs stay as short as at insert. Each position's
+ * distance from its home says whether its page may move back, without reading the page (at a full
+ * cache's eviction rate, that read was a cache miss per position passed). */
 void table_delete(index_t *self, size_t i) {
     size_t mask = self->table_mask;
     size_t j = i;
@@ -207,11 +227,14 @@ void table_delete(index_t *self, size_t i) {
         if (!self->tags[j])
             break;
         uint32_t at = self->table[j];
-        size_t home = page_hash(self, &self->pages[at]) & mask;
+        size_t distance = self->distances[j] < FAR ? self->distances[j]
+                                                   : (j - (page_hash(self, &self->pages[at]) & mask)) & mask;
+        size_t gap = (j - i) & mask;
         /* move `at` back to i unless its home lies cyclically in (i, j] */
-        if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
+        if (distance >= gap) {
             self->table[i] = at;
             self->tags[i] = self->tags[j];
+            set_distance(self, i, distance - gap);
             i = j;
         }
     }

@@ -237,6 +237,34 @@ def test_a_random_workload_takes_the_same_pages_in_the_same_order(seed):
 
 
 @needs_native
+def test_touches_far_outnumbering_the_pages_keep_the_eviction_order():
+    """Most offers come in order (a touch), some do not (a parent whose last child left, at its older
+    tick). Touches of a hot half pile stale entries up to several times the pages, and each compaction
+    must keep the cold half's live ones. Both indexes evict the same pages in the same order throughout."""
+    rng = random.Random(3)
+    pair = Pair()
+    pages = []
+    for chain in range(40):
+        keys = [f"c{chain}-{i}".encode() for i in range(rng.randrange(1, 4))]
+        offsets = [4096 * (len(pages) + i) for i in range(len(keys))]
+        for index in (pair.py, pair.c):
+            index.add_chain(1, keys, None, offsets, 4096, list(range(len(keys))), records=False)
+        pages += [(1, key) for key in keys]
+    hot = pages[len(pages) // 2:]
+    for round_ in range(600):
+        touched = [page_id for page_id in rng.sample(hot, 12) if pair.py.get(page_id) is not None]
+        for index in (pair.py, pair.c):
+            index.touch_all([index.get(page_id) for page_id in touched])
+        if round_ % 50 == 49:
+            count = rng.randrange(1, 4)
+            assert pair.c.evict_dram_many(4096, False, count) == pair.py.evict_dram_many(4096, False, count)
+    same_state(pair)
+    while len(pair.py):
+        assert pair.c.evict_dram_many(4096, False, 5) == pair.py.evict_dram_many(4096, False, 5)
+    assert len(pair.c) == 0
+
+
+@needs_native
 def test_packed_keys_give_the_same_leading_pages():
     index = native_index.NativePageIndex(lambda r: None, lambda r: None)
     keys = [bytes([i]) * 32 for i in range(1, 9)]
