@@ -372,15 +372,29 @@ done:
 /* Below this many bytes in a batch, dropping and taking back the GIL costs more than the copy. */
 enum { UNLOCKED_BYTES_MIN = 64 << 10 };
 
-static void copy_hash_batch(const batch_t *b, uint64_t *sums) {
-    for (size_t i = 0; i < b->pages; i++)
-        sums[i] = copy_hash(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
-}
-
 /* Lines of a page asked for ahead of its copy. A small page is one TLB miss and a few cold lines
  * that the hardware prefetcher, which stops at 4 KiB boundaries, does not fetch ahead; asking for
  * the next page's lines while this one is copied keeps several misses in flight. */
 enum { PREFETCH_BYTES = 4 << 10 };
+
+/* A put's next page: its first segment's first lines (its slot is written with streaming stores,
+ * which need nothing read ahead). */
+static void prefetch_source(const batch_t *b, size_t i) {
+    if (b->first[i + 1] == b->first[i])
+        return;
+    const segment_t *first = &b->segments[b->first[i]];
+    size_t nbytes = first->nbytes < PREFETCH_BYTES ? first->nbytes : PREFETCH_BYTES;
+    for (size_t done = 0; done < nbytes; done += 64)
+        __builtin_prefetch(first->src + done, 0, 3);
+}
+
+static void copy_hash_batch(const batch_t *b, uint64_t *sums) {
+    for (size_t i = 0; i < b->pages; i++) {
+        if (i + 1 < b->pages)
+            prefetch_source(b, i + 1);
+        sums[i] = copy_hash(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
+    }
+}
 
 static void prefetch_page(const batch_t *b, size_t i) {
     if (b->first[i + 1] == b->first[i])
