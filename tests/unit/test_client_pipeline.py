@@ -42,6 +42,15 @@ def test_shared_memory_groups_small_pages_and_commits_short_runs():
     assert (SHM_SHAPE.group_pages(4 << 20), SHM_SHAPE.run_pages(4 << 20)) == (32, 1)
 
 
+def test_a_put_over_shared_memory_reserves_2_mib_first_then_whole_groups():
+    assert SHM_SHAPE.reserve_groups(1024, 4 << 10) == [(0, 512), (512, 1024)]          # 512 pages are 2 MiB
+    assert SHM_SHAPE.reserve_groups(128, 64 << 10) == [(0, 32), (32, 128)]
+    assert SHM_SHAPE.reserve_groups(40, 1 << 20) == [(0, 2), (2, 34), (34, 40)]
+    assert SHM_SHAPE.reserve_groups(32, 4 << 20) == [(0, 1), (1, 32)]                  # never less than a page
+    assert SHM_SHAPE.reserve_groups(10, 64 << 10) == [(0, 10)]
+    assert NETWORK_SHAPE.reserve_groups(1024, 4 << 10) == [(0, 1024)]                  # no short first group
+
+
 def test_shared_memory_acquires_a_long_get_in_a_few_parts_and_the_network_in_one():
     assert [SHM_SHAPE.acquire_part_pages(n) for n in (1, 64, 128, 1024, 8192)] == [64, 64, 64, 256, 2048]
     assert [NETWORK_SHAPE.acquire_part_pages(n) for n in (1, 1024)] == [1, 1024]

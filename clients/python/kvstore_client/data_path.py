@@ -66,15 +66,30 @@ class PipelineShape:
     # A get is acquired in up to ACQUIRE_PARTS parts of at least this many pages, all sent at once, so
     # the node pins one part while the one before it is copied; 0: one Acquire for the whole batch.
     acquire_part_pages_min: int = 0
+    # The first Reserve of a put asks for at most this many bytes (at least one page; 0: a whole
+    # group). Nothing overlaps it, and where copying a page takes far longer than reserving one, the
+    # next group is reserved while these few pages move.
+    first_group_bytes: int = 0
 
     def __post_init__(self) -> None:
         assert self.reserve_group_pages_min >= 1 and self.reserve_group_bytes >= 0 and self.commit_run_bytes > 0
-        assert self.acquire_part_pages_min >= 0
+        assert self.acquire_part_pages_min >= 0 and self.first_group_bytes >= 0
         assert self.reserve_group_pages_max == 0 or self.reserve_group_pages_max >= self.reserve_group_pages_min
 
     def group_pages(self, page_bytes: int) -> int:
         pages = max(self.reserve_group_pages_min, self.reserve_group_bytes // page_bytes)
         return min(pages, self.reserve_group_pages_max) if self.reserve_group_pages_max else pages
+
+    def reserve_groups(self, pages: int, page_bytes: int) -> list[tuple[int, int]]:
+        """The (start, stop) of each Reserve of a put of `pages`: a short first one (first_group_bytes),
+        then group_pages each."""
+        group = self.group_pages(page_bytes)
+        first = min(group, max(1, self.first_group_bytes // page_bytes)) if self.first_group_bytes else group
+        bounds = [(0, min(first, pages))]
+        while bounds[-1][1] < pages:
+            start = bounds[-1][1]
+            bounds.append((start, min(start + group, pages)))
+        return bounds
 
     def run_pages(self, page_bytes: int) -> int:
         return max(1, self.commit_run_bytes // page_bytes)

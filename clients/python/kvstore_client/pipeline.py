@@ -1,8 +1,8 @@
 """Put and get over any data path: the one place leases, groups, runs and counts are handled.
 
 A put reserves its chain in groups and moves and commits each group in runs (the sizes are the
-data path's PipelineShape; a long last group is committed in halves, as its last Commit
-overlaps no copy). The next group's Reserve is in flight while this group moves, and the
+data path's PipelineShape: the first group may be short and a long last group is committed in
+halves, as the first Reserve and the last Commit overlap no copy). The next group's Reserve is in flight while this group moves, and the
 server checksums one run while the next one moves (unless the pages were checksummed as they were
 copied: by the data path, then the Commit carries those, or by the node as each TCP page landed;
 either way the server reads nothing back). Pages become
@@ -51,14 +51,15 @@ class PutBatch:
     def run(self, control: Any, data: DataPath, ns_id: int) -> PutResult:
         """Store the batch; returns how many leading keys are now stored (see stored_pages)."""
         keys, in_order = self.keys, control.answers_in_order
-        group = data.shape.group_pages(self.page_bytes)
+        groups = data.shape.reserve_groups(len(keys), self.page_bytes)
         run = data.shape.run_pages(self.page_bytes)
         states: list[int] = []
         commits: list[Any] = []
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
-        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, keys[:group], 0, self.parent)
+        start, stop = groups[0]
+        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, keys[start:stop], 0, self.parent)
         try:
-            for start in range(0, len(keys), group):
+            for number, (start, stop) in enumerate(groups):
                 reserved = next_reserve.result()
                 group_states = list(reserved.states)
                 states += group_states
@@ -67,11 +68,13 @@ class PutBatch:
                 if reserved.lease_id and reserved.lease_id not in move_until:
                     move_until[reserved.lease_id] = sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S
                 chain_goes_on = len(indices) == len(group_states) or all(s in STORED_STATES for s in group_states)
-                if start + group < len(keys) and chain_goes_on:
+                last = number == len(groups) - 1
+                if not last and chain_goes_on:
                     extend = reserved.lease_id if in_order and indices else 0
+                    next_start, next_stop = groups[number + 1]
                     sent_at, next_reserve = time.monotonic(), self._reserve(
-                        control, data, ns_id, keys[start + group:start + 2 * group], extend, keys[start + group - 1])
-                group_run = run if start + group < len(keys) else last_run_pages(run, len(indices))
+                        control, data, ns_id, keys[next_start:next_stop], extend, keys[next_start - 1])
+                group_run = last_run_pages(run, len(indices)) if last else run
                 for first in range(0, len(indices), group_run):
                     after = commits[-1] if commits and not in_order else None
                     commits.append(self._move_and_commit(control, data, reserved, start,
