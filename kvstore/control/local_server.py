@@ -17,7 +17,8 @@ requests (framing.py).
 After each answer a connection polls for its next frame for shm.spin_us before it sleeps in
 recv: a put's Reserves and Commits follow each other closely, and each wake-up of a sleeping
 thread adds 25-45 us on a VM (4 KiB puts: about 10% more pages/s). Leases taken on a
-connection end when it closes, so a client killed mid-put frees its slots at once. A broken invariant in the service stops the node (kvstore/invariants.py).
+connection end when it closes, so a client killed mid-put frees its slots at once. A broken
+invariant in the service stops the node (kvstore/invariants.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
  *   as its 32 bytes and written back as hex; any other longer key gets a malloc'd copy;
  * - an open-addressing table of slot numbers keyed by (namespace, key), linear probing;
  * - lazy-deletion LRU orders of (tick, seq, slot) per (tenant, slot size, clean) for DRAM and
- *   per tenant for NVMe (a queue of entries offered in order beside a heap of the rest), popped under the rules of PageIndex._dram_evictable/_nvme_evictable.
+ *   per tenant for NVMe (a queue of entries offered in order beside a heap of the rest), popped
+ *   under the rules of PageIndex._dram_evictable/_nvme_evictable.
  *
  * Records are proxies (`IndexRecord`) made on demand: a side table maps a slot to its live proxy,
  * so the same page gives the same object while anyone holds it. A removed page keeps its slot

@@ -1,5 +1,6 @@
 /* The page index's keys (stored form, hashing), its key table (open addressing of slot numbers,
- * linear probing, backward-shift deletion; a tag byte and a distance byte beside each position) and the table of live records by slot. */
+ * linear probing, backward-shift deletion; a tag byte and a distance byte beside each position)
+ * and the table of live records by slot. */
 #include <immintrin.h>
 #include <string.h>
 

@@ -1,12 +1,12 @@
 """Put and get over any data path: the one place leases, groups, runs and counts are handled.
 
-A put reserves its chain in groups and moves and commits each group in runs (the sizes are the
-data path's PipelineShape: the first group may be short and a long last group is committed in
-halves, as the first Reserve and the last Commit overlap no copy). The next group's Reserve is in flight while this group moves, and the
-server checksums one run while the next one moves (unless the pages were checksummed as they were
-copied: by the data path, then the Commit carries those, or by the node as each TCP page landed;
-either way the server reads nothing back). Pages become
-visible in chain order, because a page whose parent is not yet visible is dropped at commit:
+A put reserves its chain in groups and moves and commits each group in runs (the sizes are the data
+path's PipelineShape: the first group may be short and a long last group is committed in halves, as
+the first Reserve and the last Commit overlap no copy). The next group's Reserve is in flight while
+this group moves, and the server checksums one run while the next one moves (unless the pages were
+checksummed as they were copied: by the data path, then the Commit carries those, or by the node as
+each TCP page landed; either way the server reads nothing back). Pages become visible in chain
+order, because a page whose parent is not yet visible is dropped at commit:
 
 - on a control channel that answers in order (the local channel), everything is submitted
   without waiting: the next group extends this group's write lease (its Reserve is answered
