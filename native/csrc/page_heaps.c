@@ -39,22 +39,26 @@ static void heap_heapify(heap_t *h) {
         heap_sift_down(h, i);
 }
 
+/* Double an array of entries (at least 16); -1 with MemoryError set when there is no memory. */
+static int grow_entries(entry_t **items, size_t *capacity) {
+    size_t grown = *capacity ? *capacity * 2 : 16;
+    entry_t *larger = realloc(*items, grown * sizeof *larger);
+    if (!larger) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *items = larger;
+    *capacity = grown;
+    return 0;
+}
+
 static int run_append(heap_t *h, entry_t item) {
     if (h->run_end == h->run_capacity) {
         size_t live = h->run_end - h->run_head;
-        if (h->run_head && h->run_head >= live) {   /* at least half of it popped: slide the rest down */
-            memmove(h->run, h->run + h->run_head, live * sizeof *h->run);
-        } else {
-            size_t grown = h->run_capacity ? h->run_capacity * 2 : 16;
-            entry_t *run = realloc(h->run, grown * sizeof *run);
-            if (!run) {
-                PyErr_NoMemory();
-                return -1;
-            }
-            h->run = run;
-            h->run_capacity = grown;
-            memmove(h->run, h->run + h->run_head, live * sizeof *h->run);
-        }
+        /* at least half of it popped: slide the rest down; else grow it */
+        if (!(h->run_head && h->run_head >= live) && grow_entries(&h->run, &h->run_capacity) < 0)
+            return -1;
+        memmove(h->run, h->run + h->run_head, live * sizeof *h->run);
         h->run_head = 0;
         h->run_end = live;
     }
@@ -65,16 +69,8 @@ static int run_append(heap_t *h, entry_t item) {
 int heap_push(heap_t *h, entry_t item) {
     if (h->run_head == h->run_end || !entry_less(&item, &h->run[h->run_end - 1]))
         return run_append(h, item);
-    if (h->count == h->capacity) {
-        size_t grown = h->capacity ? h->capacity * 2 : 16;
-        entry_t *items = realloc(h->items, grown * sizeof *items);
-        if (!items) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        h->items = items;
-        h->capacity = grown;
-    }
+    if (h->count == h->capacity && grow_entries(&h->items, &h->capacity) < 0)
+        return -1;
     size_t i = h->count++;
     while (i) {
         size_t up = (i - 1) / 2;
