@@ -7,9 +7,10 @@ of each one's hash, so an absent key is found absent without reading page slots,
 distance from home, so a deletion moves no page it must read), and LRU orders of 20-byte entries
 that only evictable pages enter (a queue of those offered in order, a heap of the rest). A whole
 node measured by bench/index_memory.py (4 KiB pages through the SDK, 64-character hex keys, RssAnon
-growth): about 106 bytes a page with this index from 250k to 3M pages, about 690 with the Python one
-(native/README.md). Records are proxies made on demand (`IndexRecord`), the same object while anyone
-holds one, so they go into sets and dicts as PageRecords do.
+growth): 106-109 bytes a page with this index from 250k to 3M pages before the distance byte, 108 at
+1M and 116 at 3M with it; about 690 with the Python one (native/README.md). Records are proxies made
+on demand (`IndexRecord`), the same object while anyone holds one, so they go into sets and dicts as
+PageRecords do.
 
 What differs, and why it does not matter to callers:
 - `children` is a new set on each read (the index owns the links); nothing mutates it in place.

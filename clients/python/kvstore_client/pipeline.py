@@ -56,10 +56,10 @@ class PutBatch:
         states: list[int] = []
         commits: list[Any] = []
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
-        start, stop = groups[0]
-        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, keys[start:stop], 0, self.parent)
+        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, keys[slice(*groups[0])], 0,
+                                                                self.parent)
         try:
-            for number, (start, stop) in enumerate(groups):
+            for number, (start, _) in enumerate(groups):
                 reserved = next_reserve.result()
                 group_states = list(reserved.states)
                 states += group_states
