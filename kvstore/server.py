@@ -26,7 +26,7 @@ from kvstore import __version__, config as config_module, failpoints
 from kvstore.cluster.registration import ClusterError, Registration
 from kvstore.config import Config, ConfigError
 from kvstore.control.event_subscriber import EventSubscriber
-from kvstore.control import recovery
+from kvstore.control import native_index, recovery
 from kvstore.control.grpc_server import create_server
 from kvstore.control.identity import Authenticator
 from kvstore.control.local_server import LocalServer
@@ -43,9 +43,11 @@ from kvstore.ops.metrics import Metrics
 from kvstore.ops.notify import Notifier
 from kvstore.ops.supervise import serve_until_stopped
 from kvstore.tiers.dram import Arena
+from kvstore.tiers import host_memory
 from kvstore.tiers.hbm import open_pool
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.transport.tcp import TcpServer, TcpSettings
+from kvstore_client import native
 from kvstore_client.errors import TransportUnavailable
 from kvstore_client.proto import pb
 
@@ -57,13 +59,15 @@ class Node:
 
     def __init__(self, config: Config):
         self.config = config
+        host_memory.check_arena(config.dram.arena_bytes, config.dram.hugepages, pinned=config.rdma.enabled)
         try:
             # A memfd per tenant where tenants are told apart; one while RDMA pins the arena (tiers/dram.py).
             self.arena = Arena(config.dram.arena_bytes, config.dram.slab_bytes, config.dram.hugepages,
                                config.dram.prefault, tenants_apart=config.auth.enabled and not config.rdma.enabled)
         except OSError as exc:
+            settings = "dram.arena_bytes, dram.hugepages" if config.dram.hugepages else "dram.arena_bytes"
             raise OSError(f"cannot allocate the DRAM arena of {config.dram.arena_bytes} bytes "
-                          f"(dram.arena_bytes): {exc.strerror}") from None
+                          f"({settings}): {exc.strerror}") from None
         self.local: LocalServer | None = None
         self.tcp: TcpServer | None = None
         self.rdma = None
@@ -259,6 +263,20 @@ def _subscribers(config: Config, service: KVStoreService) -> list[EventSubscribe
         raise OSError(f"[events] needs pyzmq and msgspec ({exc}): pip install 'kvstore[events]'") from None
 
 
+def log_native_core(config: Config) -> None:
+    """Say once, at start-up, whether the page index, prefix hashing and page copies run in C."""
+    index = "c" if config.server.native_index and native_index.available() else "python"
+    hashing = "c" if native.available() else "python"
+    why = native.missing_reason or (native_index.missing_reason if config.server.native_index else "")
+    if not why:
+        log.info("native core index=%s hashing=%s copies=%s", index, hashing, hashing)
+        return
+    log.warning("native core index=%s hashing=%s copies=%s: %s, so this node runs its pure-Python paths: the same "
+                "results, several times the CPU per page and, for the index, several times the memory per page "
+                "(native/README.md); build it with `pip install ./native` (a C compiler and Python's headers)",
+                index, hashing, hashing, why)
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvstore-server", description="kvstore node: a tiered KV-cache store.")
     parser.add_argument("--config", help="TOML configuration file")
@@ -312,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(config.ops.log_format, config.server.log_level)
     log.info("effective configuration %s", json.dumps(config_module.as_dict(config), sort_keys=True))
+    log_native_core(config)
     started = time.monotonic()
     notifier = Notifier(config.systemd)
     registration = None

@@ -76,7 +76,7 @@ def create_server(service: KVStoreService, address: str, workers: int,
     except RuntimeError:  # newer grpcio raises where older ones returned 0
         port = 0
     if port == 0:
-        raise OSError(f"cannot bind gRPC to {address}: address in use or not local")
+        raise OSError(f"cannot bind gRPC to {address} (server.grpc_address): address in use or not local")
     return server, port
 
 

@@ -328,14 +328,14 @@ def _listen(path: str) -> socket.socket:
         os.makedirs(directory, mode=0o755, exist_ok=True)
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise OSError(f"{path} exists and is not a socket")
+            raise OSError(f"{path} exists and is not a socket (shm.socket_path)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
         except ConnectionRefusedError:
             os.unlink(path)  # left behind by a server that died
         else:
-            raise OSError(f"another kvstore-server is serving {path}")
+            raise OSError(f"another kvstore-server is serving {path} (shm.socket_path): stop it, or give this node its own")
         finally:
             probe.close()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -44,9 +44,11 @@ try:
     _NativeIndex = getattr(kvstore_native, "PageIndex", None)
 except ImportError:  # pragma: no cover - where native/ is not built
     _NativeIndex = None
+    missing_reason = "kvstore_native is not installed"
+else:
+    missing_reason = "" if _NativeIndex is not None else "kvstore_native has no PageIndex"
 if _NativeIndex is not None and not hasattr(_NativeIndex, "positions_held"):   # pragma: no cover
-    log.warning("kvstore_native was built from older sources (its PageIndex has no positions_held): "
-                "rebuild it with `pip install ./native`; the page index runs in Python meanwhile")
+    missing_reason = "kvstore_native was built from older sources (its PageIndex has no positions_held)"
     _NativeIndex = None
 
 
@@ -98,12 +100,10 @@ if _NativeIndex is not None:
 
 def make_page_index(native: bool, on_removed: Callable, on_dram_dropped: Callable,
                     tenant_of: Callable[[int], str]):
-    """The C index when asked for and built; else the Python one (the reference), saying why."""
+    """The C index when asked for and built; else the Python one (the reference). The server's
+    start-up log says which one runs, and why (kvstore.server.describe_native_core)."""
     if native and available():
         return NativePageIndex(on_removed, on_dram_dropped, tenant_of)
-    if native:
-        log.warning("kvstore_native has no PageIndex (build it with `pip install ./native`): the page index "
-                    "runs in Python, about 600 bytes of memory per page instead of about 110")
     return PageIndex(on_removed, on_dram_dropped, tenant_of)
 
 

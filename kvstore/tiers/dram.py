@@ -58,6 +58,8 @@ _MAP_NORESERVE = 0x4000
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_STEP_BYTES = 1 << 30   # the arena is allocated and mapped a step at a time, so start-up can show progress
+_PROGRESS_S = 2.0           # at most one progress line this often
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -101,20 +103,28 @@ class Arena:
         self.trimmed_bytes = 0
         fd = self.fd_of(DEFAULT_TENANT)
         try:
-            if prefault:
-                started = time.perf_counter()
-                # Allocate every page now: a short machine fails at start-up, not mid-put.
-                os.posix_fallocate(fd, 0, nbytes)
-                log.info("arena prefaulted bytes=%d duration_ms=%.1f", nbytes, (time.perf_counter() - started) * 1e3)
             # The range is reserved by an anonymous mapping (so the mmap object owns and unmaps it),
-            # then replaced whole by the default tenant's memfd. MAP_POPULATE: no page fault on the
-            # first touch of a slot (the server hashes every commit).
+            # then replaced by the default tenant's memfd a step at a time. With prefault, each step's
+            # pages are allocated first (a short machine fails at start-up, not mid-put; the node
+            # checks the host first: tiers/host_memory.py) and mapped with MAP_POPULATE, so the first
+            # touch of a slot takes no page fault (the server hashes every commit).
             self.mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
                                   prot=_PROT_READ_WRITE)
             probe = (ctypes.c_char * 1).from_buffer(self.mmap)
             self.address = ctypes.addressof(probe)
             del probe
-            _map_fixed(self.address, nbytes, fd, 0, prefault)
+            started = shown = time.perf_counter()
+            for offset in range(0, nbytes, _MAP_STEP_BYTES):
+                step = min(_MAP_STEP_BYTES, nbytes - offset)
+                if prefault:
+                    os.posix_fallocate(fd, offset, step)
+                _map_fixed(self.address + offset, step, fd, offset, prefault)
+                if prefault and time.perf_counter() - shown >= _PROGRESS_S and offset + step < nbytes:
+                    shown = time.perf_counter()
+                    log.info("arena prefaulting done_bytes=%d bytes=%d elapsed_s=%.1f", offset + step, nbytes,
+                             shown - started)
+            if prefault:
+                log.info("arena prefaulted bytes=%d duration_ms=%.1f", nbytes, (time.perf_counter() - started) * 1e3)
         except OSError:
             self._close_fds()
             raise

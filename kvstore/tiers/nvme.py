@@ -150,7 +150,7 @@ class _Shard:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
-            raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
+            raise OSError(f"cannot open NVMe shard {path} (nvme.paths): {exc}") from None
         # Before LMDB: its own lock lets two processes share an environment, and two
         # nodes writing and evicting each other's pages would corrupt both indexes.
         self._lock_fd = _lock_shard(path)
@@ -159,7 +159,7 @@ class _Shard:
                                  writemap=False, readahead=False, max_readers=256, lock=True)
         except (OSError, lmdb.Error) as exc:
             os.close(self._lock_fd)
-            raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
+            raise OSError(f"cannot open NVMe shard {path} (nvme.paths): {exc}") from None
         self.data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         self.map_address = _map_address(os.path.join(path, "data.mdb"), self.data_fd)
         self.direct_fd = _open_direct(os.path.join(path, "data.mdb"))
@@ -220,7 +220,7 @@ def _lock_shard(path: str) -> int:
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise OSError(f"cannot open NVMe shard {path}: {exc}") from None
+        raise OSError(f"cannot open NVMe shard {path} (nvme.paths): {exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

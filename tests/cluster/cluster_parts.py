@@ -17,6 +17,7 @@ from typing import Iterator
 import pytest
 
 from conftest import ServerProcess  # tests/conftest.py: a real kvstore-server child
+from system_tools import require_tool
 from kvstore_client.cluster import KVStoreCluster
 
 
@@ -30,8 +31,7 @@ class EtcdProcess:
     """One etcd member on 127.0.0.1; restartable on the same ports and data dir."""
 
     def __init__(self, workdir: Path, host: str = "127.0.0.1", started: bool = True):
-        if shutil.which("etcd") is None:
-            raise RuntimeError("etcd is not installed: apt-get install etcd-server (.ci/run does)")
+        require_tool("etcd")
         self.workdir = workdir
         self.host = host
         self.client_port, self.peer_port = free_port(), free_port()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy_tools import require_tool
+from system_tools import require_tool
 from kvstore import config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def test_cluster_profile_has_etcd_and_three_distinct_nodes():
 
 
 def test_docker_compose_accepts_the_cluster_profile():
-    compose = require_tool("docker-compose", "docker-compose")
+    compose = require_tool("docker-compose")
     result = subprocess.run([compose, "-f", str(COMPOSE), "--profile", "cluster", "config", "--quiet"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import tomllib
 import yaml
 
-from deploy_tools import require_tool
+from system_tools import require_tool
 from kvstore import config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_compose_file_shape():
 
 
 def test_docker_compose_config_accepts_it():
-    compose = require_tool("docker-compose", "docker-compose")
+    compose = require_tool("docker-compose")
     result = subprocess.run([compose, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert result.returncode == 0 and result.stderr == "", result.stderr

@@ -11,7 +11,7 @@ import pytest
 import tomllib
 
 from kvstore import config
-from deploy_tools import require_tool
+from system_tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "kvstore.service"
@@ -73,14 +73,14 @@ def test_example_config_loads_and_fits_the_stop_timeout():
 
 
 def test_systemd_analyze_verify_is_silent(tmp_path):
-    analyze = require_tool("systemd-analyze", "systemd")
+    analyze = require_tool("systemd-analyze")
     result = subprocess.run([analyze, "verify", "--man=no", str(verifiable_copy(tmp_path, UNIT.read_text()))],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
 def test_verify_check_catches_a_broken_unit(tmp_path):
-    analyze = require_tool("systemd-analyze", "systemd")
+    analyze = require_tool("systemd-analyze")
     broken = UNIT.read_text().replace("Type=notify", "Type=notfy")
     result = subprocess.run([analyze, "verify", "--man=no", str(verifiable_copy(tmp_path, broken))],
                             capture_output=True, text=True, timeout=60)
@@ -88,7 +88,7 @@ def test_verify_check_catches_a_broken_unit(tmp_path):
 
 
 def test_security_exposure_under_threshold(tmp_path):
-    analyze = require_tool("systemd-analyze", "systemd")
+    analyze = require_tool("systemd-analyze")
     unit = verifiable_copy(tmp_path, UNIT.read_text())
     result = subprocess.run([analyze, "security", "--offline=true", f"--threshold={EXPOSURE_MAX_TENTHS}", str(unit)],
                             capture_output=True, text=True, timeout=60)

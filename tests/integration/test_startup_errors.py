@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_missing_config_file(tmp_path):
 
 @pytest.mark.parametrize("flag, words", [
     ("ops.metrics_address={}", "cannot bind metrics to {} (ops.metrics_address): Address already in use"),
-    ("server.grpc_address={}", "cannot bind gRPC to {}"),
+    ("server.grpc_address={}", "cannot bind gRPC to {} (server.grpc_address)"),
 ])
 def test_port_in_use(tmp_path, flag, words):
     with socket.socket() as taken:
@@ -83,7 +84,7 @@ def test_shard_directory_not_writable(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     result = run_server(tmp_path, "--set", f"nvme.paths={locked / 'nvme-0'}", prefix=AS_ANYONE)
-    refused(result, 1, f"cannot open NVMe shard {locked / 'nvme-0'}", "Permission denied")
+    refused(result, 1, f"cannot open NVMe shard {locked / 'nvme-0'} (nvme.paths)", "Permission denied")
 
 
 def test_the_same_command_line_without_the_bad_setting_serves(tmp_path):
@@ -95,6 +96,22 @@ def test_the_same_command_line_without_the_bad_setting_serves(tmp_path):
 
 
 def test_arena_larger_than_the_machine_can_give(tmp_path):
-    result = run_server(tmp_path, "--set", "dram.hugepages=true", "--set", "dram.arena_bytes=64TiB",
-                        "--set", "dram.slab_bytes=1GiB")
-    refused(result, 1, "cannot allocate the DRAM arena of 70368744177664 bytes (dram.arena_bytes)")
+    """Refused by the host check before anything is allocated (tests/integration/test_host_memory.py has the rest)."""
+    result = run_server(tmp_path, "--set", "dram.arena_bytes=64TiB", "--set", "dram.slab_bytes=1GiB")
+    refused(result, 1, "dram.arena_bytes=64TiB", "more than this host can give", "set dram.arena_bytes to at most")
+
+
+def test_a_socket_another_node_serves(tmp_path):
+    first = subprocess.Popen([sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
+                              "--shm-socket", str(tmp_path / "kvstore.sock"), "--ready-file", str(tmp_path / "ready.json"),
+                              "--set", "dram.arena_bytes=16MiB", "--set", "dram.slab_bytes=4MiB",
+                              "--set", "nvme.enabled=false"], stderr=subprocess.DEVNULL)
+    try:
+        while not (tmp_path / "ready.json").exists():
+            assert first.poll() is None, "the first node did not start"
+            time.sleep(0.05)
+        result = run_server(tmp_path, "--set", "nvme.enabled=false")
+        refused(result, 1, f"another kvstore-server is serving {tmp_path / 'kvstore.sock'} (shm.socket_path)")
+    finally:
+        first.kill()
+        first.wait()

@@ -1,8 +1,10 @@
 """kvstore_native, the C hot loops (native/ at the top of the repository), when it is installed.
 
 Everything it does has a pure-Python path with identical results (keys.prefix_hashes_python,
-checksums.of_page with memmove): without a compiler the SDK works, only slower, and says so once
-at import. `make install` builds it; `pip install ./native` does it by hand.
+checksums.of_page with memmove): without a compiler the SDK works, only slower. The node says
+which one it runs in its start-up log; the SDK logs it at INFO on import and prints nothing, so a
+CLI call or an engine's output stays its own. `make install` builds it; `pip install ./native`
+does it by hand (a C compiler and Python's headers are all it needs).
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ try:
 except ImportError as error:  # pragma: no cover - exercised where the extension is not built
     module = None
     missing_reason = str(error)
-    log.warning("kvstore_native is not installed (%s): prefix hashes and page copies take the pure-Python "
-                "path, several times slower; build it with `pip install ./native` (needs gcc, libssl-dev, "
-                "libxxhash-dev)", error)
+    log.info("kvstore_native is not installed (%s): prefix hashes and page copies take the pure-Python path",
+             error)
 
 
 def available() -> bool:
