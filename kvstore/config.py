@@ -104,8 +104,8 @@ class TcpConfig:
     """The TCP data plane (clients on other hosts); see kvstore/transport/tcp.py."""
 
     enabled: bool = True
-    address: str = "127.0.0.1:0"            # host:port to listen on; port 0 picks a free one
-    advertise_host: str = ""                # host put in Hello's tcp_endpoint; "" = the listening host
+    address: str = ""                       # host:port to listen on, port 0 a free one; "" = server.grpc_address's host, port 0
+    advertise_host: str = ""                # host put in Hello's tcp_endpoint; "" = derived (kvstore/transport/advertise.py)
     connections_max: int = 1024
     idle_timeout_s: float = 300.0           # a connection with no frame for this long is closed
     write_buffer_high_bytes: int = 16 << 20  # stop reading a connection's requests above this queued output
@@ -253,7 +253,7 @@ class ClusterConfig:
     name: str = "kvstore"                   # the cluster: nodes and clients of one name form one pool
     node_id: str = ""                       # unique in the cluster; "" = the host name
     host_id: str = ""                       # nodes with the client's host id offer it shared memory; "" = machine id
-    advertise_host: str = ""                # host clients reach gRPC at (in the member record); "" = server.grpc_address's
+    advertise_host: str = ""                # host clients reach gRPC at (in the member record); "" = derived from server.grpc_address
     required: bool = True                   # etcd unreachable at start: exit (true) or serve alone and retry (false)
     lease_ttl_s: int = 10                   # a dead node leaves the membership this long after its last renewal
     ramp_s: float = 60.0                    # a new node's placement weight grows to full over this long
@@ -302,6 +302,11 @@ class Config:
             return self.nvme.paths
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return (os.path.join(cache, "kvstore", "nvme-0"),)
+
+    @property
+    def tcp_address(self) -> str:
+        """Where the TCP data plane listens: tcp.address, else server.grpc_address's host on a free port."""
+        return self.tcp.address or f"{self.server.grpc_address.rpartition(':')[0]}:0"
 
     @property
     def allowed_uids(self) -> frozenset[int]:
@@ -455,7 +460,8 @@ def _validate(config: Config) -> None:
         ("controller.queue_pages_max", config.controller.queue_pages_max > 0, "must be positive"),
         ("controller.write_batch_pages", config.controller.write_batch_pages > 0, "must be positive"),
         ("controller.write_txn_bytes", config.controller.write_txn_bytes >= 4096, "must be at least 4KiB"),
-        ("tcp.address", config.tcp.address.rpartition(":")[2].isdigit(), "must look like host:port"),
+        ("tcp.address", not config.tcp.address or config.tcp.address.rpartition(":")[2].isdigit(),
+         "must look like host:port"),
         ("tcp.connections_max", config.tcp.connections_max > 0, "must be positive"),
         ("tcp.tls_key", bool(config.tcp.tls_cert) == bool(config.tcp.tls_key), "needs tcp.tls_cert with it (both or neither)"),
         ("tcp.idle_timeout_s", config.tcp.idle_timeout_s > 0, "must be positive"),

@@ -46,6 +46,7 @@ from kvstore.tiers.dram import Arena
 from kvstore.tiers import host_memory
 from kvstore.tiers.hbm import open_pool
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.transport import advertise
 from kvstore.transport.tcp import TcpServer, TcpSettings
 from kvstore_client import native
 from kvstore_client.errors import TransportUnavailable
@@ -104,7 +105,9 @@ class Node:
             if config.tcp.enabled:
                 self.tcp = _tcp_server(config, SlotGrants(self.store, self.auth))
                 self.tcp.start()
-                self.service.tcp_endpoint = f"{config.tcp.advertise_host or self.tcp.settings.host}:{self.tcp.port}"
+                host = advertise.advertised_host(self.tcp.settings.host, config.tcp.advertise_host, "tcp.advertise_host")
+                advertise.check_reachable(config.server.grpc_address.rpartition(":")[0], host, "tcp.address")
+                self.service.tcp_endpoint = advertise.endpoint(host, self.tcp.port)
                 self.service.tcp_tls = self.tcp.settings.tls is not None
             if config.rdma.enabled:
                 from kvstore.transport.rdma import RdmaServer  # pyverbs is optional: imported only when asked for
@@ -224,7 +227,8 @@ class Node:
 
 
 def _tcp_server(config: Config, resolver: SlotGrants) -> TcpServer:
-    host, _, port = config.tcp.address.rpartition(":")
+    host, _, port = config.tcp_address.rpartition(":")
+    host = host.strip("[]")   # [::] binds as ::
     limits = Limits.from_config(config)
     return TcpServer(TcpSettings(
         host=host, port=int(port), body_bytes_max=limits.page_bytes_max, connections_max=config.tcp.connections_max,
@@ -336,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     registration = None
     if config.cluster.endpoints:
         try:
+            grpc_host = advertise.advertised_host(config.server.grpc_address.rpartition(":")[0],
+                                                  config.cluster.advertise_host, "cluster.advertise_host")
             registration = _join_cluster(config)
-        except ClusterError as exc:
+        except (ClusterError, OSError) as exc:
             log.error("cannot start: %s", exc)
             return 1
     try:
@@ -359,9 +365,7 @@ def main(argv: list[str] | None = None) -> int:
              config.dram.arena_bytes, time.monotonic() - started)
     status = node.status
     if registration is not None:
-        advertised = config.cluster.advertise_host
-        grpc_address = f"{advertised}:{node.grpc_port}" if advertised else node.grpc_address
-        registration.serve(grpc_address, node.service.tcp_endpoint, node.rdma is not None)
+        registration.serve(advertise.endpoint(grpc_host.strip("[]"), node.grpc_port), node.service.tcp_endpoint, node.rdma is not None)
         if node.metrics is not None:
             node.metrics.registry.register(registration.collector())
         status = lambda: f"{node.status()} {registration.describe()}"  # noqa: E731

@@ -32,12 +32,10 @@ Not thread-safe: the page store's lock guards every call.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Iterator
 
 from kvstore.control.index import PageId, PageIndex, PageRecord, TenantUsage
 
-log = logging.getLogger(__name__)
 
 try:
     import kvstore_native

@@ -3,66 +3,25 @@ on, and it rejoins when the link comes back."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cluster_parts import EtcdProcess, node_settings, wait_logged, wait_members
 from conftest import ServerProcess
+from netns import NetnsServer, ip, veth_namespace
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
 from kvstore_client.placement import placeable, plan
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                reason="network namespaces need root and iproute2")
-
 NS = Namespace(model="partition-test", page_bytes=4096, page_tokens=4)
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
-def netns(tmp_path):
-    """A network namespace joined to this one by a veth pair: host 10.231.x.1, namespace 10.231.x.2."""
-    tag = os.getpid() % 250
-    name, host_link, ns_link = f"kvs-part-{os.getpid()}", f"kvh{os.getpid()}", f"kvn{os.getpid()}"
-    host_ip, ns_ip = f"10.231.{tag}.1", f"10.231.{tag}.2"
-    ip("netns", "add", name)
-    try:
-        ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
-        ip("link", "set", ns_link, "netns", name)
-        ip("addr", "add", f"{host_ip}/30", "dev", host_link)
-        ip("link", "set", host_link, "up")
-        ip("netns", "exec", name, "ip", "addr", "add", f"{ns_ip}/30", "dev", ns_link)
-        ip("netns", "exec", name, "ip", "link", "set", ns_link, "up")
-        ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        yield name, host_link, host_ip, ns_ip
-    finally:
-        subprocess.run(["ip", "link", "del", host_link], capture_output=True)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-class NetnsServer(ServerProcess):
-    """A kvstore-server started inside a network namespace (`ip netns exec`)."""
-
-    def __init__(self, workdir: Path, settings: dict[str, object], netns_name: str):
-        real_executable = sys.executable
-        wrapper = workdir / "python-in-netns"
-        wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {netns_name} {real_executable} "$@"\n')
-        wrapper.chmod(0o755)
-        sys.executable = str(wrapper)
-        try:
-            super().__init__(workdir, settings)
-        finally:
-            sys.executable = real_executable
+def netns():
+    with veth_namespace() as namespace:
+        yield namespace.name, namespace.host_link, namespace.host_ip, namespace.ns_ip
 
 
 def test_partitioned_node_costs_only_its_pages_and_rejoins(tmp_path, netns):
