@@ -337,7 +337,11 @@ def load(path: str | None = None, environ: Mapping[str, str] | None = None,
                 _put(tree, f"{section}.{key}", value)
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "CONFIG" and name not in CLIENT_ENV:
-            _put(tree, _env_to_dotted(name), value)
+            try:
+                _put(tree, _env_to_dotted(name), value)
+            except ConfigError as exc:
+                raise ConfigError(f"environment variable {name}: {exc}; every {ENV_PREFIX}<SECTION>_<FIELD> "
+                                  f"variable is a setting: unset it or name a setting") from None
     for name, dotted in _SYSTEMD_ENV.items():
         if environ.get(name):
             _put(tree, dotted, environ[name])

@@ -121,3 +121,14 @@ def test_entry_point_serves_with_the_image_config(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_compose_variables_are_the_settings_own():
+    """A variable exported for compose means the same to a kvstore-server started in that shell: no collision."""
+    document = yaml.safe_load(COMPOSE.read_text())
+    nodes = [service for service in document["services"].values() if "environment" in service]
+    pairs = [(name, value) for node in nodes for name, value in node["environment"].items()]
+    interpolated = [(name, re.findall(r"\$\{(\w+)", str(value))) for name, value in pairs]
+    assert any(used for _, used in interpolated)
+    for name, used in interpolated:
+        assert used in ([], [name]), f"{name} takes ${{{used}}}: name the variable after the setting"

@@ -105,3 +105,8 @@ def test_a_uid_mapped_twice_is_refused():
     with pytest.raises(ConfigError, match=r"auth\.local_uids: names a uid twice"):
         config.load(environ={}, overrides=["auth.local_uids=1001:alice,1001:ops:admin",
                                            "auth.tokens_file=/etc/kvstore/tokens"])
+
+
+def test_an_environment_variable_that_is_no_setting_is_named():
+    with pytest.raises(config.ConfigError, match="environment variable KVSTORE_ARENA_BYTES: arena.bytes: unknown"):
+        config.load(environ={"KVSTORE_ARENA_BYTES": "4GiB"})
