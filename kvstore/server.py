@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"kvstore-server: configuration error: testing.failpoints: {exc}\n")
         return 2
     logs.configure(config.ops.log_format, config.server.log_level)
-    log.info("effective configuration %s", json.dumps(config_module.as_dict(config), sort_keys=True))
+    log.info("effective configuration", extra={"fields": {"config": config_module.as_dict(config)}})
     log_native_core(config)
     started = time.monotonic()
     notifier = Notifier(config.systemd)

@@ -2,15 +2,19 @@
 
 Messages in kvstore are written as `what happened key=value key=value`; the JSON and
 logfmt formats lift the trailing key=value pairs into fields, so a log pipeline can
-filter on `duration_s` or `pages` without parsing prose. A traceback stays on the same
-line (escaped), so one event is always one line.
+filter on `duration_s` or `pages` without parsing prose; a structured value (the effective
+configuration) is passed as `extra={"fields": {...}}` and stays structured. A traceback stays on
+the same line (escaped), so one event is always one line. With json or logfmt, what C libraries
+write to stderr (gRPC core's own lines) is made structured too (kvstore/ops/stderr_lines.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
 import sys
 import time
 from typing import Any
@@ -21,16 +25,27 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def configure(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    stream = sys.stderr if log_format == "text" else _structured_stderr(log_format)
+    handler = logging.StreamHandler(stream)
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     elif log_format == "logfmt":
         handler.setFormatter(LogfmtFormatter())
     else:
-        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+        handler.setFormatter(TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def _structured_stderr(log_format: str):
+    """Point fd 2 at a child that makes each line structured; the stream Python's own lines go to directly."""
+    direct = os.dup(2)
+    child = subprocess.Popen([sys.executable, "-m", "kvstore.ops.stderr_lines", log_format], stdin=subprocess.PIPE,
+                             stdout=direct, close_fds=True)
+    os.dup2(child.stdin.fileno(), 2)
+    child.stdin.close()
+    return os.fdopen(direct, "w", buffering=1, errors="backslashreplace")
 
 
 def split_message(message: str) -> tuple[str, dict[str, Any]]:
@@ -56,10 +71,21 @@ def _base(record: logging.LogRecord) -> tuple[dict[str, Any], str]:
             "level": record.levelname.lower(), "logger": record.name, "msg": event}
     for key, value in fields.items():
         head.setdefault(key, value)
+    for key, value in getattr(record, "fields", {}).items():
+        head.setdefault(key, value)
     exc = ""
     if record.exc_info:
         exc = logging.Formatter().formatException(record.exc_info)
     return head, exc
+
+
+class TextFormatter(logging.Formatter):
+    """The text format, with a record's structured fields appended as key=<json>."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = getattr(record, "fields", {})
+        return line + "".join(f" {key}={json.dumps(value, sort_keys=True)}" for key, value in extra.items())
 
 
 class JsonFormatter(logging.Formatter):
@@ -79,7 +105,7 @@ class LogfmtFormatter(logging.Formatter):
 
 
 def _logfmt_value(value: Any) -> str:
-    text = str(value)
+    text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
     if text and not any(c in text for c in ' "=\\\n\t'):
         return text
     return json.dumps(text)  # quoted, with quotes, backslashes and newlines escaped
