@@ -42,7 +42,10 @@ class Registration:
         self._key = node_key(config.name, self.node_id)
         self._member = Member(node_id=self.node_id, host_id=config.host_id or local_host_id(), state="joining",
                               capacity_bytes=capacity_bytes, ramp_s=config.ramp_s)
-        self._session = EtcdSession(config.endpoints, config.etcd_timeout_s)
+        try:
+            self._session = EtcdSession(config.endpoints, config.etcd_timeout_s)
+        except ImportError as exc:   # no use retrying: refuse the start, naming the setting and the install
+            raise OSError(f"cluster.endpoints is set but {exc} (for a node: pip install 'kvstore[cluster]')") from None
         self._lock = threading.Lock()
         self._lease_id = 0                    # 0: not holding the id (etcd lost at start, or the lease expired)
         self.etcd_lost_since = 0.0            # monotonic; 0 while etcd answers

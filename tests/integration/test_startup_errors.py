@@ -115,3 +115,13 @@ def test_a_socket_another_node_serves(tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_cluster_node_without_the_cluster_extra(tmp_path):
+    blocked = tmp_path / "without-aetcd"
+    blocked.mkdir()
+    (blocked / "aetcd.py").write_text("raise ImportError(\"No module named 'aetcd'\")\n")
+    result = run_server(tmp_path, "--set", "cluster.endpoints=http://127.0.0.1:1", "--set", "cluster.name=c",
+                        prefix=("env", f"PYTHONPATH={blocked}"))
+    refused(result, 1, "cluster.endpoints is set but etcd needs its client, aetcd", "pip install 'kvstore[cluster]'")
+    assert "Traceback" not in result.stderr

@@ -36,7 +36,10 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 class EtcdSession:
     def __init__(self, endpoints: Sequence[str], timeout_s: float):
-        import aetcd  # imported here: only clustered nodes and cluster clients need it
+        try:
+            import aetcd  # imported here: only clustered nodes and cluster clients need it
+        except ImportError as exc:
+            raise ImportError(f"etcd needs its client, aetcd ({exc}): pip install 'kvstore-client[cluster]'") from None
 
         if not endpoints:
             raise InvalidArgument("no etcd endpoint given")
