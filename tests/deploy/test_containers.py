@@ -92,8 +92,18 @@ def test_image_runs_the_console_scripts_the_tests_run():
                        int(settings.ops.metrics_address.rsplit(":", 1)[1])}
     assert any("deploy/docker/kvstore.toml /etc/kvstore/kvstore.toml" in a for a in instruction("COPY"))
     for args in instruction("COPY"):
+        if args.startswith("--from="):   # from the build stage, not the checkout
+            continue
         for source in args.split()[:-1]:
             assert (ROOT / source).exists(), f"COPY source {source} is missing"
+
+
+def test_image_installs_the_native_core():
+    """The build stage makes a wheel of native/, the image installs it and imports it (the node logs index=c)."""
+    [wheels] = [args for args in instruction("RUN") if args.startswith("pip wheel")]
+    assert "./native" in wheels.split()
+    [install] = [args for args in instruction("RUN") if args.startswith("pip install")]
+    assert "kvstore-native" in install.split() and 'python -c "import kvstore_native"' in install
 
 
 def test_entry_point_serves_with_the_image_config(tmp_path):
