@@ -106,7 +106,8 @@ class Node:
                 self.tcp = _tcp_server(config, SlotGrants(self.store, self.auth))
                 self.tcp.start()
                 host = advertise.advertised_host(self.tcp.settings.host, config.tcp.advertise_host, "tcp.advertise_host")
-                advertise.check_reachable(config.server.grpc_address.rpartition(":")[0], host, "tcp.address")
+                if not config.tcp.advertise_host:   # an explicit one is taken as said (a published port, say)
+                    advertise.check_reachable(config.server.grpc_address.rpartition(":")[0], host, "tcp.address")
                 self.service.tcp_endpoint = advertise.endpoint(host, self.tcp.port)
                 self.service.tcp_tls = self.tcp.settings.tls is not None
             if config.rdma.enabled:

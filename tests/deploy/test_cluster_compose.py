@@ -1,6 +1,6 @@
 """The compose file's `cluster` profile, checked without Docker: etcd and three nodes whose environment, read
-with the image's config file, is a valid configuration naming the etcd service, each with its own id and a
-host name other containers can reach it by (and `docker-compose --profile cluster config` accepts it)."""
+with the image's config file, is a valid configuration naming the etcd service, each with its own id,
+advertising the address of its interface on the compose network (no fixed name: the host could not resolve one) (and `docker-compose --profile cluster config` accepts it)."""
 
 import re
 import subprocess
@@ -31,9 +31,9 @@ def test_cluster_profile_has_etcd_and_three_distinct_nodes():
         environ = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in node["environment"].items()}
         settings = config.load(str(IMAGE_CONFIG), environ=environ)
         assert settings.cluster.endpoints == ("http://etcd:2379",)
-        assert settings.cluster.advertise_host == node["hostname"] == name
-        assert settings.tcp.advertise_host == name
-        assert not settings.server.grpc_address.startswith("127.")    # reachable from the other containers
+        assert settings.cluster.advertise_host == settings.tcp.advertise_host == ""   # derived: the container's address
+        for address in (settings.server.grpc_address, settings.tcp_address):
+            assert address.startswith("0.0.0.0:")    # reachable from the other containers and the host
         ids.add(settings.cluster.node_id)
         published.update(node["ports"])
         assert node["depends_on"] == ["etcd"]

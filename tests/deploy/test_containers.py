@@ -55,9 +55,10 @@ def test_compose_file_shape():
     assert ["kvstore-nvme", "/var/lib/kvstore/nvme"] in named and "kvstore-nvme" in document["volumes"]
     settings = config.load(str(IMAGE_CONFIG), environ=compose_environment())
     published = {p.rsplit(":", 1)[1]: p for p in node["ports"]}
-    for address in (settings.server.grpc_address, settings.ops.metrics_address):
+    for address in (settings.server.grpc_address, settings.ops.metrics_address, settings.tcp_address):
         port = address.rsplit(":", 1)[1]
         assert published[port] == f"127.0.0.1:{port}:{port}", "published on the host's loopback only"
+    assert settings.tcp.advertise_host == "127.0.0.1", "host clients dial the published data plane"
     assert float(node["stop_grace_period"].rstrip("s")) > settings.server.drain_timeout_s
     assert settings.nvme.enabled and settings.nvme.paths == ("/var/lib/kvstore/nvme",), "the NVMe tier is on the volume"
     binds = [v for v in node["volumes"] if isinstance(v, dict)]
