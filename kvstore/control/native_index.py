@@ -5,10 +5,9 @@ tuple, and heap tuples. The C index keeps a page in one fixed 96-byte slot of a 
 inline, tree links as slot numbers, flags in bits), a key table of 4-byte slot numbers (and a byte
 of each one's hash, so an absent key is found absent without reading page slots, and one of its
 distance from home, so a deletion moves no page it must read), and LRU orders of 20-byte entries
-that only evictable pages enter (a queue of those offered in order, a heap of the rest). A whole
-node measured by bench/index_memory.py (4 KiB pages through the SDK, 64-character hex keys, RssAnon
-growth): 106-109 bytes a page with this index from 250k to 3M pages before the distance byte, 108 at
-1M and 116 at 3M with it; about 690 with the Python one (native/README.md). Records are proxies made
+that only evictable pages enter (a queue of those offered in order, a heap of the rest): about a
+sixth of the Python index's node memory a page (bench/index_memory.py; the measured bytes a page are
+in native/README.md, "The page index"). Records are proxies made
 on demand (`IndexRecord`), the same object while anyone holds one, so they go into sets and dicts as
 PageRecords do.
 
