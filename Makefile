@@ -19,7 +19,7 @@ system-packages:
 system-packages-test:
 	@$(PYTHON) deploy/system_packages.py test
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml | system-packages
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python tests/pip_install.py -e "./clients/python[fast,cluster]" -e ".[test,events,demo,cluster]"
 	touch $@

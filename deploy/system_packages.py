@@ -1,6 +1,6 @@
 """The system packages that building and testing kvstore need: installed when root, named when not.
 
-    python3 deploy/system_packages.py build   # building kvstore_native: a C compiler and Python's headers
+    python3 deploy/system_packages.py build   # a virtualenv and kvstore_native: venv, a C compiler, Python's headers
     python3 deploy/system_packages.py test    # that, and the programs the tests run (etcd, systemd-analyze, ...)
 
 `make run` and `make test` call it first. Each need is a check and the Debian package that meets
@@ -14,6 +14,7 @@ virtual environment exists.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -34,11 +35,16 @@ def python_headers() -> bool:
     return os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
 
 
-def headers_package() -> str:
-    """Debian's package of this interpreter's headers; "" for a Python that apt did not install."""
+def python_venv() -> bool:
+    """`python3 -m venv` works: Debian ships ensurepip, which venv needs, apart from python3."""
+    return importlib.util.find_spec("ensurepip") is not None
+
+
+def debian_package(template: str) -> str:
+    """Debian's package of this interpreter's part (template: "libpython{}-dev"); "" for a Python apt did not install."""
     if not os.path.realpath(sys.executable).startswith("/usr/bin/"):
         return ""
-    return f"libpython{sys.version_info.major}.{sys.version_info.minor}-dev"
+    return template.format(f"{sys.version_info.major}.{sys.version_info.minor}")
 
 
 def missing(scope: str) -> tuple[list[str], list[str]]:
@@ -46,11 +52,14 @@ def missing(scope: str) -> tuple[list[str], list[str]]:
     packages, others = [], []
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         packages.append("gcc")
-    if not python_headers():
-        if headers_package():
-            packages.append(headers_package())
+    for present, template, what in ((python_venv, "python{}-venv", "the venv module"),
+                                    (python_headers, "libpython{}-dev", "Python.h")):
+        if present():
+            continue
+        if debian_package(template):
+            packages.append(debian_package(template))
         else:
-            others.append(f"Python.h for {sys.executable} (reinstall that Python with its headers)")
+            others.append(f"{what} for {sys.executable} (reinstall that Python with it)")
     if scope == "test":
         packages += [package for program, package in TEST_PROGRAMS.items() if shutil.which(program) is None]
     return packages, others
