@@ -38,6 +38,9 @@ class Recovered:
     report: RecoveryReport
 
 
+PROGRESS_S = 2.0   # at most one progress line this often
+
+
 def rebuild(nvme: NvmeTier) -> Recovered:
     # Millions of long-lived records: the cyclic collector would rescan them over and over.
     gc.disable()
@@ -62,7 +65,12 @@ def _rebuild(nvme: NvmeTier) -> Recovered:
     unreadable: dict[int, list[bytes]] = collections.defaultdict(list)
     sizes = {ns_id: (ns.page_bytes, slot_bytes_for(ns.page_bytes)) for ns_id, ns in namespaces.items()}
     from_bytes, no_size = int.from_bytes, (0, 0)
-    for rkey, parent_key, page_bytes, checksum, shard in nvme.scan():  # the hot loop of start-up
+    shown = started
+    log.info("recovery started shards=%d", len(nvme.shards))
+    for scanned, (rkey, parent_key, page_bytes, checksum, shard) in enumerate(nvme.scan()):  # start-up's hot loop
+        if not scanned & 0xFFFF and time.perf_counter() - shown >= PROGRESS_S:   # a long rebuild shows progress
+            shown = time.perf_counter()
+            log.info("recovery scanning records=%d elapsed_s=%.1f", scanned, shown - started)
         ns_id = from_bytes(rkey[:8], "little")
         expected_bytes, slot_bytes = sizes.get(ns_id, no_size)
         if parent_key is None or page_bytes != expected_bytes:
