@@ -1,10 +1,11 @@
-# kvstore node image. Build from the repository root: `docker compose build`.
+# kvstore node image. Build from the repository root: `docker compose build`. Debian 12 (bookworm),
+# pinned: plain python:3.11-slim follows Debian's newest release.
 # The entry point is the `kvstore-server` console script, the same one the tests start;
 # `kvstore` (the admin CLI) is in the image too and serves as the health check.
 
 # The build stage compiles the C core (kvstore_native: a C compiler and Python's headers, which
 # this image has, are all it needs) and turns everything into wheels; the image installs only those.
-FROM python:3.11-slim AS build
+FROM python:3.11-slim-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY clients/python /src/clients/python
@@ -13,7 +14,7 @@ COPY pyproject.toml README.md /src/
 COPY kvstore /src/kvstore
 RUN pip wheel --no-cache-dir --wheel-dir /wheels "./clients/python[cluster]" ./native "./[cluster]"
 
-FROM python:3.11-slim
+FROM python:3.11-slim-bookworm
 
 RUN groupadd --system --gid 990 kvstore \
  && useradd --system --uid 990 --gid kvstore --no-create-home --shell /usr/sbin/nologin kvstore

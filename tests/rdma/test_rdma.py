@@ -24,7 +24,7 @@ def test_rdma_enabled_without_a_device_stops_start_up_naming_why(start_server):
     with pytest.raises(RuntimeError) as failure:
         start_server({"rdma.enabled": "true"})
     assert "rdma.enabled is set but" in str(failure.value)
-    assert "python3-pyverbs" in str(failure.value) or "no RDMA device" in str(failure.value)
+    assert "python3-pyverbs" in str(failure.value) or "RDMA device" in str(failure.value)   # no, or no usable
 
 
 def test_asking_for_rdma_from_a_node_without_it_is_a_clear_error(server):
