@@ -1,21 +1,23 @@
 /* Copy a page into its slot and hash it in the same pass.
  *
- * The page is taken in small pieces: each piece is copied, then hashed (XXH3_64bits, streaming)
- * from the source while it is still in L1, so DRAM sees one read of the source and one write of
- * the slot, where memcpy + a separate hash reads the page twice (the hash's read is what the
- * node's commit used to cost). Where the CPU has AVX2 the slot is written with non-temporal
+ * The page is taken in small pieces: each piece is copied, then hashed (XXH3_64bits, streaming:
+ * xxh3.h) from the source while it is still in L1, so DRAM sees one read of the source and one
+ * write of the slot, where memcpy + a separate hash reads the page twice (the hash's read is what
+ * the node's commit used to cost). Where the CPU has AVX2 the slot is written with non-temporal
  * stores: nothing on this core reads it back soon, and they skip the read-for-ownership a cached
- * store costs. The result equals xxhash's one-shot XXH3_64bits of the page (streaming is defined
- * so), whatever the instruction set.
+ * store costs. The result equals the one-shot XXH3_64bits of the page (the stream is defined so),
+ * whatever the instruction set.
  */
 #define COPY_HASH_NAME copy_hash_sse2
 #define COPY_OUT_HASH_NAME copy_out_hash_sse2
+#define HASH_UPDATE xxh3_update_sse2
+#define HASH_DIGEST xxh3_digest_sse2
 #include "copy_hash_body.h"
 
 uint64_t copy_hash_avx2(uint8_t *dst, const segment_t *segments, size_t count, int streaming);
 uint64_t copy_out_hash_avx2(const uint8_t *src, const segment_t *segments, size_t count, int streaming);
 
-static int have_avx2(void) {
+int cpu_avx2(void) {
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
@@ -25,13 +27,13 @@ static int have_avx2(void) {
 }
 
 uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
-    return have_avx2() ? copy_hash_avx2(dst, segments, count, 1) : copy_hash_sse2(dst, segments, count, 0);
+    return cpu_avx2() ? copy_hash_avx2(dst, segments, count, 1) : copy_hash_sse2(dst, segments, count, 0);
 }
 
 uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
-    return have_avx2() ? copy_out_hash_avx2(src, segments, count, 1) : copy_out_hash_sse2(src, segments, count, 0);
+    return cpu_avx2() ? copy_out_hash_avx2(src, segments, count, 1) : copy_out_hash_sse2(src, segments, count, 0);
 }
 
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes) {
-    return XXH3_64bits(data, nbytes);
+    return cpu_avx2() ? xxh3_64_avx2(data, nbytes) : xxh3_64_sse2(data, nbytes);
 }

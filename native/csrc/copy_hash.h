@@ -15,4 +15,7 @@ uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t cou
 
 /* XXH3_64bits of [data, data + nbytes). */
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes);
+
+/* Whether this CPU has AVX2: the copies and xxh3 then run their AVX2 kernels. */
+int cpu_avx2(void);
 #endif

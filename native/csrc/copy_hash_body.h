@@ -1,19 +1,19 @@
 /* The bodies of copy_hash and copy_out_hash, compiled once per instruction set (copy_hash.c,
  * copy_hash_avx2.c): the including file names the functions (COPY_HASH_NAME, COPY_OUT_HASH_NAME)
- * and chooses xxhash's vector unit. */
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+ * and the xxh3 kernel they stream through (HASH_UPDATE, HASH_DIGEST: xxh3.h). */
 #include <immintrin.h>
 #include <string.h>
 
 #include "copy_hash.h"
+#include "xxh3.h"
 
-#if !defined(COPY_HASH_NAME) || !defined(COPY_OUT_HASH_NAME)
-#error "define COPY_HASH_NAME and COPY_OUT_HASH_NAME before including copy_hash_body.h"
+#if !defined(COPY_HASH_NAME) || !defined(COPY_OUT_HASH_NAME) || !defined(HASH_UPDATE) || !defined(HASH_DIGEST)
+#error "define COPY_HASH_NAME, COPY_OUT_HASH_NAME, HASH_UPDATE and HASH_DIGEST before including copy_hash_body.h"
 #endif
 
 /* Pieces this small stay in L1 between the copy and the hash, and are short enough for the
- * out-of-order core to overlap one piece's hashing with the next one's loads from DRAM. */
+ * out-of-order core to overlap one piece's hashing with the next one's loads from DRAM. A whole
+ * number of stripes, so the stream folds each piece from where it lies (xxh3.h). */
 enum { PIECE_BYTES = 4 << 10 };
 
 __attribute__((target("avx2")))
@@ -48,8 +48,8 @@ static inline void prefetch_next_piece(const uint8_t *next, const uint8_t *end) 
 }
 
 uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, int streaming) {
-    XXH3_state_t state;
-    XXH3_64bits_reset(&state);
+    xxh3_state_t state;
+    xxh3_reset(&state);
     for (size_t s = 0; s < count; s++) {
         const uint8_t *src = segments[s].src;
         size_t nbytes = segments[s].nbytes;
@@ -60,13 +60,13 @@ uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, i
                 copy_stream(dst, src + done, n);
             else
                 memcpy(dst, src + done, n);
-            XXH3_64bits_update(&state, src + done, n);
+            HASH_UPDATE(&state, src + done, n);
             dst += n;
         }
     }
     if (streaming)
         _mm_sfence();   /* the streamed stores are visible before the caller's Commit is sent */
-    return XXH3_64bits_digest(&state);
+    return HASH_DIGEST(&state);
 }
 
 /* A reader hashes its copy, not the slot: the slot is shared memory that another client of the
@@ -76,8 +76,8 @@ uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, i
  * hashed are the bytes written, and DRAM still sees one read and one write. */
 uint64_t COPY_OUT_HASH_NAME(const uint8_t *src, const segment_t *segments, size_t count, int streaming) {
     _Alignas(64) uint8_t bounce[PIECE_BYTES];
-    XXH3_state_t state;
-    XXH3_64bits_reset(&state);
+    xxh3_state_t state;
+    xxh3_reset(&state);
     const uint8_t *end = src;
     for (size_t s = 0; s < count; s++)
         end += segments[s].nbytes;
@@ -89,7 +89,7 @@ uint64_t COPY_OUT_HASH_NAME(const uint8_t *src, const segment_t *segments, size_
             prefetch_next_piece(src + n, end);
             memcpy(bounce, src, n);
             __asm__ volatile("" : : "r"(bounce) : "memory");   /* read the bounce, never the slot again */
-            XXH3_64bits_update(&state, bounce, n);
+            HASH_UPDATE(&state, bounce, n);
             if (streaming)
                 copy_stream(dst + done, bounce, n);
             else
@@ -99,5 +99,5 @@ uint64_t COPY_OUT_HASH_NAME(const uint8_t *src, const segment_t *segments, size_
     }
     if (streaming)
         _mm_sfence();   /* the streamed stores are visible before the caller reads its buffer */
-    return XXH3_64bits_digest(&state);
+    return HASH_DIGEST(&state);
 }

@@ -9,6 +9,7 @@
  *   copy_out(base, offsets, pages) -> None                   copy slots out into pages' segments
  *   copy_out_hashed(base, offsets, pages) -> list[int]       the same, and the xxh3 of each copy
  *   xxh3_64(buffer) -> int                                   XXH3_64bits of a buffer
+ *   xxh3_64_kernel(buffer, kernel, cuts) -> int              the same by a named kernel, maybe streamed (tests)
  *   PageIndex, IndexRecord                                   the page index (page_index.c)
  *
  * Addresses are plain integers, as the SDK's segments already are (buffers.py); the caller keeps
@@ -22,6 +23,7 @@
 #include "copy_hash.h"
 #include "page_index.h"
 #include "prefix_hash.h"
+#include "xxh3.h"
 
 enum { SEGMENTS_ON_STACK = 16 };
 
@@ -507,6 +509,72 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(sum);
 }
 
+/* xxh3's kernels by name, for xxh3_64_kernel. */
+static const struct {
+    const char *name;
+    int needs_avx2;
+    uint64_t (*hash)(const uint8_t *, size_t);
+    void (*update)(xxh3_state_t *, const uint8_t *, size_t);
+    uint64_t (*digest)(const xxh3_state_t *);
+} XXH3_KERNELS[] = {
+    {"scalar", 0, xxh3_64_scalar, xxh3_update_scalar, xxh3_digest_scalar},
+    {"sse2", 0, xxh3_64_sse2, xxh3_update_sse2, xxh3_digest_sse2},
+    {"avx2", 1, xxh3_64_avx2, xxh3_update_avx2, xxh3_digest_avx2},
+};
+
+/* One kernel's XXH3_64bits of the buffer: one-shot (cuts None), or streamed in the pieces between
+ * the offsets `cuts` (ascending, within the buffer), so a test reaches every kernel and split. */
+static PyObject *py_xxh3_64_kernel(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    const char *name;
+    PyObject *cuts;
+    if (!PyArg_ParseTuple(args, "y*sO", &data, &name, &cuts))
+        return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    size_t k = 0;
+    while (k < sizeof(XXH3_KERNELS) / sizeof(XXH3_KERNELS[0]) && strcmp(XXH3_KERNELS[k].name, name) != 0)
+        k++;
+    if (k == sizeof(XXH3_KERNELS) / sizeof(XXH3_KERNELS[0])) {
+        PyErr_Format(PyExc_ValueError, "kernel must be 'scalar', 'sse2' or 'avx2', got %R", PyTuple_GET_ITEM(args, 1));
+        goto done;
+    }
+    if (XXH3_KERNELS[k].needs_avx2 && !cpu_avx2()) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX2");
+        goto done;
+    }
+    const uint8_t *bytes = data.buf;
+    if (cuts == Py_None) {
+        result = PyLong_FromUnsignedLongLong(XXH3_KERNELS[k].hash(bytes, (size_t)data.len));
+        goto done;
+    }
+    seq = PySequence_Fast(cuts, "cuts must be a list of offsets");
+    if (!seq)
+        goto done;
+    xxh3_state_t state;
+    xxh3_reset(&state);
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i <= PySequence_Fast_GET_SIZE(seq); i++) {
+        Py_ssize_t cut = data.len;
+        if (i < PySequence_Fast_GET_SIZE(seq)) {
+            cut = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i), PyExc_OverflowError);
+            if (cut == -1 && PyErr_Occurred())
+                goto done;
+        }
+        if (cut < at || cut > data.len) {
+            PyErr_Format(PyExc_ValueError, "cuts must ascend within the buffer's %zd bytes, got %zd after %zd",
+                         data.len, cut, at);
+            goto done;
+        }
+        XXH3_KERNELS[k].update(&state, bytes + at, (size_t)(cut - at));
+        at = cut;
+    }
+    result = PyLong_FromUnsignedLongLong(XXH3_KERNELS[k].digest(&state));
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"prefix_hashes", py_prefix_hashes, METH_VARARGS,
      "prefix_hashes(tokens, page_tokens, prior) -> list[str]: hex SHA-256 chain of every full page"},
@@ -525,6 +593,9 @@ static PyMethodDef methods[] = {
     {"copy_out_hashed", py_copy_out_hashed, METH_VARARGS,
      "copy_out_hashed(base, offsets, pages) -> list[int]: copy_out, and XXH3_64bits of what landed in each page"},
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "xxh3_64(buffer) -> int: XXH3_64bits of the buffer"},
+    {"xxh3_64_kernel", py_xxh3_64_kernel, METH_VARARGS,
+     "xxh3_64_kernel(buffer, kernel, cuts) -> int: XXH3_64bits by kernel 'scalar', 'sse2' or 'avx2', one-shot if cuts is None, "
+     "else streamed in the pieces between the ascending offsets cuts"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,15 +1,15 @@
 /* The prefix-hash chain: key_i = SHA-256(key_{i-1} || page_i's tokens as uint32 LE), as hex.
  *
- * OpenSSL's low-level SHA256 (libcrypto) compresses with SHA-NI where the CPU has it; the
- * one-shot EVP interface would look its algorithm up again for every page, which costs more
- * than hashing a 64-token page. Tokens are packed into a small stack buffer per page, checked
- * to fit uint32 on the way, so the caller's array is never copied whole.
+ * OpenSSL's low-level SHA256 (libcrypto, the one Python's hashlib loads; declared in
+ * libcrypto_sha256.h) compresses with SHA-NI where the CPU has it; the one-shot EVP interface
+ * would look its algorithm up again for every page, which costs more than hashing a 64-token
+ * page. Tokens are packed into a small stack buffer per page, checked to fit uint32 on the way,
+ * so the caller's array is never copied whole.
  */
-#define OPENSSL_SUPPRESS_DEPRECATED
-#include <openssl/sha.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "libcrypto_sha256.h"
 #include "prefix_hash.h"
 
 enum { PACK_TOKENS = 1024 };   /* tokens packed per SHA256_Update: 4 KiB of stack */

@@ -90,6 +90,137 @@ def test_copy_hash_pages_copies_each_page_to_its_offset():
         assert sums[i] == xxhash.xxh3_64_intdigest(data)
 
 
+def _kernels() -> list[str]:
+    """xxh3's kernels this CPU runs: portable C, SSE2, and AVX2 where the CPU has it."""
+    kernels = ["scalar", "sse2"]
+    try:
+        kvstore_native.xxh3_64_kernel(b"", "avx2", None)
+        kernels.append("avx2")
+    except RuntimeError:
+        pass
+    return kernels
+
+
+LENGTHS_EVERY = range(0, 2101)   # every length class (0, 1-3, 4-8, 9-16, 17-128, 129-240, long) and two blocks
+SOURCE_BYTES = 6 << 20
+
+
+@pytest.fixture(scope="module")
+def source() -> np.ndarray:
+    return np.random.default_rng(2100).integers(0, 256, size=SOURCE_BYTES, dtype=np.uint8)
+
+
+def _random_cuts(rng: np.random.Generator, nbytes: int) -> list[int]:
+    """Split points of a stream: a few anywhere (repeats make empty pieces), small steps, 4 KiB steps, or
+    around the 64-byte stripes and the 1024-byte blocks."""
+    kind = int(rng.integers(0, 5))
+    if kind == 0 or nbytes == 0:
+        return sorted(rng.integers(0, nbytes + 1, size=int(rng.integers(0, 8))).tolist())
+    if kind == 1:
+        return list(range(int(rng.integers(1, 200)), nbytes, int(rng.integers(1, 200))))[:4000]
+    if kind == 2:
+        return list(range(4096, nbytes, 4096))
+    edges = range(64 if kind == 3 else 1024, nbytes, 64 if kind == 3 else 1024)[:500]   # and a byte either side
+    return [edge + int(d) for edge, d in zip(edges, rng.integers(-1, 2, size=len(edges)))]
+
+
+def _segments(rng: np.random.Generator, address: int, nbytes: int) -> list[tuple[int, int]]:
+    bounds = [0, *sorted(rng.integers(0, nbytes + 1, size=int(rng.integers(0, 4))).tolist()), nbytes]
+    return [(address + a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def test_xxh3_64_equals_xxhash_for_every_length_and_kernel(source):
+    data = source[:max(LENGTHS_EVERY)].tobytes()
+    for nbytes in LENGTHS_EVERY:
+        expected = xxhash.xxh3_64_intdigest(data[:nbytes])
+        assert kvstore_native.xxh3_64(data[:nbytes]) == expected, nbytes
+        for kernel in _kernels():
+            assert kvstore_native.xxh3_64_kernel(data[:nbytes], kernel, None) == expected, (kernel, nbytes)
+
+
+def test_xxh3_stream_equals_the_one_shot_for_any_split(source):
+    """A digest is the one-shot hash whatever the pieces: every length to 2100, then random ones to 6 MiB."""
+    rng = np.random.default_rng(3)
+    lengths = [*LENGTHS_EVERY, *rng.integers(2101, SOURCE_BYTES, size=24).tolist(),
+               SOURCE_BYTES, 1 << 20, (1 << 20) + 1]
+    for nbytes in lengths:
+        data = source[:nbytes]
+        expected = xxhash.xxh3_64_intdigest(data)
+        for kernel in _kernels():
+            cuts = _random_cuts(rng, nbytes)
+            assert kvstore_native.xxh3_64_kernel(data, kernel, cuts) == expected, (kernel, nbytes, cuts[:8])
+        if nbytes > max(LENGTHS_EVERY):
+            assert kvstore_native.xxh3_64(data) == expected, nbytes
+
+
+def test_xxh3_kernel_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="kernel"):
+        kvstore_native.xxh3_64_kernel(b"abc", "neon", None)
+    with pytest.raises(ValueError, match="ascend"):
+        kvstore_native.xxh3_64_kernel(b"abc", "scalar", [2, 1])
+    with pytest.raises(ValueError, match="ascend"):
+        kvstore_native.xxh3_64_kernel(b"abc", "scalar", [4])
+
+
+def test_copy_hash_equals_xxh3_for_every_length(source):
+    rng = np.random.default_rng(4)
+    storage, dst = _aligned(max(LENGTHS_EVERY), 3)
+    for nbytes in LENGTHS_EVERY:
+        start = int(rng.integers(0, SOURCE_BYTES - nbytes))
+        data = source[start:start + nbytes]
+        got = kvstore_native.copy_hash(dst, _segments(rng, data.ctypes.data, nbytes))
+        assert got == xxhash.xxh3_64_intdigest(data), nbytes
+        assert ctypes.string_at(dst, nbytes) == data.tobytes(), nbytes
+
+
+def _pages_of(rng: np.random.Generator, source: np.ndarray, lengths: list[int]):
+    """One page per length from random places in `source`, cut into random segments, and the
+    offsets of back-to-back slots for them in shuffled order."""
+    starts = [int(rng.integers(0, SOURCE_BYTES - n + 1)) for n in lengths]
+    order = rng.permutation(len(lengths))
+    offsets = [0] * len(lengths)
+    at = 0
+    for i in order:
+        offsets[i] = at
+        at += lengths[i]
+    pages = [_segments(rng, source.ctypes.data + s, n) for s, n in zip(starts, lengths)]
+    return starts, offsets, pages, at
+
+
+@pytest.mark.parametrize("lengths", ["every", "mib"])
+def test_copy_hash_pages_and_copy_out_hashed_equal_xxh3(source, lengths):
+    """Puts (copy_hash_pages) and gets (copy_out_hashed) of pages of every length to 2100, then of random
+    lengths to 6 MiB, each page in random segments: the bytes land and the sums are xxhash's."""
+    rng = np.random.default_rng(5 if lengths == "every" else 6)
+    sizes = list(LENGTHS_EVERY) if lengths == "every" else rng.integers(0, SOURCE_BYTES, size=6).tolist()
+    starts, offsets, pages, arena_bytes = _pages_of(rng, source, sizes)
+    expected = [xxhash.xxh3_64_intdigest(source[s:s + n]) for s, n in zip(starts, sizes)]
+    storage, base = _aligned(arena_bytes, 0)
+    assert kvstore_native.copy_hash_pages(base, list(zip(offsets, pages))) == expected
+    for s, n, offset in zip(starts, sizes, offsets):
+        assert ctypes.string_at(base + offset, n) == source[s:s + n].tobytes()
+    out = np.zeros(arena_bytes + 64, dtype=np.uint8)
+    out_pages, at = [], out.ctypes.data + 1
+    for n in sizes:
+        out_pages.append(_segments(rng, at, n))
+        at += n
+    assert kvstore_native.copy_out_hashed(base, offsets, out_pages) == expected
+    assert out[1:1 + arena_bytes].tobytes() == b"".join(source[s:s + n].tobytes() for s, n in zip(starts, sizes))
+
+
+def test_prefix_hashes_equal_hashlibs_sha256_chain():
+    """The chain from libcrypto, against hashlib page by page: from uint32 tokens in place, and packed from int64."""
+    rng = np.random.default_rng(12)
+    for page, prior in ((64, b""), (1500, rng.bytes(32)), (1, rng.bytes(5))):
+        tokens = rng.integers(0, 2**32 - 1, size=page * 7 + page // 2, dtype=np.uint32)   # and a partial page
+        expected, digest = [], prior
+        for p in range(7):
+            digest = hashlib.sha256(digest + tokens[p * page:(p + 1) * page].astype("<u4").tobytes()).digest()
+            expected.append(digest.hex())
+        assert kvstore_native.prefix_hashes(tokens, page, prior) == expected
+        assert kvstore_native.prefix_hashes(tokens.astype(np.int64), page, prior) == expected
+
+
 def test_bad_arguments_raise_not_crash():
     with pytest.raises(TypeError):
         kvstore_native.prefix_hashes(np.zeros(4, dtype=np.float32), 1, b"")

@@ -1,0 +1,222 @@
+/* XXH3_64bits' long loop and the stream built on it, compiled once per instruction set
+ * (xxh3_scalar.c, xxh3_sse2.c, xxh3_avx2.c): the including file defines XXH3_KERNEL (the suffix of
+ * the names) and, for a vector kernel, XXH3_KERNEL_SSE2 or XXH3_KERNEL_AVX2.
+ *
+ * A stripe is 64 bytes: lane i of eight takes its 8 input bytes d, xors them with its 8 secret
+ * bytes into k, adds d to the neighbouring lane (i ^ 1) and the product of k's two 32-bit halves to
+ * its own. Stripe s of a block takes the secret from byte 8s; after 16 stripes each lane is
+ * scrambled (shifted into itself, xor'ed with the secret's last 64 bytes, times PRIME32_1).
+ */
+#include "xxh3.h"
+#include "xxh3_parts.h"
+
+#if !defined(XXH3_KERNEL)
+#error "define XXH3_KERNEL before including xxh3_kernel.h"
+#endif
+
+#define XXH3_PASTE(a, b) a##_##b
+#define XXH3_NAME(a, b) XXH3_PASTE(a, b)
+
+/* Each kernel gives the eight lanes as a type held in registers (lanes_t) and four steps on it:
+ * load, store, one stripe, scramble. What follows them is written once. */
+#ifdef XXH3_KERNEL_AVX2
+#include <immintrin.h>
+
+typedef struct { __m256i a[2]; } lanes_t;   /* lanes 0-3, 4-7 */
+
+static inline lanes_t lanes_load(const uint64_t acc[8]) {
+    return (lanes_t){{_mm256_loadu_si256((const __m256i *)acc), _mm256_loadu_si256((const __m256i *)(acc + 4))}};
+}
+
+static inline void lanes_store(uint64_t acc[8], lanes_t l) {
+    _mm256_storeu_si256((__m256i *)acc, l.a[0]);
+    _mm256_storeu_si256((__m256i *)(acc + 4), l.a[1]);
+}
+
+static inline void lanes_stripe(lanes_t *l, const uint8_t *in, const uint8_t *key) {
+    for (int j = 0; j < 2; j++) {
+        __m256i d = _mm256_loadu_si256((const __m256i *)(in + 32 * j));
+        __m256i k = _mm256_xor_si256(d, _mm256_loadu_si256((const __m256i *)(key + 32 * j)));
+        /* lo32(k) * hi32(k) per lane; d with the two 64-bit lanes of each 128 swapped (lane i ^ 1) */
+        __m256i p = _mm256_mul_epu32(k, _mm256_srli_epi64(k, 32));
+        l->a[j] = _mm256_add_epi64(l->a[j], _mm256_add_epi64(p, _mm256_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));
+    }
+    /* Each stripe's sum joins the lanes before the next stripe starts: left free, gcc regroups an
+     * unrolled block's 32 additions into a tree whose terms outnumber the registers, and spills
+     * (about a fifth slower). */
+    __asm__("" : "+x"(l->a[0]), "+x"(l->a[1]));
+}
+
+static inline void lanes_scramble(lanes_t *l) {
+    const __m256i prime = _mm256_set1_epi64x(XXH3_PRIME32_1);
+    for (int j = 0; j < 2; j++) {
+        __m256i key = _mm256_loadu_si256((const __m256i *)(xxh3_secret + XXH3_SCRAMBLE_KEY + 32 * j));
+        __m256i a = _mm256_xor_si256(_mm256_xor_si256(l->a[j], _mm256_srli_epi64(l->a[j], 47)), key);
+        /* a * PRIME32_1 mod 2^64, from 32x32 products: lo(a) * p + (hi(a) * p << 32) */
+        __m256i lo = _mm256_mul_epu32(a, prime);
+        __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
+        l->a[j] = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+    }
+}
+
+#elif defined(XXH3_KERNEL_SSE2)
+#include <emmintrin.h>
+
+typedef struct { __m128i a[4]; } lanes_t;   /* the AVX2 kernel's steps, two lanes a register */
+
+static inline lanes_t lanes_load(const uint64_t acc[8]) {
+    lanes_t l;
+    for (int j = 0; j < 4; j++)
+        l.a[j] = _mm_loadu_si128((const __m128i *)(acc + 2 * j));
+    return l;
+}
+
+static inline void lanes_store(uint64_t acc[8], lanes_t l) {
+    for (int j = 0; j < 4; j++)
+        _mm_storeu_si128((__m128i *)(acc + 2 * j), l.a[j]);
+}
+
+static inline void lanes_stripe(lanes_t *l, const uint8_t *in, const uint8_t *key) {
+    for (int j = 0; j < 4; j++) {
+        __m128i d = _mm_loadu_si128((const __m128i *)(in + 16 * j));
+        __m128i k = _mm_xor_si128(d, _mm_loadu_si128((const __m128i *)(key + 16 * j)));
+        __m128i p = _mm_mul_epu32(k, _mm_srli_epi64(k, 32));
+        l->a[j] = _mm_add_epi64(l->a[j], _mm_add_epi64(p, _mm_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));
+    }
+    __asm__("" : "+x"(l->a[0]), "+x"(l->a[1]), "+x"(l->a[2]), "+x"(l->a[3]));   /* as in AVX2's */
+}
+
+static inline void lanes_scramble(lanes_t *l) {
+    const __m128i prime = _mm_set1_epi64x(XXH3_PRIME32_1);
+    for (int j = 0; j < 4; j++) {
+        __m128i key = _mm_loadu_si128((const __m128i *)(xxh3_secret + XXH3_SCRAMBLE_KEY + 16 * j));
+        __m128i a = _mm_xor_si128(_mm_xor_si128(l->a[j], _mm_srli_epi64(l->a[j], 47)), key);
+        __m128i lo = _mm_mul_epu32(a, prime);
+        __m128i hi = _mm_mul_epu32(_mm_srli_epi64(a, 32), prime);
+        l->a[j] = _mm_add_epi64(lo, _mm_slli_epi64(hi, 32));
+    }
+}
+
+#else   /* portable C, lane by lane: the reference the vector kernels are tested against */
+
+typedef struct { uint64_t a[8]; } lanes_t;
+
+static inline lanes_t lanes_load(const uint64_t acc[8]) {
+    lanes_t l;
+    memcpy(l.a, acc, sizeof(l.a));
+    return l;
+}
+
+static inline void lanes_store(uint64_t acc[8], lanes_t l) {
+    memcpy(acc, l.a, sizeof(l.a));
+}
+
+static inline void lanes_stripe(lanes_t *l, const uint8_t *in, const uint8_t *key) {
+    for (int i = 0; i < 8; i++) {
+        uint64_t d = xxh3_read64(in + 8 * i);
+        uint64_t k = d ^ xxh3_read64(key + 8 * i);
+        l->a[i ^ 1] += d;
+        l->a[i] += (k & 0xFFFFFFFFu) * (k >> 32);
+    }
+}
+
+static inline void lanes_scramble(lanes_t *l) {
+    for (int i = 0; i < 8; i++) {
+        uint64_t a = l->a[i];
+        a ^= a >> 47;
+        a ^= xxh3_read64(xxh3_secret + XXH3_SCRAMBLE_KEY + 8 * i);
+        l->a[i] = a * XXH3_PRIME32_1;
+    }
+}
+#endif
+
+/* `count` stripes from `in`, each with at least one byte after it in the stream, continuing the
+ * block that `*stripes` stripes of have been folded already: the rest of that block, whole
+ * blocks (unrolled, so each stripe's key is a constant offset), then the start of the next. The
+ * lanes stay in registers throughout. */
+static inline void fold(uint64_t acc[8], uint32_t *stripes, const uint8_t *in, size_t count) {
+    if (!count)
+        return;
+    lanes_t l = lanes_load(acc);
+    size_t s = *stripes;
+    if (s) {
+        for (; s < XXH3_BLOCK_STRIPES && count; s++, count--, in += 64)
+            lanes_stripe(&l, in, xxh3_secret + 8 * s);
+        if (s == XXH3_BLOCK_STRIPES) {
+            lanes_scramble(&l);
+            s = 0;
+        }
+    }
+    for (; count >= XXH3_BLOCK_STRIPES; count -= XXH3_BLOCK_STRIPES, in += 64 * XXH3_BLOCK_STRIPES) {
+#pragma GCC unroll 16
+        for (int b = 0; b < XXH3_BLOCK_STRIPES; b++)
+            lanes_stripe(&l, in + 64 * b, xxh3_secret + 8 * b);
+        lanes_scramble(&l);
+    }
+    for (; count; s++, count--, in += 64)
+        lanes_stripe(&l, in, xxh3_secret + 8 * s);
+    *stripes = (uint32_t)s;
+    lanes_store(acc, l);
+}
+
+/* The accumulators' end: the stripe that ends the stream (`last`: its 64 bytes), then the merge. */
+static inline uint64_t finish(uint64_t acc[8], const uint8_t *last, uint64_t total) {
+    lanes_t l = lanes_load(acc);
+    lanes_stripe(&l, last, xxh3_secret + XXH3_LAST_STRIPE_KEY);
+    lanes_store(acc, l);
+    return xxh3_merge(acc, total);
+}
+
+uint64_t XXH3_NAME(xxh3_64, XXH3_KERNEL)(const uint8_t *data, size_t nbytes) {
+    if (nbytes <= XXH3_SHORT_MAX)
+        return xxh3_short(data, nbytes);
+    uint64_t acc[8];
+    uint32_t stripes = 0;
+    memcpy(acc, xxh3_acc_init, sizeof(acc));
+    fold(acc, &stripes, data, (nbytes - 1) / 64);
+    return finish(acc, data + nbytes - 64, nbytes);
+}
+
+void XXH3_NAME(xxh3_update, XXH3_KERNEL)(xxh3_state_t *state, const uint8_t *data, size_t nbytes) {
+    uint8_t *held = state->hold + XXH3_STRIPE_BYTES;
+    state->total += nbytes;
+    if (nbytes <= XXH3_HOLD_BYTES - state->held) {
+        memcpy(held + state->held, data, nbytes);
+        state->held += (uint32_t)nbytes;
+        return;
+    }
+    /* More than the hold takes: the stream is a long one, and everything before the last byte of
+     * `data` can be folded. First the held bytes, made whole stripes from the front of `data`. */
+    if (state->held) {
+        size_t fill = (XXH3_STRIPE_BYTES - state->held % XXH3_STRIPE_BYTES) % XXH3_STRIPE_BYTES;
+        memcpy(held + state->held, data, fill);
+        data += fill;
+        nbytes -= fill;
+        size_t folded = state->held + fill;
+        fold(state->acc, &state->stripes, held, folded / 64);
+        if (nbytes <= XXH3_STRIPE_BYTES) {
+            /* the stream's last 64 bytes: the end of what was held, then `data` */
+            memcpy(state->hold + nbytes, held + folded - (XXH3_STRIPE_BYTES - nbytes), XXH3_STRIPE_BYTES - nbytes);
+            memcpy(held, data, nbytes);
+            state->held = (uint32_t)nbytes;
+            return;
+        }
+    }
+    size_t count = (nbytes - 1) / 64;
+    fold(state->acc, &state->stripes, data, count);
+    data += 64 * count;
+    nbytes -= 64 * count;   /* 1 to 64 bytes left: keep them and the bytes before, one stripe in all */
+    memcpy(state->hold + nbytes, data + nbytes - XXH3_STRIPE_BYTES, XXH3_STRIPE_BYTES);
+    state->held = (uint32_t)nbytes;
+}
+
+uint64_t XXH3_NAME(xxh3_digest, XXH3_KERNEL)(const xxh3_state_t *state) {
+    const uint8_t *held = state->hold + XXH3_STRIPE_BYTES;
+    if (state->total <= XXH3_SHORT_MAX)
+        return xxh3_short(held, state->held);
+    uint64_t acc[8];
+    uint32_t stripes = state->stripes;
+    memcpy(acc, state->acc, sizeof(acc));
+    fold(acc, &stripes, held, (state->held - 1) / 64);
+    return finish(acc, held + state->held - XXH3_STRIPE_BYTES, state->total);
+}
