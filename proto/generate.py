@@ -74,7 +74,7 @@ def compile_proto(tmp: pathlib.Path) -> tuple[bytes, bytes]:
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
-    assert [f.name for f in files] == [SOURCE], f"expected the descriptor of {SOURCE} alone, got {[f.name for f in files]}"
+    assert [f.name for f in files] == [SOURCE], f"expected {SOURCE}'s descriptor alone, got {[f.name for f in files]}"
     proto = files[0]
     for message in proto.message_type:   # protoc's Python plugin leaves json_name out too (FileDescriptor::CopyTo)
         for field in message.field:

@@ -34,10 +34,15 @@ RUNTIMES = {
 }
 
 
-def runtime_venv(name: str):
+def runtime_venv(name: str) -> dict:
+    """The row's venv, built unless its stamp holds these pins; returns the stamp."""
     pins = RUNTIMES[name]
-    inputs = {"pins": pins, "python": sys.version.split()[0]}
-    return venvs.build(VENVS / name, inputs, lambda venv: venvs.pip(venv, "install", "--quiet", *pins) or {})
+
+    def install(venv) -> dict:
+        venvs.pip(venv, "install", "--quiet", *pins)
+        return {}
+
+    return venvs.build(VENVS / name, {"pins": pins, "python": sys.version.split()[0]}, install)
 
 
 def check(venv, *args: str, implementation: str | None = None) -> dict:
