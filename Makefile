@@ -11,7 +11,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ENGINES := $(VENV)/.engines
 
-.PHONY: install run quickstart test crash bench bench-hot-path bench-tcp proto clean system-packages system-packages-test
+.PHONY: install run quickstart test crash bench bench-hot-path bench-tcp proto clean system-packages system-packages-test \
+	engine-envs
 
 system-packages:
 	@$(PYTHON) deploy/system_packages.py build
@@ -60,7 +61,13 @@ FALLBACK_TESTS := tests/unit/test_keys.py tests/unit/test_index.py tests/unit/te
 	tests/integration/test_startup_errors.py tests/integration/test_structured_logs.py \
 	tests/integration/test_daemon.py tests/integration/test_native_core.py
 
-test: system-packages-test $(STAMP) $(NATIVE) $(ENGINES) $(VLLM_STAMP)
+# One virtualenv per engine (SGLang, vLLM, LMCache): the engine's own resolved dependency set plus the SDK, less
+# the CUDA torch and GPU kernels (tests/engine_envs.py lists them and why). Phony: the script checks what make
+# cannot see (the resolution's inputs, pip and its config) and takes about 2 s when nothing changed.
+engine-envs: $(STAMP)
+	$(BIN)/python tests/engine_envs.py build
+
+test: system-packages-test $(STAMP) $(NATIVE) $(ENGINES) $(VLLM_STAMP) engine-envs
 	$(BIN)/python -m pytest -q
 	PYTHONPATH=tests/without_native $(BIN)/python -m pytest -q $(FALLBACK_TESTS)
 
@@ -107,4 +114,4 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) *.egg-info clients/python/*.egg-info native/*.egg-info native/build .pytest_cache
+	rm -rf $(VENV) .venv-engines .venv-compat *.egg-info clients/python/*.egg-info native/*.egg-info native/build .pytest_cache
