@@ -37,6 +37,7 @@ sizes and tenants as pages come and go.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -145,10 +146,13 @@ class Arena:
         with self._fds_lock:
             fd = self._fds.get(key)
             if fd is None:
-                flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if self._hugepages else 0)
+                flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if self._hugepages else 0)
                 fd = os.memfd_create(f"kvstore-dram:{key}"[:240], flags)
                 try:
                     os.ftruncate(fd, self.nbytes)
+                    # Clients map this fd read-write: sealed, none can shrink it (the node's next touch of
+                    # a truncated slot would die of SIGBUS) or grow it (memory beyond the arena).
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
                 except OSError:
                     os.close(fd)
                     raise

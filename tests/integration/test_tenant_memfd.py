@@ -209,6 +209,37 @@ def test_memory_a_client_allocates_in_its_memfds_holes_is_punched_back(two_tenan
         local.close()
 
 
+@pytest.mark.parametrize("tenant", ["alice", "default"])
+def test_a_client_cannot_shrink_or_grow_the_memfd_it_is_handed(request, tenant):
+    """The memfd is sealed: ftruncate to 0 (which would kill the node with SIGBUS at its next touch) and
+    growing it past the arena are refused; the node goes on storing and serving that tenant's pages."""
+    if tenant == "alice":
+        node, tokens = request.getfixturevalue("two_tenants")
+        token = tokens.alice
+    else:
+        node, token = request.getfixturevalue("server"), None
+    with KVStoreClient(node.address, token=token) as client:
+        assert client.put(NS, ["s0"], pages(1, seed=41)) == 1
+        local = LocalChannel(client._conn.hello.shm_socket, 5.0, token)
+    fd = local.map_arena_fd()
+    try:
+        size = os.fstat(fd).st_size
+        for change in (lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, 2 * size),
+                       lambda: os.posix_fallocate(fd, size, 4096)):
+            with pytest.raises(PermissionError):
+                change()
+        assert os.fstat(fd).st_size == size
+    finally:
+        os.close(fd)
+        local.close()
+    data = pages(3, seed=42)
+    with KVStoreClient(node.address, token=token) as client:
+        assert client.put(NS, ["s1", "s2", "s3"], data) == 3
+        out = np.zeros_like(data)
+        assert client.get(NS, ["s1", "s2", "s3"], out) == 3 and np.array_equal(out, data)
+    assert node.process.poll() is None
+
+
 def test_an_admin_maps_its_own_memfd_and_moves_other_tenants_pages_over_tcp(start_server, tmp_path):
     tokens = Tokens(tmp_path)
     node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:ops:admin"})
