@@ -297,6 +297,22 @@ class _Refusals:
         conn.close()
 
 
+def _check_directory(directory: str) -> None:
+    """The socket's directory must be this node's alone: whoever else may write in it could swap the
+    socket for one of their own after the node binds, and collect the tokens local clients send."""
+    found = os.lstat(directory)
+    if stat.S_ISLNK(found.st_mode):
+        raise OSError(f"the socket directory {directory} is a symbolic link (shm.socket_path): remove it, "
+                      f"or name a directory of this node's own")
+    if found.st_uid not in (os.geteuid(), 0):
+        raise OSError(f"the socket directory {directory} belongs to uid {found.st_uid}, not to this node's "
+                      f"({os.geteuid()}) (shm.socket_path): that user could replace the socket; remove the "
+                      f"directory, or name one of this node's own")
+    if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise OSError(f"the socket directory {directory} is writable by others (mode {found.st_mode & 0o7777:o}) "
+                      f"(shm.socket_path): they could replace the socket; chmod go-w it, or name another")
+
+
 def _send_error(conn: socket.socket, exc: errors.KVStoreError) -> None:
     conn.sendall(framing.encode(exc.code, str(exc).encode()))
 
@@ -323,9 +339,9 @@ def _recv_exact(conn: socket.socket, nbytes: int) -> bytearray | None:
 
 
 def _listen(path: str) -> socket.socket:
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, mode=0o755, exist_ok=True)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    _check_directory(directory)
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket (shm.socket_path)")

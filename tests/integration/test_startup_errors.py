@@ -125,3 +125,19 @@ def test_a_cluster_node_without_the_cluster_extra(tmp_path):
                         prefix=("env", f"PYTHONPATH={blocked}"))
     refused(result, 1, "cluster.endpoints is set but etcd needs its client, aetcd", "pip install 'kvstore[cluster]'")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: (d.mkdir(mode=0o755), os.chown(d, 65534, 65534)), "belongs to uid 65534"),
+    (lambda d: (d.mkdir(), d.chmod(0o777)), "is writable by others (mode 777)"),
+    (lambda d: d.symlink_to(d.parent), "is a symbolic link"),
+])
+def test_a_socket_directory_another_user_could_write_is_refused(tmp_path, make, words):
+    """Someone else's socket directory (or one anyone may write in) would let them swap the socket."""
+    if os.geteuid() != 0 and "65534" in words:
+        pytest.skip("giving a directory to another uid needs root")
+    taken = tmp_path / "taken"
+    make(taken)
+    result = run_server(tmp_path, "--shm-socket", str(taken / "kvstore.sock"), "--set", "nvme.enabled=false")
+    refused(result, 1, f"the socket directory {taken}", words, "(shm.socket_path)")
+    assert not (taken / "kvstore.sock").exists()
