@@ -4,7 +4,9 @@ Each connection is checked as it is accepted, before any frame is read: a peer u
 (SO_PEERCRED) outside shm.allowed_uids, or (with authentication configured) one that
 auth.local_uids maps to no tenant, is answered PERMISSION_DENIED, and a connection
 beyond shm.connections_max is answered CAPACITY_EXHAUSTED; either gets that one frame and
-no thread. An accepted connection gets a thread. Its first frame may be AUTHENTICATE, a
+no thread. An accepted connection gets a thread. Its first frame may be PROVE: the node answers
+the challenge the client's Hello gave it (kvstore/control/local_proof.py), so the client knows
+whom it talks to before it shows anything. The next (or the first) may be AUTHENTICATE, a
 bearer token of the uid's tenant; with auth.local_require_token it must be, and any other
 first frame is answered UNAUTHENTICATED and the connection closed. A connection that showed
 a token is checked against the token table on each frame: once SIGHUP revokes the token, or
@@ -36,6 +38,7 @@ import time
 from google.protobuf.message import DecodeError
 
 from kvstore.config import AuthConfig
+from kvstore.control import local_proof
 from kvstore.control.identity import Authenticator, Caller, Identity, TokenStanding
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
@@ -130,7 +133,7 @@ class LocalServer:
     def _serve(self, conn: socket.socket, pid: int, identity: Identity) -> None:
         owner = Caller(identity)
         standing = TokenStanding(self._auth, identity)
-        first = True
+        first, proven = True, False
         arrivals = select.poll()
         arrivals.register(conn, select.POLLIN)
         try:
@@ -145,6 +148,13 @@ class LocalServer:
                 if payload is None:
                     return
                 try:
+                    if kind == framing.PROVE:
+                        if not first or proven or len(payload) != local_proof.CHALLENGE_BYTES:
+                            raise errors.MalformedRequest("PROVE is only the connection's first frame, once, "
+                                                          f"with the {local_proof.CHALLENGE_BYTES} bytes Hello gave")
+                        proven = True
+                        conn.sendall(framing.encode(0, self._service.local_proof.answer(bytes(payload))))
+                        continue
                     if kind == framing.AUTHENTICATE:
                         if not first:
                             raise errors.MalformedRequest("AUTHENTICATE is only the connection's first frame")

@@ -23,6 +23,7 @@ from kvstore.control import checks, groups, route, tenancy
 from kvstore.control.controller import CacheController
 from kvstore.control.engine_index import EngineIndex
 from kvstore.control.identity import TRUSTED, Caller
+from kvstore.control.local_proof import LocalProof
 from kvstore.control.scrubber import Scrubber
 from kvstore.control.store import CommitPart, Counters, Evict, PageStore
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
@@ -46,6 +47,7 @@ class KVStoreService:
         self.engines = EngineIndex(events.blocks_max, events.hash_seed,
                                    dict(zip(events.engine_ids, events.block_tokens)))
         self.instance_id = secrets.token_bytes(8)
+        self.local_proof = LocalProof()            # answers PROVE on the Unix socket (local_server.py)
         self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
         self.tcp_tls = False                     # the TCP data plane speaks TLS (tcp.tls_cert)
         self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
@@ -81,6 +83,7 @@ class KVStoreService:
 
     def hello(self, request: pb.HelloRequest, owner: object | None) -> pb.HelloResponse:
         leases = self.config.leases
+        challenge, answer = self.local_proof.issue() if self.shm_socket else (b"", b"")
         return pb.HelloResponse(
             server_version=__version__, shm_socket=self.shm_socket, arena_bytes=self.store.arena.nbytes,
             limits=pb.Limits(
@@ -89,7 +92,7 @@ class KVStoreService:
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
             tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, rdma_enabled=self.rdma is not None,
-            instance_id=self.instance_id, hbm=self.hbm)
+            instance_id=self.instance_id, hbm=self.hbm, local_challenge=challenge, local_answer=answer)
 
     def open_namespace(self, request: pb.OpenNamespaceRequest, owner: object | None) -> pb.OpenNamespaceResponse:
         namespace = checks.namespace_spec(request.spec, self.limits, self.config.limits.name_bytes_max)

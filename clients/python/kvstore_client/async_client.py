@@ -66,13 +66,21 @@ class AsyncLocalChannel:
         self._reading = asyncio.ensure_future(self._read_answers())
 
     @classmethod
-    async def open(cls, path: str, token: str = "") -> "AsyncLocalChannel":
-        """With a token, it is shown in the connection's first frame (framing.AUTHENTICATE)."""
+    async def open(cls, path: str, token: str = "", proof: tuple[bytes, bytes] | None = None) -> "AsyncLocalChannel":
+        """As LocalChannel: the socket proves it is Hello's node (framing.PROVE), then a token is shown."""
         try:
             reader, writer = await asyncio.open_unix_connection(path)
         except OSError as exc:
             raise errors.Unavailable(f"cannot connect to the shm socket {path}: {exc}") from None
         try:
+            if proof is not None:
+                writer.write(framing.encode(framing.PROVE, proof[0]))
+                try:
+                    length, code = framing.decode_header(await reader.readexactly(framing.HEADER.size))
+                    answer = (code, await reader.readexactly(length))
+                except (asyncio.IncompleteReadError, framing.FrameError, OSError):
+                    answer = (-1, b"")
+                framing.check_proof(path, answer, proof[1])
             if token:
                 writer.write(framing.encode(framing.AUTHENTICATE, token.encode()))
                 length, code = framing.decode_header(await reader.readexactly(framing.HEADER.size))
@@ -263,10 +271,11 @@ class _Connection:
         self.no_data_reason = "no data plane of the node works from here: " + "; ".join(failures)
 
     async def _open_shm(self) -> None:
-        arena_channel = LocalChannel(self.hello.shm_socket, self.timeout_s, self.token)
+        proof = (self.hello.local_challenge, self.hello.local_answer)
+        arena_channel = LocalChannel(self.hello.shm_socket, self.timeout_s, self.token, proof)
         try:
             self.data = _ArenaPages(ShmDataPath(arena_channel, self.hello.instance_id))
-            self.control = await AsyncLocalChannel.open(self.hello.shm_socket, self.token)
+            self.control = await AsyncLocalChannel.open(self.hello.shm_socket, self.token, proof)
         except BaseException:
             if self.data is not None:
                 self.data.close()

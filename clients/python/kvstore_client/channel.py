@@ -192,8 +192,10 @@ class LocalChannel:
 
     answers_in_order = True
 
-    def __init__(self, path: str, timeout_s: float, token: str = ""):
-        """With a token, it is shown in the connection's first frame (framing.AUTHENTICATE)."""
+    def __init__(self, path: str, timeout_s: float, token: str = "", proof: tuple[bytes, bytes] | None = None):
+        """With `proof` (Hello's local_challenge and local_answer), the socket must first prove it is
+        the node that answered Hello (framing.PROVE), else TransportUnavailable and nothing is sent;
+        then a token is shown (framing.AUTHENTICATE)."""
         self.path = path
         self.timeout_s = timeout_s
         self.arena_of_one_tenant = False   # set by map_arena_fd
@@ -208,17 +210,30 @@ class LocalChannel:
         self._recv_lock = threading.Lock()
         self._inflight: collections.deque[tuple[Pending, type]] = collections.deque()
         self._broken: errors.KVStoreError | None = None
-        if token:
-            try:
+        try:
+            if proof is not None:
+                self._prove(*proof)
+            if token:
                 self._authenticate(token)
-            except BaseException:
-                self._sock.close()
-                raise
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def _answer_frame(self) -> tuple[int, bytes]:
+        length, code = framing.decode_header(self._recv_exact(framing.HEADER.size))
+        return code, bytes(self._recv_exact(length))
+
+    def _prove(self, challenge: bytes, expected: bytes) -> None:
+        self._sock.sendall(framing.encode(framing.PROVE, challenge))
+        try:
+            answer = self._answer_frame()
+        except (errors.Unavailable, errors.DeadlineExceeded, framing.FrameError):
+            answer = (-1, b"")    # closed, silent or garbled: not the node either
+        framing.check_proof(self.path, answer, expected)
 
     def _authenticate(self, token: str) -> None:
         self._sock.sendall(framing.encode(framing.AUTHENTICATE, token.encode()))
-        length, code = framing.decode_header(self._recv_exact(framing.HEADER.size))
-        payload = self._recv_exact(length)
+        code, payload = self._answer_frame()
         if code:
             raise errors.error_from_code(code, payload.decode(errors="replace"))
 

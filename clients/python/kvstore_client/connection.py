@@ -153,7 +153,8 @@ class NodeConnection:
         raise errors.TransportUnavailable("no data plane of the node works from here: " + "; ".join(failures))
 
     def _open_shm(self, timeout_s: float) -> ShmDataPath:
-        local = LocalChannel(self.hello.shm_socket, timeout_s, self.credentials.token)
+        local = LocalChannel(self.hello.shm_socket, timeout_s, self.credentials.token,
+                             (self.hello.local_challenge, self.hello.local_answer))
         try:
             path = ShmDataPath(local, self.hello.instance_id)
         except BaseException:

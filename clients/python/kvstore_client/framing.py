@@ -15,8 +15,10 @@ Pure encoding, no I/O. Requests and responses are answered in order on one conne
 
 from __future__ import annotations
 
+import hmac
 import struct
 
+from kvstore_client import errors
 from kvstore_client.proto import pb
 
 HEADER = struct.Struct("<IB")
@@ -30,6 +32,9 @@ ARENA_OF_ONE_TENANT = b"one-tenant"
 # A bearer token (UTF-8), the connection's first frame: the node checks it against the peer uid's
 # tenant (required with auth.local_require_token) and refuses the connection once it is revoked.
 AUTHENTICATE = 255
+# The node's proof that it answered the client's Hello (kvstore/control/local_proof.py): the first frame
+# carries HelloResponse.local_challenge, the answer must equal HelloResponse.local_answer.
+PROVE = 254
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 # method id -> (name, request class, response class); ids follow the order in the .proto.
@@ -41,7 +46,7 @@ METHODS: dict[int, tuple[str, type, type]] = {
     )
     for index, method in enumerate(_SERVICE.methods)
 }
-assert AUTHENTICATE not in METHODS, "method ids reached the AUTHENTICATE frame's"
+assert AUTHENTICATE not in METHODS and PROVE not in METHODS, "method ids reached the PROVE frame's"
 METHOD_IDS: dict[str, int] = {name: method_id for method_id, (name, _, _) in METHODS.items()}
 
 
@@ -61,3 +66,13 @@ def decode_header(header: bytes) -> tuple[int, int]:
     if length > FRAME_BYTES_MAX:
         raise FrameError(f"frame of {length} bytes exceeds {FRAME_BYTES_MAX}")
     return length, kind
+
+
+def check_proof(path: str, answer: tuple[int, bytes], expected: bytes) -> None:
+    """The socket at `path` answered PROVE with `answer` (code, payload): TransportUnavailable unless it is
+    `expected`, Hello's local_answer, which only the node that answered that Hello can give."""
+    code, payload = answer
+    if code or not expected or not hmac.compare_digest(payload, expected):
+        raise errors.TransportUnavailable(
+            f"the socket at {path} is not the node's: it did not answer the challenge that node's Hello gave "
+            f"(another host's path, or someone else's socket); nothing was sent to it")

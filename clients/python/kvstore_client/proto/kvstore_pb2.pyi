@@ -156,7 +156,7 @@ class HelloRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits", "tcp_endpoint", "rdma_enabled", "instance_id", "hbm", "data_ticket", "tcp_tls")
+    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits", "tcp_endpoint", "rdma_enabled", "instance_id", "hbm", "data_ticket", "tcp_tls", "local_challenge", "local_answer")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,8 @@ class HelloResponse(_message.Message):
     HBM_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     TCP_TLS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ANSWER_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     shm_socket: str
     arena_bytes: int
@@ -177,7 +179,9 @@ class HelloResponse(_message.Message):
     hbm: HbmRegion
     data_ticket: bytes
     tcp_tls: bool
-    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tcp_endpoint: _Optional[str] = ..., rdma_enabled: _Optional[bool] = ..., instance_id: _Optional[bytes] = ..., hbm: _Optional[_Union[HbmRegion, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., tcp_tls: _Optional[bool] = ...) -> None: ...
+    local_challenge: bytes
+    local_answer: bytes
+    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tcp_endpoint: _Optional[str] = ..., rdma_enabled: _Optional[bool] = ..., instance_id: _Optional[bytes] = ..., hbm: _Optional[_Union[HbmRegion, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., tcp_tls: _Optional[bool] = ..., local_challenge: _Optional[bytes] = ..., local_answer: _Optional[bytes] = ...) -> None: ...
 
 class HbmRegion(_message.Message):
     __slots__ = ("ipc_handle", "nbytes", "device_uuid")
