@@ -70,8 +70,11 @@ def decode_header(header: bytes) -> tuple[int, int]:
 
 def check_proof(path: str, answer: tuple[int, bytes], expected: bytes) -> None:
     """The socket at `path` answered PROVE with `answer` (code, payload): TransportUnavailable unless it is
-    `expected`, Hello's local_answer, which only the node that answered that Hello can give."""
+    `expected`, Hello's local_answer, which only the node that answered that Hello can give. A refusal
+    (the node turns away a uid, or is full) is raised as it came: nothing more is sent either way."""
     code, payload = answer
+    if code > 0:
+        raise errors.error_from_code(code, bytes(payload).decode(errors="replace"))
     if code or not expected or not hmac.compare_digest(payload, expected):
         raise errors.TransportUnavailable(
             f"the socket at {path} is not the node's: it did not answer the challenge that node's Hello gave "
