@@ -13,6 +13,7 @@ carriers turn them into statuses.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import secrets
 import time
@@ -48,6 +49,10 @@ class KVStoreService:
                                    dict(zip(events.engine_ids, events.block_tokens)))
         self.instance_id = secrets.token_bytes(8)
         self.local_proof = LocalProof()            # answers PROVE on the Unix socket (local_server.py)
+        # Tenants told apart but sharing one memfd (rdma.enabled pins it whole, tiers/dram.py): a freed slot
+        # may still hold another tenant's page, and a writer that commits without writing (or an RDMA write
+        # that never lands) would publish those bytes as its own. Such a node zeroes every slot it reserves.
+        self.clear_reserved_slots = self.config.auth.enabled and not store.arena.tenants_apart
         self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
         self.tcp_tls = False                     # the TCP data plane speaks TLS (tcp.tls_cert)
         self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
@@ -133,6 +138,8 @@ class KVStoreService:
                 store.fill(reservation, Evict.CLEAN if cleaned else Evict.ANY)
         finally:
             store.finish_reservation(reservation)
+        if self.clear_reserved_slots:
+            self._clear_slots(reservation.states, reservation.offsets, namespace.page_bytes)
         lease = reservation.lease
         if lease is None:
             return pb.ReserveResponse(states=reservation.states, offsets=reservation.offsets)
@@ -140,6 +147,13 @@ class KVStoreService:
                                   lease_ttl_ms=lease.ttl_ms, first_index=reservation.first_index,
                                   data_token=lease.token,
                                   no_space_reason=reservation.refusal if reservation.wanted else "")
+
+    def _clear_slots(self, states: list[int], offsets: list[int], page_bytes: int) -> None:
+        """Zero the slots just reserved, outside the store's lock, before the writer learns where they are."""
+        base = self.store.arena.address
+        for state, offset in zip(states, offsets):
+            if state == pb.RESERVED:
+                ctypes.memset(base + offset, 0, page_bytes)
 
     def commit(self, request: pb.CommitRequest, owner: object | None) -> pb.CommitResponse:
         indices = checks.commit_indices(request)
