@@ -2,6 +2,7 @@
 the threshold, and the unit keeps what kvstore needs (notify + watchdog, a fixed user, pinned
 memory, devices and shared memory left reachable) with a config file that loads."""
 
+import os
 import re
 import subprocess
 import sys
@@ -38,10 +39,10 @@ def seconds(text: str) -> float:
 def analyze_as_installed(*args: str) -> subprocess.CompletedProcess:
     """systemd-analyze with the unit's ExecStart in place, as deploy/README.md installs it.
 
-    verify checks that ExecStart exists: a private mount namespace (of a user namespace, so no
-    privilege is needed) puts a tmpfs on /opt holding /opt/kvstore/bin/kvstore-server, a link to
-    this checkout's console script, so the shipped unit is checked as it is and the host's /opt
-    is left alone.
+    verify checks that ExecStart exists: a private mount namespace (root's own, else one of a user
+    namespace, which needs no privilege) puts a tmpfs on /opt holding /opt/kvstore/bin/kvstore-server,
+    a link to this checkout's console script, so the shipped unit is checked as it is and the host's
+    /opt is left alone.
     """
     analyze = require_tool("systemd-analyze")
     installed = Path(sys.executable).with_name("kvstore-server")
@@ -49,7 +50,8 @@ def analyze_as_installed(*args: str) -> subprocess.CompletedProcess:
     program = directives(UNIT.read_text())["ExecStart"][0].split()[0]
     script = (f'mount -t tmpfs tmpfs /opt && mkdir -p {Path(program).parent} && ln -s "$0" {program} '
               f'&& exec "$@"')
-    return subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c", script, str(installed), analyze, *args],
+    namespace = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--map-root-user", "--mount"]
+    return subprocess.run([*namespace, "sh", "-c", script, str(installed), analyze, *args],
                           capture_output=True, text=True, timeout=60)
 
 
