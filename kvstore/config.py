@@ -104,8 +104,8 @@ class TcpConfig:
     """The TCP data plane (clients on other hosts); see kvstore/transport/tcp.py."""
 
     enabled: bool = True
-    address: str = ""                       # host:port to listen on, port 0 a free one; "" = server.grpc_address's host, port 0
-    advertise_host: str = ""                # host put in Hello's tcp_endpoint; "" = derived (kvstore/transport/advertise.py)
+    address: str = ""                       # host:port to listen on (port 0: a free one); "" = grpc's host, port 0
+    advertise_host: str = ""                # host put in Hello's tcp_endpoint; "" = derived (transport/advertise.py)
     connections_max: int = 1024
     idle_timeout_s: float = 300.0           # a connection with no frame for this long is closed
     write_buffer_high_bytes: int = 16 << 20  # stop reading a connection's requests above this queued output
@@ -253,7 +253,7 @@ class ClusterConfig:
     name: str = "kvstore"                   # the cluster: nodes and clients of one name form one pool
     node_id: str = ""                       # unique in the cluster; "" = the host name
     host_id: str = ""                       # nodes with the client's host id offer it shared memory; "" = machine id
-    advertise_host: str = ""                # host clients reach gRPC at (in the member record); "" = derived from server.grpc_address
+    advertise_host: str = ""                # host clients reach gRPC at (the member record); "" = derived, as tcp's
     required: bool = True                   # etcd unreachable at start: exit (true) or serve alone and retry (false)
     lease_ttl_s: int = 10                   # a dead node leaves the membership this long after its last renewal
     ramp_s: float = 60.0                    # a new node's placement weight grows to full over this long

@@ -105,7 +105,8 @@ class Node:
             if config.tcp.enabled:
                 self.tcp = _tcp_server(config, SlotGrants(self.store, self.auth))
                 self.tcp.start()
-                host = advertise.advertised_host(self.tcp.settings.host, config.tcp.advertise_host, "tcp.advertise_host")
+                host = advertise.advertised_host(self.tcp.settings.host, config.tcp.advertise_host,
+                                                 "tcp.advertise_host")
                 if not config.tcp.advertise_host:   # an explicit one is taken as said (a published port, say)
                     advertise.check_reachable(config.server.grpc_address.rpartition(":")[0], host, "tcp.address")
                 self.service.tcp_endpoint = advertise.endpoint(host, self.tcp.port)
@@ -268,7 +269,7 @@ def _subscribers(config: Config, service: KVStoreService) -> list[EventSubscribe
         raise OSError(f"[events] needs pyzmq and msgspec ({exc}): pip install 'kvstore[events]'") from None
 
 
-def log_native_core(config: Config) -> None:
+def _log_native_core(config: Config) -> None:
     """Say once, at start-up, whether the page index, prefix hashing and page copies run in C."""
     index = "c" if config.server.native_index and native_index.available() else "python"
     hashing = "c" if native.available() else "python"
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(config.ops.log_format, config.server.log_level)
     log.info("effective configuration", extra={"fields": {"config": config_module.as_dict(config)}})
-    log_native_core(config)
+    _log_native_core(config)
     started = time.monotonic()
     notifier = Notifier(config.systemd)
     registration = None
@@ -366,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
              config.dram.arena_bytes, time.monotonic() - started)
     status = node.status
     if registration is not None:
-        registration.serve(advertise.endpoint(grpc_host.strip("[]"), node.grpc_port), node.service.tcp_endpoint, node.rdma is not None)
+        registration.serve(advertise.endpoint(grpc_host.strip("[]"), node.grpc_port), node.service.tcp_endpoint,
+                           node.rdma is not None)
         if node.metrics is not None:
             node.metrics.registry.register(registration.collector())
         status = lambda: f"{node.status()} {registration.describe()}"  # noqa: E731

@@ -361,7 +361,8 @@ def _listen(path: str) -> socket.socket:
         except ConnectionRefusedError:
             os.unlink(path)  # left behind by a server that died
         else:
-            raise OSError(f"another kvstore-server is serving {path} (shm.socket_path): stop it, or give this node its own")
+            raise OSError(f"another kvstore-server is serving {path} (shm.socket_path): stop it, "
+                          f"or give this node its own")
         finally:
             probe.close()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -98,7 +98,7 @@ if _NativeIndex is not None:
 def make_page_index(native: bool, on_removed: Callable, on_dram_dropped: Callable,
                     tenant_of: Callable[[int], str]):
     """The C index when asked for and built; else the Python one (the reference). The server's
-    start-up log says which one runs, and why (kvstore.server.describe_native_core)."""
+    start-up log says which one runs, and why (kvstore.server._log_native_core)."""
     if native and available():
         return NativePageIndex(on_removed, on_dram_dropped, tenant_of)
     return PageIndex(on_removed, on_dram_dropped, tenant_of)
