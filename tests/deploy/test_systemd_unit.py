@@ -118,3 +118,22 @@ def test_security_exposure_under_threshold(tmp_path):
 def test_sysusers_creates_the_unit_user(path):
     fields = (ROOT / path).read_text().splitlines()[-1].split()
     assert fields[:2] == ["u", "kvstore"]
+
+
+def test_exec_reload_rereads_the_token_file(start_server, tmp_path):
+    """`systemctl reload kvstore` runs ExecReload with MAINPID set: the node rereads auth.tokens_file."""
+    import shlex
+    import time
+
+    from identities import Tokens
+
+    tokens = Tokens(tmp_path)
+    server = start_server({"auth.tokens_file": str(tokens.path)})
+    [reload] = directives(UNIT.read_text())["ExecReload"]
+    done = subprocess.run(shlex.split(reload), env={"MAINPID": str(server.process.pid), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + 10
+    while "token file reloaded" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "token file reloaded" in server.log()
