@@ -87,6 +87,7 @@ class LeaseConfig:
     write_ttl_ms: int = 30_000
     ttl_ms_max: int = 300_000               # the most a client may ask for
     reap_interval_ms: int = 50
+    per_tenant_max: int = 8192              # leases one tenant holds open at once; more: CapacityExhausted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +475,7 @@ def _validate(config: Config) -> None:
         ("limits.name_bytes_max", 16 <= config.limits.name_bytes_max <= 4096, "must be 16 to 4096"),
         ("limits.namespaces_per_tenant_max", config.limits.namespaces_per_tenant_max > 0, "must be positive"),
         ("limits.stats_namespaces_max", config.limits.stats_namespaces_max > 0, "must be positive"),
+        ("leases.per_tenant_max", config.leases.per_tenant_max > 0, "must be positive"),
         ("scrub.bytes_per_s", config.scrub.bytes_per_s >= 0, "must not be negative (0 = off)"),
         ("tcp.write_buffer_low_bytes", 0 <= config.tcp.write_buffer_low_bytes <= config.tcp.write_buffer_high_bytes,
          "must be between 0 and tcp.write_buffer_high_bytes"),

@@ -8,12 +8,14 @@ a lease can also belong to a local-channel connection, and ends when it closes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import secrets
 from typing import Iterator
 
 from kvstore.control.index import PageRecord
+from kvstore_client import errors
 
 READ = "read"
 WRITE = "write"
@@ -28,6 +30,7 @@ class Lease:
     deadline: float                      # time.monotonic() after which the lease is expired
     ttl_ms: int
     owner: object | None                 # the connection it ends with, or None
+    tenant: str = ""                     # whose lease it is: its namespace's tenant
     pinned: list[PageRecord] = dataclasses.field(default_factory=list)
     # write leases only:
     parent_key: bytes = b""
@@ -48,19 +51,33 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self) -> None:
+    def __init__(self, per_tenant_max: int = 1 << 62) -> None:
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
+        # Open leases per tenant, capped (leases.per_tenant_max): each holds memory and may pin pages,
+        # so one tenant that never releases must not take the node's memory or another tenant's room.
+        self._held: collections.Counter[str] = collections.Counter()
+        self._per_tenant_max = per_tenant_max
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def open(self, kind: str, namespace_id: int, now: float, ttl_ms: int, owner: object | None) -> Lease:
+    def room(self, tenant: str, count: int = 1) -> None:
+        """CapacityExhausted unless `tenant` may open `count` more leases."""
+        if self._held[tenant] + count > self._per_tenant_max:
+            raise errors.CapacityExhausted(
+                f"tenant {tenant!r} holds {self._held[tenant]} open leases, and leases.per_tenant_max is "
+                f"{self._per_tenant_max}: release finished gets (Release) and commit or abort puts, or raise it")
+
+    def open(self, kind: str, namespace_id: int, now: float, ttl_ms: int, owner: object | None,
+             tenant: str = "") -> Lease:
+        self.room(tenant)
         lease_id = 0
         while lease_id == 0 or lease_id in self._leases:
             lease_id = secrets.randbits(64)
-        lease = Lease(lease_id, kind, namespace_id, now + ttl_ms / 1000, ttl_ms, owner)
+        lease = Lease(lease_id, kind, namespace_id, now + ttl_ms / 1000, ttl_ms, owner, tenant)
         self._leases[lease_id] = lease
+        self._held[tenant] += 1
         heapq.heappush(self._deadlines, (lease.deadline, lease_id))
         return lease
 
@@ -74,6 +91,9 @@ class LeaseTable:
 
     def close(self, lease: Lease) -> None:
         del self._leases[lease.lease_id]
+        self._held[lease.tenant] -= 1
+        if not self._held[lease.tenant]:
+            del self._held[lease.tenant]
 
     def expired(self, now: float) -> Iterator[Lease]:
         """Leases past their deadline and not busy; the caller closes each one it is given."""

@@ -169,7 +169,7 @@ class PageStore:
         self.index = make_page_index(config.server.native_index, on_removed=self._on_removed,
                                      on_dram_dropped=self._free_dram,
                                      tenant_of=lambda ns_id: self.namespaces[ns_id].tenant)
-        self.leases = LeaseTable()
+        self.leases = LeaseTable(config.leases.per_tenant_max)
         self.namespaces: dict[int, Namespace] = {}
         self._namespace_used: dict[int, float] = {}        # last use, for reclaiming idle ones
         # Reserved, uncommitted pages: namespace -> key -> lease id. A dict per namespace, so that a
@@ -303,7 +303,7 @@ class PageStore:
                 absent = bool(parent_key) and parent is None and parent_key not in claimed
                 if absent and absent_parent != "anchor":
                     return Reservation(None, 0, states, [0] * len(keys), [], slot_bytes, False, tenant)
-                lease = self.leases.open(WRITE, ns_id, self.clock(), ttl_ms, owner)
+                lease = self.leases.open(WRITE, ns_id, self.clock(), ttl_ms, owner, tenant)
                 lease.anchored = absent   # committed anchored at the absent parent key (index.py)
                 lease.parent_key = parent_key
                 if parent is not None:
@@ -664,10 +664,13 @@ class PageStore:
         with self._lock:
             if self.draining:
                 raise errors.Draining("the server is draining for shutdown and takes no new leases")
+            tenants = collections.Counter(self.namespace(ns_id).tenant for ns_id, _ in parts)
+            for tenant, count in tenants.items():   # all parts' leases or none
+                self.leases.room(tenant, count)
             leases = []
             for ns_id, keys in parts:
                 records = self.index.leading(ns_id, keys)
-                lease = self.leases.open(READ, ns_id, self.clock(), ttl_ms, owner)
+                lease = self.leases.open(READ, ns_id, self.clock(), ttl_ms, owner, self.namespaces[ns_id].tenant)
                 self.index.pin_all(records, hit=False)
                 lease.pinned = records
                 lease.busy += 1   # not reaped while pages are promoted for it
