@@ -305,9 +305,14 @@ class Config:
         return (os.path.join(cache, "kvstore", "nvme-0"),)
 
     @property
+    def grpc_host(self) -> str:
+        """server.grpc_address's host ("" or 0.0.0.0: every interface)."""
+        return self.server.grpc_address.rpartition(":")[0]
+
+    @property
     def tcp_address(self) -> str:
         """Where the TCP data plane listens: tcp.address, else server.grpc_address's host on a free port."""
-        return self.tcp.address or f"{self.server.grpc_address.rpartition(':')[0]}:0"
+        return self.tcp.address or f"{self.grpc_host}:0"
 
     @property
     def allowed_uids(self) -> frozenset[int]:
@@ -564,7 +569,12 @@ def _auth_checks(config: Config) -> list[tuple[str, bool, str]]:
 
 
 def _loopback(address: str) -> bool:
-    host = address.rpartition(":")[0].strip("[]")
+    return loopback_host(address.rpartition(":")[0])
+
+
+def loopback_host(host: str) -> bool:
+    """Only this host reaches `host` (127.0.0.0/8, ::1, localhost; [::1] as well)."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:

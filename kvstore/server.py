@@ -108,7 +108,7 @@ class Node:
                 host = advertise.advertised_host(self.tcp.settings.host, config.tcp.advertise_host,
                                                  "tcp.advertise_host")
                 if not config.tcp.advertise_host:   # an explicit one is taken as said (a published port, say)
-                    advertise.check_reachable(config.server.grpc_address.rpartition(":")[0], host, "tcp.address")
+                    advertise.check_reachable(config.grpc_host, host, "tcp.address")
                 self.service.tcp_endpoint = advertise.endpoint(host, self.tcp.port)
                 self.service.tcp_tls = self.tcp.settings.tls is not None
             if config.rdma.enabled:
@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     registration = None
     if config.cluster.endpoints:
         try:
-            grpc_host = advertise.advertised_host(config.server.grpc_address.rpartition(":")[0],
-                                                  config.cluster.advertise_host, "cluster.advertise_host")
+            grpc_host = advertise.advertised_host(config.grpc_host, config.cluster.advertise_host,
+                                                  "cluster.advertise_host")
             registration = _join_cluster(config)
         except (ClusterError, OSError) as exc:
             log.error("cannot start: %s", exc)

@@ -51,7 +51,7 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, per_tenant_max: int = 1 << 62) -> None:
+    def __init__(self, per_tenant_max: int) -> None:
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
         # Open leases per tenant, capped (leases.per_tenant_max): each holds memory and may pin pages,

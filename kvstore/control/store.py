@@ -664,13 +664,13 @@ class PageStore:
         with self._lock:
             if self.draining:
                 raise errors.Draining("the server is draining for shutdown and takes no new leases")
-            tenants = collections.Counter(self.namespace(ns_id).tenant for ns_id, _ in parts)
-            for tenant, count in tenants.items():   # all parts' leases or none
+            tenants = [self.namespace(ns_id).tenant for ns_id, _ in parts]
+            for tenant, count in collections.Counter(tenants).items():   # all parts' leases or none
                 self.leases.room(tenant, count)
             leases = []
-            for ns_id, keys in parts:
+            for (ns_id, keys), tenant in zip(parts, tenants):
                 records = self.index.leading(ns_id, keys)
-                lease = self.leases.open(READ, ns_id, self.clock(), ttl_ms, owner, self.namespaces[ns_id].tenant)
+                lease = self.leases.open(READ, ns_id, self.clock(), ttl_ms, owner, tenant)
                 self.index.pin_all(records, hit=False)
                 lease.pinned = records
                 lease.busy += 1   # not reaped while pages are promoted for it

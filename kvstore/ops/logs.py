@@ -48,6 +48,11 @@ def _structured_stderr(log_format: str):
     return os.fdopen(direct, "w", buffering=1, errors="backslashreplace")
 
 
+def timestamp(created: float) -> str:
+    """A record's time as every structured line gives it: 2026-12-02T03:09:47.848Z (UTC)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created % 1 * 1000):03d}Z"
+
+
 def split_message(message: str) -> tuple[str, dict[str, Any]]:
     """'draining complete open_leases_left=0 duration_s=0.2' -> ('draining complete', {...})."""
     words = message.split(" ")
@@ -67,8 +72,7 @@ def split_message(message: str) -> tuple[str, dict[str, Any]]:
 
 def _base(record: logging.LogRecord) -> tuple[dict[str, Any], str]:
     event, fields = split_message(record.getMessage())
-    head = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(), "logger": record.name, "msg": event}
+    head = {"ts": timestamp(record.created), "level": record.levelname.lower(), "logger": record.name, "msg": event}
     for key, value in fields.items():
         head.setdefault(key, value)
     for key, value in getattr(record, "fields", {}).items():
@@ -101,10 +105,10 @@ class LogfmtFormatter(logging.Formatter):
         line, exc = _base(record)
         if exc:
             line["exc"] = exc
-        return " ".join(f"{key}={_logfmt_value(value)}" for key, value in line.items())
+        return " ".join(f"{key}={logfmt_value(value)}" for key, value in line.items())
 
 
-def _logfmt_value(value: Any) -> str:
+def logfmt_value(value: Any) -> str:
     text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
     if text and not any(c in text for c in ' "=\\\n\t'):
         return text

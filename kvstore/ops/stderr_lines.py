@@ -19,13 +19,14 @@ import signal
 import sys
 import time
 
+from kvstore.ops.logs import logfmt_value, timestamp
+
 _ABSL = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ (\S+)\] (.*)$")
 _LEVELS = {"I": "info", "W": "warning", "E": "error", "F": "critical"}
 
 
 def structured(line: str) -> dict[str, str]:
-    now = time.time()
-    head = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"}
+    head = {"ts": timestamp(time.time())}
     match = _ABSL.match(line)
     if match:
         return {**head, "level": _LEVELS[match[1]], "logger": "grpc", "msg": match[3], "source": match[2]}
@@ -35,11 +36,7 @@ def structured(line: str) -> dict[str, str]:
 def render(fields: dict[str, str], log_format: str) -> str:
     if log_format == "json":
         return json.dumps(fields)
-    return " ".join(f"{key}={_logfmt_value(value)}" for key, value in fields.items())
-
-
-def _logfmt_value(text: str) -> str:
-    return text if text and not any(c in text for c in ' "=\\\n\t') else json.dumps(text)
+    return " ".join(f"{key}={logfmt_value(value)}" for key, value in fields.items())
 
 
 def main(log_format: str) -> int:

@@ -12,9 +12,10 @@ refuses to start (see `check_reachable`).
 from __future__ import annotations
 
 import fcntl
-import ipaddress
 import socket
 import struct
+
+from kvstore.config import loopback_host
 
 _SIOCGIFADDR = 0x8915
 WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
@@ -56,18 +57,9 @@ def interface_address(name: str) -> str:
     return socket.inet_ntoa(answer[20:24])
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def check_reachable(grpc_host: str, advertised: str, setting: str) -> None:
     """Refuse to tell other hosts to dial loopback: gRPC serves them, the advertised endpoint would not."""
-    if is_loopback(advertised) and not is_loopback(grpc_host):
+    if loopback_host(advertised) and not loopback_host(grpc_host):
         raise OSError(f"server.grpc_address serves other hosts ({grpc_host or '*'}) but {setting} would advertise "
                       f"{advertised}, which a client on another host dials on itself: bind the data plane where "
                       f"they reach it (tcp.address, by default the host of server.grpc_address) or set "

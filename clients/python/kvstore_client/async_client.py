@@ -79,7 +79,7 @@ class AsyncLocalChannel:
                     length, code = framing.decode_header(await reader.readexactly(framing.HEADER.size))
                     answer = (code, await reader.readexactly(length))
                 except (asyncio.IncompleteReadError, framing.FrameError, OSError):
-                    answer = (-1, b"")
+                    answer = framing.NO_ANSWER
                 framing.check_proof(path, answer, proof[1])
             if token:
                 writer.write(framing.encode(framing.AUTHENTICATE, token.encode()))

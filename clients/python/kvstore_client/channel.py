@@ -228,7 +228,7 @@ class LocalChannel:
         try:
             answer = self._answer_frame()
         except (errors.Unavailable, errors.DeadlineExceeded, framing.FrameError):
-            answer = (-1, b"")    # closed, silent or garbled: not the node either
+            answer = framing.NO_ANSWER
         framing.check_proof(self.path, answer, expected)
 
     def _authenticate(self, token: str) -> None:

@@ -35,6 +35,8 @@ AUTHENTICATE = 255
 # The node's proof that it answered the client's Hello (kvstore/control/local_proof.py): the first frame
 # carries HelloResponse.local_challenge, the answer must equal HelloResponse.local_answer.
 PROVE = 254
+# What check_proof is given for a socket that closed, stayed silent or sent no frame: not the node either.
+NO_ANSWER = (-1, b"")
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 # method id -> (name, request class, response class); ids follow the order in the .proto.
@@ -78,4 +80,5 @@ def check_proof(path: str, answer: tuple[int, bytes], expected: bytes) -> None:
     if code or not expected or not hmac.compare_digest(payload, expected):
         raise errors.TransportUnavailable(
             f"the socket at {path} is not the node's: it did not answer the challenge that node's Hello gave "
-            f"(another host's path, or someone else's socket); nothing was sent to it")
+            f"(another host's path, or someone else's socket); nothing was sent to it. From another host, "
+            f"connect with transport='tcp'; on the node's host, check who owns {path}")
