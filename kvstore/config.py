@@ -97,6 +97,7 @@ class LimitsConfig:
     page_bytes_max: int = 0                 # 0 = dram.slab_bytes (a page fits in one slab)
     name_bytes_max: int = 256               # model, tenant, layout and dtype strings of a namespace
     namespaces_per_tenant_max: int = 1024   # open namespaces of one tenant; idle ones are reclaimed first
+    namespaces_per_tenant_floor: int = 16   # a tenant opens this many even when others fill the node's 4096
     stats_namespaces_max: int = 1000        # namespaces in one Stats answer (the rest are paged)
 
 
@@ -479,6 +480,9 @@ def _validate(config: Config) -> None:
         ("shm.spin_us", 0 <= config.shm.spin_us <= 10_000, "must be 0 (no polling) to 10000 microseconds"),
         ("limits.name_bytes_max", 16 <= config.limits.name_bytes_max <= 4096, "must be 16 to 4096"),
         ("limits.namespaces_per_tenant_max", config.limits.namespaces_per_tenant_max > 0, "must be positive"),
+        ("limits.namespaces_per_tenant_floor",
+         0 <= config.limits.namespaces_per_tenant_floor <= config.limits.namespaces_per_tenant_max,
+         "must be between 0 and limits.namespaces_per_tenant_max"),
         ("limits.stats_namespaces_max", config.limits.stats_namespaces_max > 0, "must be positive"),
         ("leases.per_tenant_max", config.leases.per_tenant_max > 0, "must be positive"),
         ("scrub.bytes_per_s", config.scrub.bytes_per_s >= 0, "must not be negative (0 = off)"),

@@ -5,9 +5,12 @@ INVALID_ARGUMENT with a readable reason instead of gRPC's generic INTERNAL. A br
 invariant (AssertionError) stops the node (kvstore/invariants.py) rather than being
 answered INTERNAL; any other unexpected exception is answered INTERNAL.
 
-Every call's identity is resolved first, before its request is even parsed
-(identity.py): a missing, wrong or revoked token is answered UNAUTHENTICATED, a token and
-client certificate of different tenants PERMISSION_DENIED. With auth.tls_cert the port
+Every call's identity is resolved first, from its metadata, before its request is even
+received (identity.py): a missing, wrong or revoked token is answered UNAUTHENTICATED, a token
+and client certificate of different tenants PERMISSION_DENIED. For that, each method is served
+as stream-unary, which lets the handler take the one request message when it chooses (the
+wire is the same as unary): a caller without a token costs the node its HTTP/2 window, never a
+message of up to FRAME_BYTES_MAX held for it. With auth.tls_cert the port
 speaks TLS only; with auth.tls_client_ca it asks every client for a certificate signed by
 that CA (mutual TLS) and the certificate's common name is the caller's tenant.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -33,11 +36,14 @@ SERVICE_NAME = "kvstore.v1.KVStore"
 
 
 def _unary(service: KVStoreService, auth: Authenticator, name: str,
-           request_cls: type) -> Callable[[bytes, grpc.ServicerContext], Any]:
-    def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
+           request_cls: type) -> Callable[[Iterator[bytes], grpc.ServicerContext], Any]:
+    def handler(messages: Iterator[bytes], context: grpc.ServicerContext) -> Any:
         try:
             identity = auth.grpc_identity(context.invocation_metadata(),
                                           certificate_tenant(context.auth_context())) if auth.enabled else TRUSTED
+            raw = next(messages, None)   # received only now, once the caller is known
+            if raw is None:
+                raise errors.MalformedRequest(f"{name}: the call carried no request message")
             try:
                 request = request_cls.FromString(raw)
             except DecodeError as exc:
@@ -63,9 +69,10 @@ def create_server(service: KVStoreService, address: str, workers: int,
     """A started-ready (not yet started) gRPC server bound to `address`, and its port."""
     auth = auth or Authenticator(AuthConfig())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-                         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+                         options=[("grpc.max_receive_message_length", framing.FRAME_BYTES_MAX),
+                                  ("grpc.so_reuseport", 0)])
     handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
+        name: grpc.stream_unary_rpc_method_handler(
             _unary(service, auth, name, request_cls), response_serializer=response_cls.SerializeToString)
         for name, request_cls, response_cls in framing.METHODS.values()
     }

@@ -113,5 +113,8 @@ class LeaseTable:
     def all(self) -> list[Lease]:
         return list(self._leases.values())
 
+    def any_owned_by(self, owner: object) -> bool:
+        return any(lease.owner is owner for lease in self._leases.values())
+
     def owned_by(self, owner: object) -> list[Lease]:
         return [lease for lease in self._leases.values() if lease.owner is owner]

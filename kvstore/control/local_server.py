@@ -50,6 +50,15 @@ log = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 # How long a refused peer has to read its answer before its socket is closed.
 REFUSAL_LINGER_S = 1.0
+# At shm.connections_max, a new connection takes the place of the one idle longest (no frame in
+# that long, none being answered, no lease open), so idle sockets never lock local clients out.
+RECLAIM_IDLE_S = 1.0
+# Where the token authenticates (auth.local_require_token), the first frame is PROVE or
+# AUTHENTICATE: a peer that has shown nothing may announce no more than this.
+FIRST_FRAME_BYTES_MAX = 4096
+# A payload's buffer starts at most this large and doubles as its bytes arrive: what a frame
+# announces costs memory only once it is sent.
+_FIRST_READ_BYTES = 1 << 16
 
 
 class LocalServer:
@@ -64,7 +73,7 @@ class LocalServer:
         self._allowed_uids = allowed_uids
         self._connections_max = connections_max
         self._listener = _listen(path)
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[socket.socket, _Peer] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._refusals = _Refusals(held_max=connections_max)
@@ -83,7 +92,7 @@ class LocalServer:
             pass
         self._listener.close()
         with self._lock:
-            for conn in self._connections:
+            for conn in list(self._connections):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -109,30 +118,52 @@ class LocalServer:
                 log.warning("shm peer refused pid=%d uid=%d: %s", pid, uid, exc)
                 self._refusals.refuse(conn, exc)
                 continue
-            refusal = self._admit(conn, pid, uid)
+            peer = _Peer(conn, Caller(identity))
+            refusal = self._admit(peer, pid, uid)
             if refusal is not None:
                 self._refusals.refuse(conn, refusal)
                 continue
-            threading.Thread(target=self._serve, args=(conn, pid, identity), name="shm-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(peer, pid), name="shm-conn", daemon=True).start()
 
-    def _admit(self, conn: socket.socket, pid: int, uid: int) -> errors.KVStoreError | None:
+    def _admit(self, peer: "_Peer", pid: int, uid: int) -> errors.KVStoreError | None:
         """Counts the connection in and returns None, or returns why it is refused. Reads nothing from it."""
         if not self._auth.enabled and uid not in self._allowed_uids:   # with auth, local_uids decides
             log.warning("shm peer refused pid=%d uid=%d (not in shm.allowed_uids)", pid, uid)
             return errors.PermissionDenied(f"uid {uid} may not use this kvstore node; add it to shm.allowed_uids")
         with self._lock:
-            if len(self._connections) >= self._connections_max:
-                log.warning("shm connection refused pid=%d: shm.connections_max=%d reached",
+            if len(self._connections) >= self._connections_max and not self._reclaim_idlest():
+                log.warning("shm connection refused pid=%d: shm.connections_max=%d reached, none idle",
                             pid, self._connections_max)
                 return errors.CapacityExhausted(
-                    f"this node already serves shm.connections_max={self._connections_max} local connections; "
-                    f"close idle clients or raise shm.connections_max")
-            self._connections.add(conn)
+                    f"this node already serves shm.connections_max={self._connections_max} local connections, "
+                    f"none idle; close clients or raise shm.connections_max")
+            self._connections[peer.conn] = peer
         return None
 
-    def _serve(self, conn: socket.socket, pid: int, identity: Identity) -> None:
-        owner = Caller(identity)
+    def _reclaim_idlest(self) -> bool:
+        """Lock held, at the connection limit: close the connection idle longest (RECLAIM_IDLE_S, nothing
+        being answered, no lease open: its client may still be copying a leased page); True when one was."""
+        now = time.monotonic()
+        idle = sorted((peer for peer in self._connections.values()
+                       if not peer.busy and now - peer.since >= RECLAIM_IDLE_S), key=lambda peer: peer.since)
+        for peer in idle:
+            if self._service.store.owns_leases(peer.owner):
+                continue
+            log.info("shm connections_max reached: closing a connection idle for %.1f s to admit a new one",
+                     now - peer.since)
+            del self._connections[peer.conn]
+            try:
+                peer.conn.shutdown(socket.SHUT_RDWR)   # its thread wakes from recv, ends its leases, closes
+            except OSError:
+                pass
+            return True
+        return False
+
+    def _serve(self, peer: "_Peer", pid: int) -> None:
+        conn, owner = peer.conn, peer.owner
+        identity = owner.identity
         standing = TokenStanding(self._auth, identity)
+        require_token = self._auth.enabled and self._auth.config.local_require_token
         first, proven = True, False
         arrivals = select.poll()
         arrivals.register(conn, select.POLLIN)
@@ -144,9 +175,15 @@ class LocalServer:
                 if header is None:
                     return
                 length, kind = framing.decode_header(header)
+                if first and require_token and length > FIRST_FRAME_BYTES_MAX:
+                    _send_error(conn, errors.MalformedRequest(
+                        f"a first frame of {length} bytes: before its token, a connection sends PROVE or "
+                        f"AUTHENTICATE, at most {FIRST_FRAME_BYTES_MAX} bytes"))
+                    return
                 payload = _recv_exact(conn, length)
                 if payload is None:
                     return
+                peer.busy = True
                 try:
                     if kind == framing.PROVE:
                         if not first or proven or len(payload) != local_proof.CHALLENGE_BYTES:
@@ -154,6 +191,7 @@ class LocalServer:
                                                           f"with the {local_proof.CHALLENGE_BYTES} bytes Hello gave")
                         proven = True
                         conn.sendall(framing.encode(0, self._service.local_proof.answer(bytes(payload))))
+                        peer.since, peer.busy = time.monotonic(), False
                         continue
                     if kind == framing.AUTHENTICATE:
                         if not first:
@@ -162,8 +200,9 @@ class LocalServer:
                         owner.identity, standing = identity, TokenStanding(self._auth, identity)
                         first = False
                         conn.sendall(framing.encode(0, b""))
+                        peer.since, peer.busy = time.monotonic(), False
                         continue
-                    if first and self._auth.enabled and self._auth.config.local_require_token:
+                    if first and require_token:
                         refusal = errors.Unauthenticated(
                             "this node needs a token on the local socket too (auth.local_require_token): pass token= "
                             "to KVStoreClient (or set KVSTORE_TOKEN); it goes in the connection's first frame")
@@ -177,15 +216,16 @@ class LocalServer:
                 first = False
                 if kind == framing.MAP_ARENA:
                     self._map_arena(conn, owner)
-                    continue
-                self._answer(conn, kind, payload, owner)
+                else:
+                    self._answer(conn, kind, payload, owner)
+                peer.since, peer.busy = time.monotonic(), False
         except framing.FrameError as exc:
             log.warning("shm peer pid=%d sent an unreadable frame, closing: %s", pid, exc)
         except OSError as exc:
             log.info("shm connection of pid=%d ended: %s", pid, exc)
         finally:
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.pop(conn, None)
             conn.close()
             try:
                 self._service.end_owner(owner)
@@ -232,6 +272,17 @@ class LocalServer:
             _send_error(conn, errors.Internal("internal error, see the server log"))
             return
         conn.sendall(framing.encode(0, response.SerializeToString()))
+
+
+class _Peer:
+    """An accepted local connection: its socket, the owner of its leases, and when it last finished a frame."""
+
+    __slots__ = ("conn", "owner", "since", "busy")
+
+    def __init__(self, conn: socket.socket, owner: Caller):
+        self.conn, self.owner = conn, owner
+        self.since = time.monotonic()   # accepted, or its last answer sent
+        self.busy = False               # a frame of it is being answered
 
 
 class _Refusals:
@@ -336,12 +387,15 @@ def _poll_until_readable(poller: select.poll, spin_s: float) -> None:
 
 def _recv_exact(conn: socket.socket, nbytes: int) -> bytearray | None:
     """Exactly nbytes, or None when the peer closed the connection. The buffer itself, not a copy
-    of it: a payload is parsed once and dropped, and a long Lookup's is half a megabyte."""
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
+    of it: a payload is parsed once and dropped, and a long Lookup's is half a megabyte. It grows
+    as bytes arrive (to at most twice what came), never to a length only announced."""
+    buf = bytearray(min(nbytes, _FIRST_READ_BYTES))
     got = 0
     while got < nbytes:
-        n = conn.recv_into(view[got:])
+        if got == len(buf):
+            buf += bytes(min(len(buf), nbytes - len(buf)))
+        with memoryview(buf) as view:
+            n = conn.recv_into(view[got:])
         if n == 0:
             return None
         got += n

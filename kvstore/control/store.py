@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 _DRAM_BYTE = bytes([pb.DRAM])
 
-# Namespaces over all tenants; beyond it (and a tenant's own limit) idle ones are reclaimed.
+# Namespaces over all tenants; beyond it (and a tenant's own limit) idle ones are reclaimed, and a
+# tenant past limits.namespaces_per_tenant_floor is refused: at most this plus each tenant's floor.
 NAMESPACES_MAX = 4096
 Clock = Callable[[], float]
 PageId = tuple[int, bytes]
@@ -197,15 +198,20 @@ class PageStore:
             self._namespace_used[ns_id] = self.clock()
             if ns_id in self.namespaces:
                 return ns_id
-            tenant_max = self.config.limits.namespaces_per_tenant_max
-            same_tenant = [i for i, ns in self.namespaces.items() if ns.tenant == namespace.tenant]
-            if len(same_tenant) >= tenant_max and not self._reclaim_idle(same_tenant):
+            limits, tenant = self.config.limits, namespace.tenant
+            same_tenant = [i for i, ns in self.namespaces.items() if ns.tenant == tenant]
+            if len(same_tenant) >= limits.namespaces_per_tenant_max and not self._reclaim_idle(same_tenant):
                 raise errors.CapacityExhausted(
-                    f"tenant {namespace.tenant!r} already holds {tenant_max} namespaces with pages or leases "
-                    "(limits.namespaces_per_tenant_max): clear unused ones or raise the limit")
-            if len(self.namespaces) >= NAMESPACES_MAX and not self._reclaim_idle(list(self.namespaces)):
+                    f"tenant {tenant!r} already holds {limits.namespaces_per_tenant_max} namespaces with pages or "
+                    "leases (limits.namespaces_per_tenant_max): clear unused ones or raise the limit")
+            # The node-wide cap binds a tenant only past its floor: other tenants filling it lock nobody out.
+            if (len(same_tenant) >= limits.namespaces_per_tenant_floor and len(self.namespaces) >= NAMESPACES_MAX
+                    and not self._reclaim_idle(list(self.namespaces))):
                 raise errors.CapacityExhausted(
-                    f"this node already holds {NAMESPACES_MAX} namespaces with pages or leases: clear unused ones")
+                    f"this node holds {len(self.namespaces)} namespaces with pages or leases, its most "
+                    f"({NAMESPACES_MAX}), and tenant {tenant!r} {len(same_tenant)} of them, past the "
+                    f"{limits.namespaces_per_tenant_floor} every tenant may always open "
+                    "(limits.namespaces_per_tenant_floor): clear unused ones")
             self.namespaces[ns_id] = namespace
         log.info("namespace opened id=%016x model=%s tenant=%s page_bytes=%d",
                  ns_id, namespace.model, namespace.tenant, namespace.page_bytes)
@@ -744,6 +750,11 @@ class PageStore:
             return removed, on_disk
 
     # -- leases: expiry, connections, draining -----------------------------------------
+
+    def owns_leases(self, owner: object) -> bool:
+        """Whether a lease ending with this connection is open."""
+        with self._lock:
+            return self.leases.any_owned_by(owner)
 
     def end_owner(self, owner: object) -> int:
         with self._lock:

@@ -10,11 +10,14 @@ Two kinds, chosen to keep the request path cheap:
   local). Data-plane bytes come from the service's counters of bytes it granted to be
   copied; the server never sees a shared-memory copy, and shm is the only transport yet.
 
+At most SCRAPES_MAX connections are served at once, each a thread for at most SCRAPE_TIMEOUT_S
+of silence: idle peers cannot pile up threads.
+
 The endpoint shows every tenant's namespaces and the node's totals, so it is an operator's
 view: with authentication configured (auth.*) a scrape must carry an admin token
 (`Authorization: Bearer <token>`, Prometheus' `authorization` scrape setting) and is
-answered 401 without a known token, 403 with a tenant's. Refused callers are counted per plane and error
-(kvstore_auth_refusals_total).
+answered 401 without a known token, 403 with a tenant's. Refused callers are counted per
+plane and error (kvstore_auth_refusals_total).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ GAUGE_FIELDS = frozenset({"capacity_bytes", "used_bytes", "pages", "leases_open"
 # A local-channel round trip is tens of microseconds; a batched gRPC call about a millisecond.
 LATENCY_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
                      100e-3, 250e-3, 1.0, 2.5)
+# Scrapes are few and short: a peer cannot hold more threads than this, or one longer.
+SCRAPES_MAX = 16
+SCRAPE_TIMEOUT_S = 10.0
 _NUMERIC = {FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_INT64,
             FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_DOUBLE,
             FieldDescriptor.TYPE_FLOAT}
@@ -78,11 +84,11 @@ class Metrics:
             app = _admin_only(app, self.auth)
         host = host.strip("[]")
 
-        class Server(ThreadingWSGIServer):
+        class Server(_BoundedServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
         try:
-            self._http = make_server(host, int(port), app, Server, handler_class=_SilentHandler)
+            self._http = make_server(host, int(port), app, Server, handler_class=_PatientHandler)
             threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
         except (OSError, ValueError) as exc:
             why = getattr(exc, "strerror", None) or exc
@@ -95,6 +101,31 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """At most SCRAPES_MAX connections at once, a thread each; one more is closed unanswered."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._slots = threading.BoundedSemaphore(SCRAPES_MAX)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("metrics connection refused peer=%s: %d scrapes already open", client_address, SCRAPES_MAX)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _PatientHandler(_SilentHandler):
+    timeout = SCRAPE_TIMEOUT_S   # a peer silent this long mid-request loses its thread
 
 
 class MeteredService:

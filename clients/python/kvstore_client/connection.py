@@ -145,7 +145,8 @@ class NodeConnection:
                     return rdma_transport.RdmaDataPath(self.grpc, options.timeout_s, options.rdma)
                 return TcpDataPath(hello.tcp_endpoint, options.timeout_s, options.tcp_congestion, hello.data_ticket,
                                    options.credentials.tcp_tls() if hello.tcp_tls else None)
-            except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable) as exc:
+            except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable,
+                    errors.CapacityExhausted) as exc:
                 if options.transport != "auto":
                     raise
                 log.info("data plane %s cannot be used, trying the next: %s", name, exc)
