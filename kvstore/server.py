@@ -283,6 +283,25 @@ def _log_native_core(config: Config) -> None:
                 index, hashing, hashing, why)
 
 
+def _warn_of_exposure(config: Config) -> None:
+    """Say at start-up where a setting protects less than it may seem to: tokens sent in the clear to
+    another host, and a uid list that guards only the local socket."""
+    auth = config.auth
+    plain = [f"{name}={address}" for name, address, tls in
+             (("server.grpc_address", config.server.grpc_address, bool(auth.tls_cert)),
+              ("ops.metrics_address", config.ops.metrics_address, False))
+             if address and not tls and not config_module.loopback_host(address.rpartition(":")[0])]
+    if auth.tokens_file and plain:
+        log.warning("bearer tokens reach %s in plaintext: whoever sees the traffic can act as their tenants; "
+                    "set auth.tls_cert and auth.tls_key (gRPC), and scrape metrics over loopback or a trusted "
+                    "network", ", ".join(plain))
+    if not auth.enabled and config.shm.allowed_uids:
+        log.warning("shm.allowed_uids guards the local socket only: without authentication every local user "
+                    "reaches gRPC (%s) and the TCP data plane and may read, write and delete every page; "
+                    "configure auth.tokens_file and auth.local_uids to tell users apart",
+                    config.server.grpc_address)
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvstore-server", description="kvstore node: a tiered KV-cache store.")
     parser.add_argument("--config", help="TOML configuration file")
@@ -337,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(config.ops.log_format, config.server.log_level)
     log.info("effective configuration", extra={"fields": {"config": config_module.as_dict(config)}})
     _log_native_core(config)
+    _warn_of_exposure(config)
     started = time.monotonic()
     notifier = Notifier(config.systemd)
     registration = None

@@ -11,6 +11,13 @@ tenant at its limit makes room by evicting its own least recently used pages, un
 same rules as any eviction (leaf-first, prefix-closed, write_back never drops an unsaved
 page); what its own pages cannot make room for is refused, never taken from another tenant.
 
+Where each tenant's pages live in slabs of its own (tenants told apart, tiers/dram.py), what a
+tenant holds is whole slabs, each of one page size, however few of its slots are used: a
+tenant storing one page of each of 16 sizes holds 16 slabs. SlabShares counts quotas in those
+slabs too, and gives each tenant with a quota a floor: slabs no other tenant's need takes
+from it (store.py `_slab_donors`), so a neighbour, however it spreads its pages, can neither
+evict a tenant within its quota nor starve it of the room the quota promises.
+
 Not thread-safe: the page store's lock guards every call.
 """
 
@@ -28,6 +35,32 @@ class TenantCounters:
     nvme_evictions: int = 0
     dram_refused_pages: int = 0  # pages a Reserve or promotion could not place within the DRAM quota
     nvme_refused_pages: int = 0  # pages a write-down left in DRAM only, over the NVMe quota
+
+
+class SlabShares:
+    """Each tenant's DRAM quota in whole slabs (rounded down, at least one) and its floor: its quota,
+    scaled down when the quotas add up to more slabs than the arena has."""
+
+    def __init__(self, limits: dict[str, tuple[int, int]], slab_bytes: int, slabs: int):
+        self.slab_bytes = slab_bytes
+        self._caps = {tenant: max(1, dram // slab_bytes) for tenant, (dram, _) in limits.items() if dram}
+        promised = sum(self._caps.values())
+        self._floors = {tenant: cap * slabs // promised if promised > slabs else cap
+                        for tenant, cap in self._caps.items()}
+
+    def cap(self, tenant: str) -> int:
+        """Slabs the tenant may hold; 0: no limit."""
+        return self._caps.get(tenant, 0)
+
+    def floor(self, tenant: str) -> int:
+        return self._floors.get(tenant, 0)
+
+    def refusal(self, tenant: str, held: int, quota_bytes: int) -> str:
+        return (f"tenant {tenant!r} holds {held} slabs of {self.slab_bytes} bytes, as many as its DRAM quota "
+                f"(tenants.quotas dram_bytes = {quota_bytes}) allows: a slab holds pages of one size, so each page "
+                "size it stores takes a slab of its own, and none of its own pages can be evicted for more (they "
+                "are leased, moving, or not yet written down); use fewer page sizes, release leases, delete "
+                "pages, or raise the quota")
 
 
 class TenantLedger:

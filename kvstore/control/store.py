@@ -36,7 +36,7 @@ from kvstore.config import Config
 from kvstore.control.index import NO_SLOT, PageRecord
 from kvstore.control.native_index import make_page_index
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
-from kvstore.control.quotas import TenantLedger
+from kvstore.control.quotas import SlabShares, TenantLedger
 from kvstore.limits import Limits
 from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
 from kvstore_client import errors
@@ -167,6 +167,9 @@ class PageStore:
         assert arena.slab_bytes == config.dram.slab_bytes, "the arena moves slabs of the allocator's size"
         self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes, place=arena.place)
         self.ledger = TenantLedger(config.tenants.quota_table(), arena.nbytes)
+        # Slabs are a tenant's own only with its own memfd; sharing one, tenants share slabs too.
+        self.shares = SlabShares(config.tenants.quota_table() if arena.tenants_apart else {},
+                                 config.dram.slab_bytes, arena.nbytes // config.dram.slab_bytes)
         self.index = make_page_index(config.server.native_index, on_removed=self._on_removed,
                                      on_dram_dropped=self._free_dram,
                                      tenant_of=lambda ns_id: self.namespaces[ns_id].tenant)
@@ -358,6 +361,8 @@ class PageStore:
             room = self._dram_room(reservation.tenant, reservation.slot_bytes, wanted, evict)
             reservation.refusal = self.ledger.dram_refusal(reservation.tenant) if room < wanted else ""
             granted = self._allocate(reservation.slot_bytes, room, evict, reservation.tenant)
+            if len(granted) < room and self._at_slab_cap(reservation.tenant):
+                reservation.refusal = self._slab_refusal(reservation.tenant)
             page_bytes = self.namespaces[lease.namespace_id].page_bytes
             first, count = reservation.first_index, len(granted)
             if wanted == len(reservation.states):   # every page wanted: the first `count` get slots
@@ -997,7 +1002,7 @@ class PageStore:
                 room = self._dram_room(record.tenant, record.slot_bytes, 1, evict)
                 got = self._allocate(record.slot_bytes, room, evict, record.tenant)
                 if not got:
-                    if not room:   # the tenant's quota, not the node, is what is short
+                    if not room or self._at_slab_cap(record.tenant):   # the tenant's quota, not the node, is short
                         self.ledger.of(record.tenant).dram_refused_pages += 1
                     break
                 slots += got
@@ -1146,6 +1151,8 @@ class PageStore:
                          for lease in self.leases.all())
             assert held + leased <= self.allocator.used_bytes, "a slot is used twice"
             assert sum(self.ledger.dram_bytes.values()) == self.allocator.used_bytes, "a slot has no tenant"
+            for tenant, slabs in self.allocator.slabs_held.items():
+                assert slabs <= (self.shares.cap(tenant) or slabs), f"tenant {tenant!r} holds slabs past its quota"
             for record in self.index.records():
                 if record.offset != NO_SLOT:
                     holder = self.arena.key(record.tenant)
@@ -1158,21 +1165,25 @@ class PageStore:
     def _allocate(self, slot_bytes: int, count: int, evict: Evict, tenant: str) -> list[int]:
         """Up to `count` free slots for `tenant`, evicting least recently used pages allowed by `evict`."""
         holder = self.arena.key(tenant)   # slabs are held whole by one tenant's memfd
-        offsets = self.allocator.allocate_many(slot_bytes, count, holder)
+        slabs_max = self.shares.cap(tenant)
+        offsets = self.allocator.allocate_many(slot_bytes, count, holder, slabs_max)
         keep_unsaved = evict is Evict.CLEAN
-        own_tenant = tenant if self.arena.tenants_apart else None   # whose victims free slots in `holder`
+        own = tenant if self.arena.tenants_apart else None   # whose victims free slots in `holder`'s slabs
         evicted = False
         while len(offsets) < count:
             # A victim of this size in this memfd's slabs frees one slot that allocation then hands out:
-            # evict as many as are still needed before allocating again, stopping early at one held in
-            # another memfd (it may free a whole slab instead, or nothing usable here).
-            freed, tenants = self.index.evict_dram_many(slot_bytes, keep_unsaved, count - len(offsets), own_tenant)
+            # evict as many as are still needed before allocating again. A tenant below its share takes
+            # a slab back from one above its own first (_slab_donors).
+            freed: list[int] = []
+            if self._slab_donors(tenant)[0] == own:
+                freed, tenants = self.index.evict_dram_many(slot_bytes, keep_unsaved, count - len(offsets),
+                                                            tenant=own)
             if freed:
                 self._evicted_many(slot_bytes, freed, tenants)
-            elif not self._evict_for_slab(keep_unsaved):
+            elif not self._evict_for_slab(keep_unsaved, tenant):
                 break
             evicted = True
-            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder)
+            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder, slabs_max)
         self.ledger.took(tenant, slot_bytes, offsets)
         if evicted:
             failpoints.hit("evict.after_victims")
@@ -1223,17 +1234,49 @@ class PageStore:
         for tenant, victims in collections.Counter(tenants).items():
             self.ledger.of(tenant).evictions += victims
 
-    def _evict_for_slab(self, keep_unsaved: bool) -> bool:
-        """Evict the oldest pages of other sizes until a whole slab is free (bounded)."""
+    def _evict_for_slab(self, keep_unsaved: bool, tenant: str) -> bool:
+        """Evict the oldest pages of the tenants _slab_donors names, in its order, until `tenant` may take a
+        whole free slab (bounded)."""
         budget = self.config.dram.slab_bytes // 4096
-        while not self.allocator.has_free_slab() and budget > 0:
-            slot_bytes = self.index.oldest_evictable_slot_bytes(keep_unsaved)
-            victim = self.index.evict_dram(slot_bytes, keep_unsaved) if slot_bytes is not None else None
-            if victim is None:
+        while not self._slab_takeable(tenant) and budget > 0:
+            for donor in self._slab_donors(tenant):
+                victim = self.index.evict_dram(None, keep_unsaved, donor)
+                if victim is not None:
+                    break
+            else:
                 return False
             self._evicted(victim)
             budget -= 1
-        return self.allocator.has_free_slab()
+        return self._slab_takeable(tenant)
+
+    def _slab_takeable(self, tenant: str) -> bool:
+        return self.allocator.has_free_slab() and not self._at_slab_cap(tenant)
+
+    def _at_slab_cap(self, tenant: str) -> bool:
+        cap = self.shares.cap(tenant)
+        return bool(cap) and self.allocator.slabs_held[tenant] >= cap
+
+    def _slab_donors(self, tenant: str) -> list[str | None]:
+        """Whose pages are evicted for a slab `tenant` needs, in order; None: anyone's (tenants share slabs).
+
+        Where slabs are each tenant's own, a tenant at its quota takes only its own. Otherwise it first
+        takes from tenants holding more slabs past their floor than it would after the move, the most
+        past first, then its own: nobody loses a slab of its floor to another's need, and under
+        contention every tenant converges to its floor plus an equal part of the rest.
+        """
+        if not self.arena.tenants_apart:
+            return [None]
+        if self._at_slab_cap(tenant):
+            return [tenant]
+        held, shares = self.allocator.slabs_held, self.shares
+        past = {name: slabs - shares.floor(name) for name, slabs in held.items() if slabs and name != tenant}
+        bar = max(0, held[tenant] - shares.floor(tenant) + 1)
+        donors: list[str | None] = sorted((name for name, over in past.items() if over > bar),
+                                          key=lambda name: -past[name])
+        return donors + [tenant]
+
+    def _slab_refusal(self, tenant: str) -> str:
+        return self.shares.refusal(tenant, self.allocator.slabs_held[tenant], self.ledger.dram_limit(tenant))
 
     def _deleting(self, page_ids: list[PageId]) -> None:
         """Lock held: these pages' NVMe copies are about to be deleted (see nvme_deleted)."""

@@ -4,7 +4,8 @@ Messages in kvstore are written as `what happened key=value key=value`; the JSON
 logfmt formats lift the trailing key=value pairs into fields, so a log pipeline can
 filter on `duration_s` or `pages` without parsing prose; a structured value (the effective
 configuration) is passed as `extra={"fields": {...}}` and stays structured. A traceback stays on
-the same line (escaped), so one event is always one line. With json or logfmt, what C libraries
+the same line (escaped), and so does any control character of a client's string, so one event
+is always one line. With json or logfmt, what C libraries
 write to stderr (gRPC core's own lines) is made structured too (kvstore/ops/stderr_lines.py).
 """
 
@@ -22,6 +23,9 @@ from typing import Any
 _PAIR = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(\S*)$")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+# Control characters as escapes: a newline in a client's string (a model name, a refused token)
+# never starts a line of its own, so nobody forges a log line through kvstore.
+_ESCAPES = {code: f"\\x{code:02x}" for code in (*range(32), 127)} | {10: "\\n", 13: "\\r", 9: "\\t"}
 
 
 def configure(log_format: str, level: str) -> None:
@@ -87,7 +91,7 @@ class TextFormatter(logging.Formatter):
     """The text format, with a record's structured fields appended as key=<json>."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = super().format(record).translate(_ESCAPES)
         extra = getattr(record, "fields", {})
         return line + "".join(f" {key}={json.dumps(value, sort_keys=True)}" for key, value in extra.items())
 
@@ -110,6 +114,6 @@ class LogfmtFormatter(logging.Formatter):
 
 def logfmt_value(value: Any) -> str:
     text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
-    if text and not any(c in text for c in ' "=\\\n\t'):
+    if text and not any(c in text for c in ' "=\\') and text.translate(_ESCAPES) == text:
         return text
-    return json.dumps(text)  # quoted, with quotes, backslashes and newlines escaped
+    return json.dumps(text)  # quoted, with quotes, backslashes and control characters escaped

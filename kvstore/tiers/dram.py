@@ -36,6 +36,7 @@ sizes and tenants as pages come and go.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import logging
@@ -253,6 +254,7 @@ class SlabAllocator:
             DEFAULT_TENANT: [i * slab_bytes for i in range(arena_bytes // slab_bytes - 1, -1, -1)]}
         self._slabs: dict[int, _Slab] = {}                            # slab base -> slab in use
         self._partial: dict[tuple[str, int], dict[int, _Slab]] = {}   # (tenant, slot size) -> slabs with a free slot
+        self.slabs_held: collections.Counter[str] = collections.Counter()   # tenant -> slabs with a used slot
         self.used_bytes = 0
         self.capacity_bytes = arena_bytes // slab_bytes * slab_bytes
 
@@ -261,17 +263,19 @@ class SlabAllocator:
         offsets = self.allocate_many(slot_bytes, 1, tenant)
         return offsets[0] if offsets else None
 
-    def allocate_many(self, slot_bytes: int, count: int, tenant: str = DEFAULT_TENANT) -> list[int]:
-        """Up to `count` free slots of this size in `tenant`'s slabs, taken a slab at a time (fewer when full)."""
+    def allocate_many(self, slot_bytes: int, count: int, tenant: str = DEFAULT_TENANT, slabs_max: int = 0) -> list[int]:
+        """Up to `count` free slots of this size in `tenant`'s slabs, taken a slab at a time (fewer when full,
+        or when `tenant` already holds `slabs_max` slabs; 0: no limit)."""
         partial = self._partial.setdefault((tenant, slot_bytes), {})
         offsets: list[int] = []
         while len(offsets) < count:
             if not partial:
-                base = self._take_slab(tenant)
+                base = None if slabs_max and self.slabs_held[tenant] >= slabs_max else self._take_slab(tenant)
                 if base is None:
                     break
                 slab = _Slab(base, tenant, self.slab_bytes, slot_bytes)
                 self._slabs[base] = slab
+                self.slabs_held[tenant] += 1
                 partial[base] = slab
             slab = next(iter(partial.values()))
             take = min(count - len(offsets), len(slab.free))
@@ -291,8 +295,7 @@ class SlabAllocator:
         partial = self._partial[(slab.tenant, slab.slot_bytes)]
         if len(slab.free) == slab.capacity:
             partial.pop(slab.base, None)
-            del self._slabs[slab.base]
-            self._free_slabs.setdefault(slab.tenant, []).append(slab.base)
+            self._release(slab)
         else:
             partial[slab.base] = slab
         return slab.slot_bytes
@@ -320,11 +323,16 @@ class SlabAllocator:
             partial = self._partial[(slab.tenant, slot_bytes)]
             if len(slab.free) == slab.capacity:
                 partial.pop(base, None)
-                del self._slabs[base]
-                self._free_slabs.setdefault(slab.tenant, []).append(base)
+                self._release(slab)
             else:
                 partial[base] = slab
             start = end
+
+    def _release(self, slab: _Slab) -> None:
+        """A slab's last slot came back: it is free, and stays with its tenant until another takes it."""
+        del self._slabs[slab.base]
+        self.slabs_held[slab.tenant] -= 1
+        self._free_slabs.setdefault(slab.tenant, []).append(slab.base)
 
     def has_free_slab(self) -> bool:
         return any(self._free_slabs.values())

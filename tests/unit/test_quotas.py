@@ -78,12 +78,12 @@ def test_a_tenant_at_its_dram_quota_evicts_its_own_pages_least_recently_used_fir
 
 
 def test_eviction_within_a_tenant_is_leaf_first(make):
-    svc = make(NODE + quotas(alice_dram=6 * PAGE))
+    svc = make(NODE + quotas(alice_dram=8 * PAGE))
     alice = open_ns(svc, PAGE, tenant="alice")
-    keys = chain("long", 6)
+    keys = chain("long", 8)
     put(svc, alice, keys, PAGE)
     put(svc, alice, chain("other", 2), PAGE)            # needs two slots: the chain loses its tail
-    assert held(svc, alice, keys) == 4
+    assert held(svc, alice, keys) == 6
     svc.store.check_invariants()
 
 
