@@ -15,8 +15,11 @@ Where each tenant's pages live in slabs of its own (tenants told apart, tiers/dr
 tenant holds is whole slabs, each of one page size, however few of its slots are used: a
 tenant storing one page of each of 16 sizes holds 16 slabs. SlabShares counts quotas in those
 slabs too, and gives each tenant with a quota a floor: slabs no other tenant's need takes
-from it (store.py `_slab_donors`), so a neighbour, however it spreads its pages, can neither
-evict a tenant within its quota nor starve it of the room the quota promises.
+from it, and free slabs kept for it while it holds fewer (store.py `_slab_donors`,
+`_new_slabs_allowed`). A quota is so a reservation as well as a limit: a neighbour, however it
+spreads its pages or holds its leases, can neither evict a tenant within its quota nor starve
+it of the room the quota promises. Quotas adding up to more than the arena have their floors
+scaled down to fit.
 
 Not thread-safe: the page store's lock guards every call.
 """
@@ -47,6 +50,10 @@ class SlabShares:
         promised = sum(self._caps.values())
         self._floors = {tenant: cap * slabs // promised if promised > slabs else cap
                         for tenant, cap in self._caps.items()}
+
+    def tenants(self) -> list[str]:
+        """Those with a quota, and so a floor."""
+        return list(self._caps)
 
     def cap(self, tenant: str) -> int:
         """Slabs the tenant may hold; 0: no limit."""

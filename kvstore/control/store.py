@@ -1165,8 +1165,7 @@ class PageStore:
     def _allocate(self, slot_bytes: int, count: int, evict: Evict, tenant: str) -> list[int]:
         """Up to `count` free slots for `tenant`, evicting least recently used pages allowed by `evict`."""
         holder = self.arena.key(tenant)   # slabs are held whole by one tenant's memfd
-        slabs_max = self.shares.cap(tenant)
-        offsets = self.allocator.allocate_many(slot_bytes, count, holder, slabs_max)
+        offsets = self.allocator.allocate_many(slot_bytes, count, holder, self._new_slabs_allowed(tenant))
         keep_unsaved = evict is Evict.CLEAN
         own = tenant if self.arena.tenants_apart else None   # whose victims free slots in `holder`'s slabs
         evicted = False
@@ -1183,7 +1182,8 @@ class PageStore:
             elif not self._evict_for_slab(keep_unsaved, tenant):
                 break
             evicted = True
-            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder, slabs_max)
+            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder,
+                                                    self._new_slabs_allowed(tenant))
         self.ledger.took(tenant, slot_bytes, offsets)
         if evicted:
             failpoints.hit("evict.after_victims")
@@ -1250,7 +1250,19 @@ class PageStore:
         return self._slab_takeable(tenant)
 
     def _slab_takeable(self, tenant: str) -> bool:
-        return self.allocator.has_free_slab() and not self._at_slab_cap(tenant)
+        allowed = self._new_slabs_allowed(tenant)
+        return self.allocator.free_slabs() > 0 if allowed is None else allowed > 0
+
+    def _new_slabs_allowed(self, tenant: str) -> int | None:
+        """How many more slabs `tenant` may take now (None: any free one, where tenants share slabs): free ones
+        not kept for another tenant's floor, and no more than its quota leaves."""
+        if not self.arena.tenants_apart:
+            return None
+        held, shares = self.allocator.slabs_held, self.shares
+        kept = sum(max(0, shares.floor(name) - held[name]) for name in shares.tenants() if name != tenant)
+        allowed = max(0, self.allocator.free_slabs() - kept)
+        cap = shares.cap(tenant)
+        return min(allowed, max(0, cap - held[tenant])) if cap else allowed
 
     def _at_slab_cap(self, tenant: str) -> bool:
         cap = self.shares.cap(tenant)
@@ -1261,8 +1273,10 @@ class PageStore:
 
         Where slabs are each tenant's own, a tenant at its quota takes only its own. Otherwise it first
         takes from tenants holding more slabs past their floor than it would after the move, the most
-        past first, then its own: nobody loses a slab of its floor to another's need, and under
-        contention every tenant converges to its floor plus an equal part of the rest.
+        past first, then its own. Free slabs up to every tenant's floor are kept for it
+        (_new_slabs_allowed), so nobody loses a slab of its floor to another's need, even to pages that
+        cannot be evicted (leased), and under contention every tenant converges to its floor plus an
+        equal part of the rest.
         """
         if not self.arena.tenants_apart:
             return [None]

@@ -263,16 +263,19 @@ class SlabAllocator:
         offsets = self.allocate_many(slot_bytes, 1, tenant)
         return offsets[0] if offsets else None
 
-    def allocate_many(self, slot_bytes: int, count: int, tenant: str = DEFAULT_TENANT, slabs_max: int = 0) -> list[int]:
+    def allocate_many(self, slot_bytes: int, count: int, tenant: str = DEFAULT_TENANT,
+                      new_slabs_max: int | None = None) -> list[int]:
         """Up to `count` free slots of this size in `tenant`'s slabs, taken a slab at a time (fewer when full,
-        or when `tenant` already holds `slabs_max` slabs; 0: no limit)."""
+        or past `new_slabs_max` more slabs; None: no limit)."""
         partial = self._partial.setdefault((tenant, slot_bytes), {})
         offsets: list[int] = []
+        new_slabs = 0
         while len(offsets) < count:
             if not partial:
-                base = None if slabs_max and self.slabs_held[tenant] >= slabs_max else self._take_slab(tenant)
+                base = None if new_slabs_max is not None and new_slabs >= new_slabs_max else self._take_slab(tenant)
                 if base is None:
                     break
+                new_slabs += 1
                 slab = _Slab(base, tenant, self.slab_bytes, slot_bytes)
                 self._slabs[base] = slab
                 self.slabs_held[tenant] += 1
@@ -334,8 +337,8 @@ class SlabAllocator:
         self.slabs_held[slab.tenant] -= 1
         self._free_slabs.setdefault(slab.tenant, []).append(slab.base)
 
-    def has_free_slab(self) -> bool:
-        return any(self._free_slabs.values())
+    def free_slabs(self) -> int:
+        return sum(map(len, self._free_slabs.values()))
 
     def tenant_of(self, offset: int) -> str:
         """The tenant whose slab holds this used slot."""

@@ -1,5 +1,6 @@
 """Connections cannot exhaust a node: local connections are capped and checked for identity before any
-frame is read, and idle TCP data-plane connections are closed, so real clients still get in."""
+frame is read, idle local and TCP connections make room for new ones, and a client that finds every
+local connection busy takes TCP, so real clients still get in."""
 
 import json
 import os
@@ -9,7 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from identities import Tokens
 from kvstore_client import KVStoreClient, Namespace, framing
+from kvstore_client.channel import LocalChannel
 from kvstore_client.proto import pb
 
 PAGE = 64 << 10
@@ -161,3 +164,59 @@ def test_at_the_tcp_limit_the_connection_idle_longest_makes_room(start_server):
         for sock in idle:
             sock.close()
     assert "to admit a new one" in server.log()
+
+
+def test_at_the_local_limit_the_connection_idle_longest_makes_room(start_server):
+    """Idle local sockets (one byte each, a frame never finished) lock no local client out."""
+    server = start_server({"shm.connections_max": 8})
+    idle = []
+    for _ in range(8):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(server.socket_path)
+        sock.sendall(b"\x01")
+        idle.append(sock)
+    try:
+        time.sleep(1.2)   # past RECLAIM_IDLE_S
+        with KVStoreClient(server.address, transport="shm", timeout_s=20) as client:
+            assert client.transport == "shm"
+            put_and_get(client, seed=5)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert "to admit a new one" in server.log()
+
+
+def test_a_client_finding_every_local_connection_busy_takes_tcp(start_server):
+    """Connections holding leases are not reclaimed (their clients may be copying); a new client moves on."""
+    server = start_server({"shm.connections_max": 2})
+    with KVStoreClient(server.address, transport="tcp") as opener:
+        ns_id = opener._namespace_id(NS)
+        hello = opener._conn.hello
+    holders = [LocalChannel(hello.shm_socket, 5.0) for _ in range(2)]
+    try:
+        for i, holder in enumerate(holders):
+            reserved = holder.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[f"held{i}".encode()],
+                                                                page_bytes=PAGE, lease_ttl_ms=60_000))
+            assert reserved.lease_id
+        time.sleep(1.2)
+        with KVStoreClient(server.address, timeout_s=20) as client:
+            assert client.transport == "tcp"
+            put_and_get(client, seed=6)
+    finally:
+        for holder in holders:
+            holder.close()
+    assert "shm.connections_max=2 reached, none idle" in server.log()
+
+
+def test_a_first_frame_before_the_token_is_small(start_server, tmp_path):
+    tokens = Tokens(tmp_path)
+    server = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice",
+                           "auth.local_require_token": "true"})
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    sock.connect(server.socket_path)
+    sock.sendall(framing.HEADER.pack(1 << 20, framing.AUTHENTICATE))   # 1 MiB announced, none sent
+    code, text = read_frame(sock)
+    assert code == pb.MALFORMED_REQUEST and "before its token" in text and "at most 4096 bytes" in text, text
+    assert sock.recv(1) == b""
+    sock.close()
