@@ -220,8 +220,10 @@ class Node:
         while not self._stop.wait(interval):
             try:
                 self.service.reap_expired()
-                if self.arena.tenants_apart:   # memory a client allocated in its memfd's holes
-                    self.store.trim_arena()
+                if self.arena.tenants_apart:
+                    if self.local is not None:   # memory a client may map no longer
+                        self.local.cut_off_revoked()
+                    self.store.trim_arena()      # memory a client allocated in its memfd's holes
             except AssertionError as exc:
                 stop_node("lease reaper", exc)
             except Exception:  # the reaper must outlive a bug in one pass

@@ -251,6 +251,14 @@ class Authenticator:
         return Identity(body[_TICKET_HEAD.size:tenant_end].decode(), ADMIN if admin else TENANT,
                         token_digest=body[tenant_end:])
 
+    def in_force(self, token_digest: bytes) -> bool:
+        """Whether the token with this digest is in the table and not expired."""
+        try:
+            self.tokens.entry(token_digest)
+        except errors.KVStoreError:
+            return False
+        return True
+
     def reload(self) -> None:
         """SIGHUP: reread the token file; a bad file is reported and the table in force kept."""
         if not self.config.tokens_file:

@@ -113,6 +113,9 @@ class LeaseTable:
     def all(self) -> list[Lease]:
         return list(self._leases.values())
 
+    def held_by(self, tenant: str) -> int:
+        return self._held[tenant]
+
     def any_owned_by(self, owner: object) -> bool:
         return any(lease.owner is owner for lease in self._leases.values())
 

@@ -16,6 +16,12 @@ in a memfd of their own, so the fd exposes no other tenant's bytes); an admin ge
 tenant's memfd too, and moves other tenants' pages over TCP. Where tenants share one memfd
 (rdma.enabled with authentication) only an admin may map it. Other frames carry kvstore.v1
 requests (framing.py).
+A process keeps what it mapped after its token is revoked or expires. So the node notes which
+tokens each tenant's memfd went to, and once one of them is no longer in force
+(cut_off_revoked, on every reaper pass) it closes that tenant's local connections, refuses
+MAP_ARENA for it meanwhile, and replaces the tenant's memfd (Arena.replace_memfd) at the first
+moment none of its leases is open: the old mapping then shows none of the tenant's pages. The
+tenant's clients reconnect and map the new memfd.
 After each answer a connection polls for its next frame for shm.spin_us before it sleeps in
 recv: a put's Reserves and Commits follow each other closely, and each wake-up of a sleeping
 thread adds 25-45 us on a VM (4 KiB puts: about 10% more pages/s). Leases taken on a
@@ -77,6 +83,8 @@ class LocalServer:
         self._lock = threading.Lock()
         self._closed = False
         self._refusals = _Refusals(held_max=connections_max)
+        self._handed: dict[str, set[bytes]] = {}   # tenant -> digests of the tokens its memfd went to
+        self._replacing: set[str] = set()          # tenants whose memfd waits to be replaced
         self._thread = threading.Thread(target=self._accept_loop, name="shm-accept", daemon=True)
 
     def start(self) -> None:
@@ -158,6 +166,32 @@ class LocalServer:
                 pass
             return True
         return False
+
+    def cut_off_revoked(self) -> None:
+        """Reaper pass: a tenant whose memfd went to a token no longer in force has its local connections
+        closed and, once none of its leases is open, its memfd replaced."""
+        with self._lock:
+            for key, digests in list(self._handed.items()):
+                if not all(map(self._auth.in_force, digests)):
+                    log.warning("a token that mapped tenant %r's shared memory is revoked or expired: closing the "
+                                "tenant's local connections and replacing its memory", key)
+                    self._replacing.add(key)
+                    del self._handed[key]
+            if not self._replacing:
+                return
+            mapped = [peer.conn for peer in self._connections.values() if peer.owner.arena in self._replacing]
+            pending = list(self._replacing)
+        for conn in mapped:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)   # its thread ends its leases; the client reconnects
+            except OSError:
+                pass
+        for key in pending:
+            if self._service.store.replace_memfd(key):
+                with self._lock:
+                    self._replacing.discard(key)
+                log.info("tenant %r's shared memory replaced: what a revoked client mapped shows none of its pages",
+                         key)
 
     def _serve(self, peer: "_Peer", pid: int) -> None:
         conn, owner = peer.conn, peer.owner
@@ -246,8 +280,19 @@ class LocalServer:
             self._auth.refused("local", refusal)
             _send_error(conn, refusal)
             return
+        key = arena.key(identity.tenant)
+        with self._lock:   # noted before the fd goes out, so cut_off_revoked closes this connection too
+            replacing = key in self._replacing
+            if not replacing:
+                owner.arena = key
+                if identity.token_digest and arena.tenants_apart:
+                    self._handed.setdefault(key, set()).add(identity.token_digest)
+        if replacing:
+            _send_error(conn, errors.TransportUnavailable(
+                f"tenant {key!r}'s shared memory is being replaced after one of its tokens was revoked; a client "
+                "moves its pages over TCP meanwhile, and maps the new memory when it reconnects"))
+            return
         fd = arena.fd_of(identity.tenant)
-        owner.arena = arena.key(identity.tenant)
         answer = framing.ARENA_OF_ONE_TENANT if arena.tenants_apart else b""
         conn.sendmsg([framing.encode(0, answer)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
 

@@ -184,6 +184,7 @@ class PageStore:
         self._nvme_deleting: dict[PageId, int] = {}
         self._nvme_admitted: set[PageRecord] = set()       # write-downs counted in ledger.nvme_writing_bytes
         self.counters = Counters()
+        self._promoting = 0   # slots claimed for promotion whose NVMe reads are not finished
         self.listener: StoreListener = _NoListener()
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
         self.draining = False
@@ -1011,6 +1012,7 @@ class PageStore:
             for record in todo:
                 record.busy = True
                 record.pins += 1
+            self._promoting += len(slots)
             if short:
                 self.listener.on_dram_short()
         return Claim(todo, slots, short)
@@ -1024,6 +1026,7 @@ class PageStore:
         Returns (pages promoted, NVMe ids of dropped pages, for the caller to delete)."""
         promoted, promoted_bytes, garbage = 0, 0, []
         with self._lock:
+            self._promoting -= len(claim.slots)
             for position, (record, slot) in enumerate(zip(claim.records, claim.slots)):
                 ok = position < len(read_ok) and read_ok[position]
                 self.index.release_busy(record)
@@ -1096,6 +1099,15 @@ class PageStore:
                     garbage += self._drop_corrupt(record)
             self._deleting(garbage)
         return len(changed), garbage
+
+    def replace_memfd(self, tenant: str) -> bool:
+        """Move the tenant's pages into a fresh memfd (Arena.replace_memfd) if nothing writes them now: no
+        lease of the tenant open and no promotion under way. False: not now, ask again."""
+        with self._lock:
+            if self.leases.held_by(tenant) or self._promoting:
+                return False
+            self.arena.replace_memfd(tenant)
+        return True
 
     def trim_arena(self) -> int:
         """Punch the tenants' memfds back to the slabs each holds (Arena.trim); bytes freed."""

@@ -24,6 +24,10 @@ handed exposes only its tenant's pages:
 - A client may touch the holes of its own memfd and so allocate memory the node did not
   give it; trim() punches a memfd back to the slabs its tenant holds (the lease reaper
   calls it), so such memory lives at most one reaper pass.
+- A mapping cannot be taken back from a process, so when one that was handed a tenant's memfd
+  loses its right to it (its token revoked), replace_memfd() moves the tenant's slabs into a
+  fresh memfd and empties the old one: what that process still maps shows none of the
+  tenant's pages, old or new. The old fd is kept, and punched empty on every trim().
 - With tenants not told apart (no authentication, or RDMA on: a registered memory region
   pins the pages it was given, and a slab remapped under it would leave the NIC reading
   and writing the old pages), every tenant's slabs stay in the one memfd of tenant "".
@@ -98,6 +102,7 @@ class Arena:
         self._hugepages = hugepages
         self._prefault = prefault
         self._fds: dict[str, int] = {}
+        self._retired: list[int] = []         # replaced memfds (replace_memfd), kept empty
         self._fds_lock = threading.Lock()     # local connections ask for fds while the store moves slabs
         self._holders: list[str] = [DEFAULT_TENANT] * -(-nbytes // slab_bytes)   # slab index -> tenant
         self.slab_moves = 0
@@ -186,6 +191,28 @@ class Arena:
         log.debug("slab moved offset=%d from=%r to=%r", slab_base, old, key)
         return True
 
+    def replace_memfd(self, tenant: str) -> None:
+        """Give `tenant` a fresh memfd holding the same pages and empty the old one. The caller sees that
+        nothing writes the tenant's slabs meanwhile (no lease of it open, no promotion under way)."""
+        assert self.tenants_apart, "tenants sharing one memfd have none of their own to replace"
+        with self._fds_lock:
+            old = self._fds.pop(tenant)
+        new = self.fd_of(tenant)
+        for index, holder in enumerate(self._holders):
+            if holder != tenant:
+                continue
+            base = index * self.slab_bytes
+            nbytes = min(self.slab_bytes, self.nbytes - base)
+            staging = mmap.mmap(new, nbytes, offset=base)
+            try:
+                staging[:] = self.view[base:base + nbytes]
+            finally:
+                staging.close()
+            _map_fixed(self.address + base, nbytes, new, base, self._prefault)   # the same bytes, from `new`
+        _punch(old, 0, self.nbytes)
+        with self._fds_lock:
+            self._retired.append(old)
+
     def trim(self) -> int:
         """Punch each memfd back to the slabs its tenant holds (a client may have touched holes of its own
         memfd, allocating memory nobody gave it). Returns the bytes freed."""
@@ -205,6 +232,15 @@ class Arena:
             freed += max(allocated - now, 0)
             log.warning("tenant %r's memfd held %d bytes beyond its slabs (touched by a client): punched out",
                         key, allocated - held)
+        with self._fds_lock:
+            retired = list(self._retired)
+        for fd in retired:
+            allocated = os.fstat(fd).st_blocks * 512
+            if allocated:
+                _punch(fd, 0, self.nbytes)
+                freed += allocated
+                log.warning("a replaced memfd held %d bytes (touched by a process that kept it): punched out",
+                            allocated)
         self.trimmed_bytes += freed
         return freed
 
@@ -218,9 +254,10 @@ class Arena:
 
     def _close_fds(self) -> None:
         with self._fds_lock:
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), *self._retired]:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
 
 
 class _Slab:

@@ -1,12 +1,15 @@
 """Each tenant's DRAM is a memfd of its own: a local client of one tenant, mapping the fd it is handed,
 finds no byte of another tenant's pages, even in a slab that moved between them; both tenants move
-pages over shared memory; a page changed through a mapping is refused by get and dropped by the node."""
+pages over shared memory; a page changed through a mapping is refused by get and dropped by the node;
+a memfd can be neither shrunk nor grown; and what a client mapped shows nothing once its token is
+revoked."""
 
 from __future__ import annotations
 
 import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -15,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from identities import Tokens
+from identities import Tokens, token_line
+from kvstore.control.identity import token_digest
 from kvstore_client import KVStoreClient, Namespace, errors
 from kvstore_client.channel import LocalChannel
 from kvstore_client.proto import pb
@@ -290,3 +294,43 @@ def test_gpu_transfers_need_the_arena_in_one_memfd(start_server, tmp_path):
         with pytest.raises(errors.InvalidArgument, match="needs the arena in one memfd"):
             gpu_pages.put_from_gpu(ns, ["k0"], case.cache, "lmcache", [0])
     assert device.register_calls == 0
+
+
+def test_a_client_whose_token_is_revoked_sees_none_of_its_tenants_pages_in_what_it_mapped(start_server, tmp_path):
+    tokens = Tokens(tmp_path)
+    revoked = "a-second-token-of-alice"
+    tokens.lines.append(token_line(revoked, "alice"))
+    tokens.write()
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice",
+                         "dram.arena_bytes": str(4 * SLAB), "dram.slab_bytes": str(SLAB)})
+    before, after = pages(4, seed=11), pages(4, seed=12)
+    with KVStoreClient(node.address, token=tokens.alice) as alice:
+        assert alice.transport == "shm" and alice.put(NS, [f"old{i}" for i in range(4)], before) == 4
+        local = LocalChannel(alice._conn.hello.shm_socket, 5.0, revoked)
+        fd = local.map_arena_fd()
+        kept = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        try:
+            assert all(bytes(kept).find(m) >= 0 for m in markers(before)), "the mapping showed the tenant's pages"
+            tokens.lines = [line for line in tokens.lines if not line.startswith(token_digest(revoked).hex())]
+            tokens.write()
+            node.process.send_signal(signal.SIGHUP)
+            wait_for_log(node, "shared memory replaced")
+            assert alice.put(NS, [f"new{i}" for i in range(4)], after) == 4
+            seen = bytes(kept)
+            assert not any(seen.find(m) >= 0 for m in markers(before) + markers(after)), \
+                "a revoked client still sees its tenant's pages"
+            out = np.zeros_like(before)
+            assert alice.get(NS, [f"old{i}" for i in range(4)], out, verify=True) == 4 and np.array_equal(out, before)
+            assert alice.get(NS, [f"new{i}" for i in range(4)], out, verify=True) == 4 and np.array_equal(out, after)
+            assert alice.transport == "shm"
+        finally:
+            kept.close()
+            os.close(fd)
+            local.close()
+
+
+def wait_for_log(node, words: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while words not in node.log():
+        assert time.monotonic() < deadline, node.log()
+        time.sleep(0.05)
