@@ -115,3 +115,23 @@ def test_tenants_filling_the_node_with_namespaces_lock_no_other_tenant_out(start
         with pytest.raises(errors.CapacityExhausted,
                            match=r"its most \(4096\), and tenant 'carol' 16 of them.*namespaces_per_tenant_floor"):
             carol.put(Namespace(model="c16", page_bytes=4096), ["k"], page)
+
+
+def test_leases_a_tenant_never_releases_stop_at_its_cap_and_leave_others_theirs(start_server, tokens):
+    node = start_server({"auth.tokens_file": str(tokens.path), "leases.per_tenant_max": "64"})
+    ns = Namespace(model="leases", page_bytes=4096, page_tokens=16)
+    page = np.zeros((1, 4096), np.uint8)
+    with KVStoreClient(node.address, token=tokens.alice) as alice, \
+            KVStoreClient(node.address, token=tokens.bob) as bob:
+        for client in (alice, bob):
+            assert client.put(ns, ["k"], page) == 1
+
+        def acquire(client):
+            return client._grpc.call("Acquire", pb.AcquireRequest(namespace_id=client._namespace_id(ns), keys=[b"k"],
+                                                                   lease_ttl_ms=60_000))
+        assert all(acquire(alice).hit_pages == 1 for _ in range(64))    # never released
+        with pytest.raises(errors.CapacityExhausted, match=r"tenant 'alice' holds 64 open leases.*per_tenant_max"):
+            acquire(alice)
+        assert acquire(bob).hit_pages == 1
+        out = np.ones_like(page)
+        assert bob.get(ns, ["k"], out) == 1 and not out.any()
