@@ -191,3 +191,23 @@ def test_lookup_by_tokens_hashes_them_as_a_put_by_keys_did(three_nodes, etcd):
             client.lookup(NS, keys=prefix_hashes(tokens, page_tokens=4), tokens=tokens)
         with pytest.raises(errors.InvalidArgument, match="page_tokens"):
             client.lookup(Namespace(model="cluster-test", page_bytes=PAGE_BYTES), tokens=tokens)
+
+
+def test_a_replica_that_misses_a_segment_is_read_from_the_next(three_nodes, etcd):
+    cluster, nodes = three_nodes
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", segment_pages=8, replicas=3,
+                        replicated_segments=1) as pool:
+        wait_members(pool, set(nodes))
+        keys, data = chain(7, 8)                       # one segment, on all three nodes
+        assert pool.put(NS, keys, data) == 8
+        segment = pool._plan(encode_keys(keys))[0]
+        assert sorted(segment.nodes) == sorted(nodes)
+        dropped = segment.nodes[0]
+        assert pool._node(dropped).delete(NS, keys[:1]) == 8     # one replica loses it
+        for _ in range(20):                            # whichever replica a read picks first
+            out = np.zeros_like(data)
+            assert pool.get(NS, keys, out) == 8 and np.array_equal(out, data)
+        nodes[segment.nodes[1]].kill()                 # and with a second replica gone
+        for _ in range(10):
+            out = np.zeros_like(data)
+            assert pool.get(NS, keys, out) == 8 and np.array_equal(out, data)

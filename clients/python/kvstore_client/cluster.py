@@ -14,7 +14,9 @@ node's client falls back to TCP as KVStoreClient's transport="auto" does, at con
 mid-session, whenever RDMA cannot start or breaks (no device, port down, a refused peer).
 
 A lost node costs misses, not errors: get and lookup count its pages as absent, put stops
-counting at its segment. A node that stops renewing its etcd lease leaves the view within
+counting at its segment. A get of a replicated segment that one replica misses (or cannot
+answer) reads it from the next. No call returns, not even with an error, before every piece it
+started has ended: a piece still running may be copying into the caller's buffer. A node that stops renewing its etcd lease leaves the view within
 one lease TTL and its segments are placed on the others. Errors a caller can act on (bad
 input, a full node, a refused identity) are raised as in KVStoreClient.
 
@@ -30,7 +32,7 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
@@ -116,7 +118,7 @@ class KVStoreCluster:
             return first - segment.start + stored
 
         calls = [(segment, node_id) for segment in segments if segment.stop > skip_pages for node_id in segment.nodes]
-        counts = self._fan_out([(lambda s=s, n=n: put_piece(s, n)) for s, n in calls], miss=0)
+        counts = fan_out(self._pool, [(lambda s=s, n=n: put_piece(s, n)) for s, n in calls], miss=0)
         stored_by_segment = {s.start: s.stop - s.start for s in segments if s.stop <= skip_pages}
         for (segment, _), count in zip(calls, counts):    # a replicated segment is stored if any replica has it
             stored_by_segment[segment.start] = max(stored_by_segment.get(segment.start, 0), count)
@@ -137,13 +139,24 @@ class KVStoreCluster:
 
         def get_piece(segment: placement.Segment) -> int:
             first = max(segment.start, skip_pages)
-            node = self._node(_reader(segment))
-            return first - segment.start + node.get(
-                namespace, raw[first:segment.stop], pages[first - skip_pages:segment.stop - skip_pages],
-                wait_ms=wait_ms, timeout_s=self._timeout_s + wait_ms / 1000)
+            best, lost = 0, None
+            for node_id in _readers(segment):   # the next replica when one misses or is lost
+                try:
+                    got = self._node(node_id).get(
+                        namespace, raw[first:segment.stop], pages[first - skip_pages:segment.stop - skip_pages],
+                        wait_ms=wait_ms, timeout_s=self._timeout_s + wait_ms / 1000)
+                except NODE_LOST as exc:
+                    lost = exc
+                    continue
+                best = max(best, got)
+                if first + best == segment.stop:
+                    break
+            if not best and lost is not None:
+                raise lost
+            return first - segment.start + best
 
         placed = [s for s in segments if s.nodes]
-        counts = self._fan_out([(lambda s=s: get_piece(s)) for s in placed], miss=0)
+        counts = fan_out(self._pool, [(lambda s=s: get_piece(s)) for s in placed], miss=0)
         del keepalive
         if not segments:
             return 0
@@ -160,22 +173,23 @@ class KVStoreCluster:
         """
         raw = lookup.chain_keys(namespace, keys, tokens)
         segments = [s for s in self._plan(raw) if s.nodes]
-        counts = self._fan_out([(lambda s=s: self._node(_reader(s)).lookup(namespace, keys=raw[s.start:s.stop]))
-                                for s in segments], miss=0)
+        counts = fan_out(self._pool, [(lambda s=s: self._node(_readers(s)[0]).lookup(namespace,
+                                                                                  keys=raw[s.start:s.stop]))
+                                      for s in segments], miss=0)
         return _leading(self._plan(raw), {s.start: c for s, c in zip(segments, counts)})
 
     def delete(self, namespace: Namespace, keys: Sequence[Key]) -> int:
         """Remove the chain's pages on every node that holds them; returns pages removed."""
         raw = encode_keys(keys)
         calls = [(segment, node_id) for segment in self._plan(raw) for node_id in segment.nodes]
-        counts = self._fan_out([(lambda s=s, n=n: self._node(n).delete(namespace, raw[s.start:s.stop]))
-                                for s, n in calls], miss=0)
+        counts = fan_out(self._pool, [(lambda s=s, n=n: self._node(n).delete(namespace, raw[s.start:s.stop]))
+                                      for s, n in calls], miss=0)
         return sum(counts)
 
     def stats(self) -> dict[str, Any]:
         """Each reachable member's StatsResponse, by node id (a lost node is left out)."""
         members = self.members()
-        answers = self._fan_out([(lambda m=m: self._node(m.node_id).stats()) for m in members], miss=None)
+        answers = fan_out(self._pool, [(lambda m=m: self._node(m.node_id).stats()) for m in members], miss=None)
         return {m.node_id: a for m, a in zip(members, answers) if a is not None}
 
     def close(self) -> None:
@@ -197,18 +211,6 @@ class KVStoreCluster:
     def _plan(self, raw: list[bytes]) -> list[placement.Segment]:
         weights = placement.placeable(self._view.members(), time.time())
         return placement.plan(raw, weights, self.segment_pages, self.replicas, self.replicated_segments)
-
-    def _fan_out(self, calls: list[Callable[[], T]], miss: Any) -> list[Any]:
-        """Run the calls at once; a call on a lost node answers `miss`."""
-        futures = [self._pool.submit(call) for call in calls]
-        results = []
-        for future in futures:
-            try:
-                results.append(future.result())
-            except NODE_LOST as exc:
-                log.info("a node did not answer (%s: %s): counted as a miss", type(exc).__name__, exc)
-                results.append(miss)
-        return results
 
     def _node(self, node_id: str) -> KVStoreClient:
         """The client of a member, opened on first use (and again when its record changed)."""
@@ -257,9 +259,33 @@ def data_plane(member: Member, host_id: str, transport: str, rdma_given: bool) -
     return "rdma" if member.rdma and rdma_given else "tcp"
 
 
-def _reader(segment: placement.Segment) -> str:
-    """The replica one read goes to: any of them, so a shared prefix's reads spread."""
-    return segment.nodes[0] if len(segment.nodes) == 1 else random.choice(segment.nodes)
+def fan_out(pool: Executor, calls: list[Callable[[], T]], miss: Any) -> list[Any]:
+    """Run the calls at once and wait for every one to end; a call on a lost node answers `miss`. Any other
+    error is raised, but only once all have ended: one still running may be writing into a caller's buffer."""
+    futures = [pool.submit(call) for call in calls]
+    wait(futures)
+    results, failure = [], None
+    for future in futures:
+        exc = future.exception()
+        if exc is None:
+            results.append(future.result())
+            continue
+        if not isinstance(exc, NODE_LOST):
+            failure = failure or exc
+        else:
+            log.info("a node did not answer (%s: %s): counted as a miss", type(exc).__name__, exc)
+        results.append(miss)
+    if failure is not None:
+        raise failure
+    return results
+
+
+def _readers(segment: placement.Segment) -> list[str]:
+    """The replicas a read tries, in order: any of them first, so a shared prefix's reads spread."""
+    if len(segment.nodes) <= 1:
+        return list(segment.nodes)
+    first = random.randrange(len(segment.nodes))
+    return [*segment.nodes[first:], *segment.nodes[:first]]
 
 
 def _chain_keys(keys: Sequence[Key], skip_pages: int) -> list[bytes]:
