@@ -142,6 +142,12 @@ def promote_wait_s(request: pb.AcquireRequest, config: Config) -> float:
     return controller.promote_wait_ms_max / 1000
 
 
+def prefetch_policy(policy: int, what: str = "policy") -> None:
+    if policy not in pb.PrefetchPolicy.values():
+        names = ", ".join(f"{name} ({value})" for name, value in pb.PrefetchPolicy.items())
+        raise errors.InvalidArgument(f"{what}={policy} is not a PrefetchPolicy: send one of {names}")
+
+
 def commit_wait_s(request: pb.AcquireRequest, config: Config) -> float:
     """How long an Acquire may wait for pages not yet committed: wait_ms, at most controller.promote_wait_ms_max."""
     most = config.controller.promote_wait_ms_max
@@ -204,6 +210,7 @@ def acquire_group(request: pb.AcquireGroupRequest, limits: Limits) -> list[list[
     """Each part's keys; a part waits for no commit and names no queue pair (those are single Acquire's)."""
     group_parts(request.parts, "parts")
     for i, part in enumerate(request.parts):
+        prefetch_policy(part.policy, f"parts[{i}].policy")
         if part.wait_ms or part.rdma_qp_num:
             raise errors.InvalidArgument(f"parts[{i}] sets wait_ms or rdma_qp_num, which AcquireGroup does not take: "
                                          "send 0")

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 WRITE_THROUGH, SELECTIVE, WRITE_BACK = "write_through", "write_through_selective", "write_back"
 # Pages whose NVMe reads are issued together; the TIMEOUT policy's deadline is checked between groups.
 PROMOTE_GROUP_PAGES = 128
+# A full NVMe tier is a cache at capacity, its normal state: its evictions are counted
+# (nvme_evictions) and said in the log at most this often.
+FULL_LOG_EVERY_S = 60.0
 
 
 class CacheController:
@@ -56,6 +59,8 @@ class CacheController:
         self._prefetch: collections.OrderedDict[PageRecord, None] = collections.OrderedDict()
         self._dram_short = False
         self._saved_namespaces: set[int] = set()
+        self._full_evicted = 0                  # NVMe pages evicted for room since the last line said so
+        self._full_logged_at = -FULL_LOG_EVERY_S
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="cache-controller", daemon=True)
         store.protect_unsaved = config.write_policy == WRITE_BACK
@@ -293,7 +298,12 @@ class CacheController:
     def _make_room(self, shard: int, pages: int) -> None:
         victims = self._store.nvme_victims(lambda r: self._nvme.shard_of(*r.page_id), shard, 2 * pages)
         self._delete_from_nvme([r.page_id for r in victims])
-        log.info("NVMe shard %d full: evicted pages=%d", shard, len(victims))
+        self._full_evicted += len(victims)
+        now = time.monotonic()
+        if now - self._full_logged_at >= FULL_LOG_EVERY_S:
+            log.info("NVMe full: evicted pages=%d (said at most once a minute; nvme_evictions counts them all)",
+                     self._full_evicted)
+            self._full_evicted, self._full_logged_at = 0, now
 
 
 def _by_bytes(shard: int, group: list[PageRecord], txn_bytes: int) -> list[tuple[int, list[PageRecord]]]:

@@ -97,15 +97,16 @@ class LeaseTable:
 
     def expired(self, now: float) -> Iterator[Lease]:
         """Leases past their deadline and not busy; the caller closes each one it is given."""
-        postponed = []
+        postponed, given = [], set()
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, lease_id = heapq.heappop(self._deadlines)
             lease = self._leases.get(lease_id)
-            if lease is None or lease.deadline > now:   # gone, or restarted (a later entry stands)
+            if lease is None or lease.deadline > now or lease_id in given:   # gone, restarted, or an older entry
                 continue
             if lease.busy:
                 postponed.append((deadline, lease_id))
                 continue
+            given.add(lease_id)
             yield lease
         for entry in postponed:
             heapq.heappush(self._deadlines, entry)

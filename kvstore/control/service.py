@@ -180,6 +180,7 @@ class KVStoreService:
     def acquire(self, request: pb.AcquireRequest, owner: object | None) -> pb.AcquireResponse:
         namespace = self.store.namespace(request.namespace_id)
         keys = checks.keys(request.keys, self.limits)
+        checks.prefetch_policy(request.policy)
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.read_ttl_ms, self.config)
         commit_wait_s = checks.commit_wait_s(request, self.config)
         self._touch_rdma(request.rdma_qp_num)

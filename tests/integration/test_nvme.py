@@ -170,6 +170,16 @@ def test_an_unusable_shard_directory_stops_start_up(start_server, tmp_path):
         start_server(nvme_settings(tmp_path, **{"nvme.paths": f"{blocker}/shard"}))
 
 
+def test_a_full_tier_is_said_in_the_log_at_most_once_a_minute(start_server, tmp_path):
+    """A cache at capacity is its normal state: counted in nvme_evictions, not logged per eviction."""
+    server = start_server(nvme_settings(tmp_path, **{"nvme.paths": f"{tmp_path}/small", "nvme.map_bytes": "4MiB"}))
+    with KVStoreClient(server.address) as c:
+        for chain in range(40):  # 320 pages of 64 KiB into a 4 MiB map
+            assert c.put(NS, keys_of(chain, 8), chain_data(chain, 8)) == 8
+        wait_for(lambda: tier(c.stats(), "NVME").evictions >= 128)   # room made many times
+    assert server.log().count("NVMe full: evicted") == 1, server.log()
+
+
 def test_a_full_disk_evicts_and_keeps_serving(start_server, tmp_path):
     import subprocess
     disk = tmp_path / "small-disk"
