@@ -70,6 +70,8 @@ def test_every_bad_argument_is_the_sdks_invalid_argument(client, ns, server):
         lambda: client.put(ns, ["a"], None),                                 # no pages
         lambda: client.put(ns, ["a"], [[1, 2, 3]]),                          # a page that is not a buffer
         lambda: client.put(ns, ["a"], pages(2)),                             # two pages for one key
+        lambda: client.get(ns, ["a"], np.empty((1, PAGE // 8), object)),     # pointers, not page bytes
+        lambda: client.put(ns, ["a"], np.empty((1, PAGE // 8), object)),
         lambda: client.get(ns, ["a"], np.zeros((1, PAGE), np.uint8), policy="soon"),
         lambda: client.lookup(ns, ["a"], timeout_s=-1),
         lambda: client.route(ns, "engine-a", keys=["a"]),                    # engine_ids is a list

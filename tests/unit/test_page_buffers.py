@@ -5,7 +5,7 @@ import pytest
 
 from kvstore_client.buffers import PageRows, page_segments
 from kvstore_client.data_path import PageColumns, offsets_and_segments
-from kvstore_client.errors import PageSizeMismatch
+from kvstore_client.errors import InvalidArgument, PageSizeMismatch
 
 
 def test_an_array_of_pages_is_described_by_its_base_and_is_walked_page_by_page():
@@ -47,3 +47,19 @@ def test_page_columns_walk_as_page_triples_and_give_their_offsets_and_segments()
     assert list(columns) == [(5, 0, ((base, 16),)), (6, 16, ((base + 16, 16),)), (7, 48, ((base + 32, 16),))]
     assert offsets_and_segments(columns) == ([0, 16, 48], rows)
     assert offsets_and_segments(list(columns)) == ([0, 16, 48], list(rows))
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_an_array_of_python_objects_is_refused_before_any_copy(writable):
+    """Its bytes are pointers: a get writing page bytes over them would crash the client."""
+    objects = np.empty((2, 4096 // np.dtype(object).itemsize), dtype=object)
+    with pytest.raises(InvalidArgument, match="holds Python objects"):
+        page_segments(objects, 2, 4096, writable)
+    with pytest.raises(InvalidArgument, match="holds Python objects"):
+        page_segments(list(objects), 2, 4096, writable)
+
+
+def test_a_buffer_that_is_not_contiguous_is_an_invalid_argument():
+    strided = memoryview(bytearray(8192))[::2]
+    with pytest.raises(InvalidArgument, match="contiguous bytes-like buffer"):
+        page_segments([strided], 1, 4096, writable=True)

@@ -115,9 +115,12 @@ def _address(obj: Any, writable: bool, keepalive: list[Any]) -> Segment:
         return obj.data_ptr(), obj.numel() * obj.element_size()
     try:
         array = obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, dtype=np.uint8)
-    except TypeError:
-        raise InvalidArgument(f"a page is a numpy array, CPU tensor, bytes-like buffer or (pointer, nbytes) pair, "
-                              f"got {type(obj).__name__}") from None
+    except (TypeError, ValueError, BufferError) as exc:
+        raise InvalidArgument(f"a page is a numpy array, CPU tensor, contiguous bytes-like buffer or (pointer, "
+                              f"nbytes) pair, got {type(obj).__name__} ({exc})") from None
+    if array.dtype.hasobject:   # its bytes are pointers to Python objects: a get would overwrite them
+        raise InvalidArgument(f"an array of dtype {array.dtype} holds Python objects, not page bytes: "
+                              "use a numeric dtype (uint8, float16, ...)")
     if not array.flags.c_contiguous:
         raise InvalidArgument("array is not C-contiguous")
     if writable and not array.flags.writeable:
