@@ -211,16 +211,49 @@ def test_health_monitor_probe_recovers_like_the_fs_connector(server, loop, tmp_p
             assert check.failure_time is None
 
 
-def test_a_key_put_again_holds_the_new_bytes(server, loop, tmp_path):
+def test_a_chunk_put_again_keeps_its_first_bytes_and_what_extends_it(server, loop):
+    """A chunk's key names its content, so the first write stands (LMCache's own probe key aside)."""
     engine = Engine(make_config(server), loop)
-    control = fs_control(loop, tmp_path)
-    for backend in (control, engine.remote):
-        key = engine.key(0x6000)
-        first, second = engine.chunk(seed=50), engine.chunk(seed=51)
-        expected = raw(second)
-        for obj in (first, second):
-            backend.submit_put_task(key, obj).result(10)
-        assert raw(backend.get_blocking(key)) == expected, backend.remote_url
+    keys = [engine.key(0x6000 + i) for i in range(3)]
+    first = [engine.chunk(seed=50 + i) for i in range(3)]
+    expected = raw(first[0])
+    engine.put(keys, first)
+    engine.put(keys[:1], [engine.chunk(seed=60)])     # the same chunk again, its bytes not bit-identical
+    assert raw(engine.remote.get_blocking(keys[0])) == expected
+    assert engine.leading(keys) == 3, "the put again dropped the chunks after it"
+
+
+def test_engines_sharing_a_prefix_keep_every_continuation(server, loop, tmp_path):
+    """Four engines, one shared first chunk (each computed it: its bytes differ a little), each its own
+    continuation: through LMCache's own backend every continuation survives, as with its fs connector."""
+    control = [fs_control(loop, tmp_path) for _ in range(4)]
+    ours = [Engine(make_config(server), loop) for _ in range(4)]
+    for backends in (control, [engine.remote for engine in ours]):
+        engine = ours[0]
+        shared = engine.key(0x7000)
+        chains = [[shared] + [engine.key(0x7100 * (e + 1) + i) for i in range(2)] for e in range(4)]
+        for e, (backend, keys) in enumerate(zip(backends, chains)):
+            put_through(backend, keys, [chunk_of(backend, seed=70 + 10 * e + i) for i in range(3)])
+        for backend, keys in zip(backends, chains):
+            assert leading_of(backend, loop, keys) == 3, backend.remote_url
+
+
+def put_through(backend, keys, objs):
+    done = threading.Semaphore(0)
+    backend.batched_submit_put_task(keys, objs, on_complete_callback=lambda key: done.release())
+    for _ in keys:
+        assert done.acquire(timeout=10), "LMCache's put task did not finish"
+
+
+def chunk_of(backend, seed):
+    cpu = backend.local_cpu_backend
+    obj = cpu.allocate(cpu.metadata.get_shapes(), cpu.metadata.get_dtypes())
+    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(seed)).to(obj.tensor.dtype))
+    return obj
+
+
+def leading_of(backend, loop, keys):
+    return asyncio.run_coroutine_threadsafe(backend.batched_async_contains("lookup", keys), loop).result(10)
 
 
 def test_the_adapter_claims_only_kvstore_urls(server, loop):

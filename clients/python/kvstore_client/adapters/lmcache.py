@@ -17,10 +17,12 @@ kvstore://host:port` with remote_storage_plugins naming it. Two plugins given th
 class itself cannot be told apart, since LMCache's dynamic path does not say which one it
 builds: that stops LMCache's start-up with an error naming the fix, never a swallowed warning.)
 
-LMCache's contract for a put is that of a file or a Redis SET: a key put again holds the
-new bytes (its health monitor puts fresh bytes under one probe key and reads them back).
-kvstore keeps the first write of a key, so a put whose leading chunks are stored already
-deletes them (and the chunks after them, which could no longer be reached) and writes again.
+A chunk's key names its content: its chunk hash is chained over the tokens before it, for one
+model and format. So a chunk put again is one already stored, and the first write stands: the
+chunks other engines stored after it (their own continuations of a shared prefix) stay, where
+rewriting it would delete them with it. Only LMCache's health probe (RemoteBackendHealthCheck:
+model "test", chunk hash 0) puts new bytes under one key and must read them back, as from a
+file or a Redis SET: that one key is replaced.
 
 Each LMCache chunk is one kvstore page: LMCache's own RemoteMetadata header (length,
 shapes, dtypes, format) followed by the chunk's bytes, padded to a full chunk, so a
@@ -218,8 +220,8 @@ class KVStoreConnector(RemoteConnector):
             pages = [self._page(obj) for obj in memory_objs[offset:offset + len(group)]]
             offset += len(group)
             client, page_keys = self._clients.get(), [_page_key(k) for k in group]
-            if client.lookup(namespace, page_keys[:1]):   # a put again: the new bytes replace the stored ones
-                client.delete(namespace, page_keys[:1])
+            if _is_health_probe(group[0]) and client.lookup(namespace, page_keys[:1]):
+                client.delete(namespace, page_keys[:1])   # the probe reads back what it just put
             stored = client.put(namespace, page_keys, pages)
             if stored < len(group):
                 log.debug("kvstore stored %d of %d chunks: %s", stored, len(group), stored.reason)
@@ -355,6 +357,11 @@ def _lmcache_identity(namespace: Namespace) -> Optional[tuple[str, int, int, str
 
 def _identity(key: CacheEngineKey) -> tuple:
     return key.model_name, key.world_size, key.worker_id, key.dtype, key.tags
+
+
+def _is_health_probe(key: CacheEngineKey) -> bool:
+    """The key LMCache's RemoteBackendHealthCheck puts fresh bytes under and reads back."""
+    return key.model_name == "test" and key.chunk_hash == 0
 
 
 def _page_key(key: CacheEngineKey) -> str:
