@@ -15,7 +15,7 @@ order, because a page whose parent is not yet visible is dropped at commit:
 - without order (gRPC), each group opens its own lease (a Commit could end a lease before an
   extending Reserve arrives), and each Commit is sent once the one before it has answered.
 
-A failure aborts every lease the put opened. A get acquires the leading pages under a read
+A failure aborts every lease the put opened, that of a Reserve sent ahead and not yet answered too. A get acquires the leading pages under a read
 lease, moves them, and releases the lease without waiting for the answer. Either way, a page
 moved after its lease could have expired fails the call (LeaseNotFound), never returns torn.
 """
@@ -58,9 +58,10 @@ class PutBatch:
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
         sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, keys[slice(*groups[0])], 0,
                                                                 self.parent)
+        unread = next_reserve   # a Reserve sent whose answer (and the lease it may open) is not read yet
         try:
             for number, (start, _) in enumerate(groups):
-                reserved = next_reserve.result()
+                reserved, unread = next_reserve.result(), None
                 group_states = list(reserved.states)
                 states += group_states
                 indices = _reserved_indices(group_states)
@@ -74,6 +75,7 @@ class PutBatch:
                     next_start, next_stop = groups[number + 1]
                     sent_at, next_reserve = time.monotonic(), self._reserve(
                         control, data, ns_id, keys[next_start:next_stop], extend, keys[next_start - 1])
+                    unread = next_reserve
                 group_run = last_run_pages(run, len(indices)) if last else run
                 for first in range(0, len(indices), group_run):
                     after = commits[-1] if commits and not in_order else None
@@ -84,7 +86,13 @@ class PutBatch:
                     break
             answers = [commit.result() for commit in commits]
         except BaseException:
-            for lease_id in move_until:
+            leases = set(move_until)
+            if unread is not None:   # sent ahead: its lease, if it opened one, is aborted too
+                try:
+                    leases.add(unread.result().lease_id)
+                except Exception:   # it failed as well, and holds nothing
+                    pass
+            for lease_id in leases - {0}:
                 control.post("Abort", pb.AbortRequest(lease_id=lease_id))
             raise
         return stored_pages(states, answers, self.durable)
