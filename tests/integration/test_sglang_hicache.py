@@ -682,3 +682,24 @@ def test_sidecar_pages_whose_kv_page_never_comes_are_never_visible(start_server,
                                                       hit_policy=PoolHitPolicy.ALL_PAGES)])
     assert (answer.kv_hit_pages, answer.restorable_prefix_pages) == (0, [])
     assert ours.batch_exists(keys) == 2
+
+
+def test_a_span_longer_than_one_group_lookup_hits_like_the_file_backend(start_server, tmp_path):
+    """A prompt longer than limits.lookup_pages_max (32,768 pages: 32,768 tokens at SGLang's page size of
+    1) is looked up window by window: the trailing pool's state at its end still counts, as on SGLang's
+    file backend. Here the node's limit is 4 pages, so 10 positions take several windows."""
+    server = start_server({"limits.lookup_pages_max": 4})
+    kv, indexer, mamba = hybrid_pools(seed=61)
+    ours, theirs = ours_and_file_backend(server, tmp_path, kv, indexer, mamba)
+    keys = prefix_hashes(tokens(10 * PAGE, seed=61), PAGE)
+    for i in range(len(keys)):
+        for backend in (ours, theirs):
+            back_up_position(backend, kv, keys, i)
+    for span, trailing in ((keys, 1), (keys, 3), (keys[:7], 2), (keys[:9], 1), (keys[:4], 1)):
+        answers = [backend.batch_exists_v2(span, [
+            PoolTransfer(name=PoolName.INDEXER, keys=span, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(name=PoolName.MAMBA, keys=span[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+            for backend in (ours, theirs)]
+        ours_answer, theirs_answer = [(a.kv_hit_pages, dict(a.extra_pool_hit_pages), a.restorable_prefix_pages)
+                                      for a in answers]
+        assert ours_answer == theirs_answer and ours_answer[0] == len(span), (len(span), trailing)

@@ -57,9 +57,14 @@ def test_partial_trailing_page_gets_no_key():
     assert len(prefix_hashes(list(range(17)), 8)) == 2
 
 
-def test_token_ids_outside_uint32_are_refused():
+@pytest.mark.parametrize("ids", [[2**32], np.array([2**40 + 5], np.int64), np.array([-1], np.int64)])
+def test_token_ids_outside_uint32_are_refused(ids):
+    """Never cut to 32 bits: 2**40 + 5 would hash as 5, another prompt's page."""
     with pytest.raises(ValueError, match="uint32"):
-        prefix_hashes([2**32], 1)
+        prefix_hashes(ids, 1)
+    with pytest.raises(ValueError, match="uint32"):
+        page_hash(ids)
+    assert page_hash(np.array([5], np.int64)) == reference_get_hash_str([5])
 
 
 def test_keys_are_sent_as_they_are():

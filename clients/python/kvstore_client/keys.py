@@ -71,11 +71,12 @@ def salt_seed(*salts: str) -> str:
 
 
 def page_hash(page_tokens: Sequence[int] | np.ndarray, prior_hash: str | None = None) -> str:
-    """SGLang's get_hash_str: SHA-256 over the prior digest, then each token as uint32 LE."""
+    """SGLang's get_hash_str: SHA-256 over the prior digest, then each token as uint32 LE. Ids outside
+    uint32 are refused (InvalidArgument), never cut to 32 bits."""
     hasher = hashlib.sha256()
     if prior_hash:
         hasher.update(bytes.fromhex(prior_hash))
-    hasher.update(np.asarray(page_tokens, dtype="<u4").tobytes())
+    hasher.update(token_array(page_tokens).astype("<u4").tobytes())
     return hasher.hexdigest()
 
 

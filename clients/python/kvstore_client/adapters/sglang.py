@@ -64,7 +64,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTra
 
 from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
 from kvstore_client.adapters.sglang_pools import (HeldSidecars, SidecarPool, exists_result, group_parts, parent_of,
-                                                  sidecar_pool)
+                                                  sidecar_pool, span_hits)
 from kvstore_client.buffers import Segment
 from kvstore_client.errors import KVStoreError
 from kvstore_client.keys import Namespace, salt_seed
@@ -243,15 +243,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
-        """The usable prefix: one LookupGroup, the KV pool and every asked pool answered by the node from one
-        snapshot under each pool's hit policy (see sglang_pools.py)."""
+        """The usable prefix: one LookupGroup (one per limits.lookup_pages_max keys of a longer span), the KV
+        pool and every asked pool answered by the node from one snapshot under each pool's hit policy (see
+        sglang_pools.py)."""
         namespace = self._require_namespace(flat=not self.zero_copy)
         if not keys:
             return PoolTransferResult(0, {}, [])
         client = self._clients.get()
         parts, asked = group_parts(namespace, pool_transfers or [], self._sidecar)
         most = client.limits.lookup_pages_max or client.limits.batch_pages_max
-        return exists_result(asked, client.lookup_group(keys[:most], parts))   # one snapshot: at most `most` pages
+        return exists_result(asked, span_hits(client.lookup_group, keys, parts, most))
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:

@@ -148,6 +148,51 @@ def group_parts(kv_namespace: Namespace, transfers: Sequence[PoolTransfer],
     return parts, asked
 
 
+def span_hits(lookup: Callable[[Sequence[str], list[GroupPart]], GroupHits], keys: Sequence[str],
+              parts: Sequence[GroupPart], window: int) -> GroupHits:
+    """The group answer for a span of any length, from LookupGroups of at most `window` keys each
+    (limits.lookup_pages_max): one snapshot where the span fits. A longer span is read in windows
+    while the KV pool holds all of one, each window asking every sidecar pool beside the KV pool
+    alone (so each answer is that pool's own acceptance), then folded as the node folds one lookup
+    (kvstore/control/groups.py). A window overlaps the one before by the longest trailing need less
+    one, so whether a trailing pool accepts a prefix is judged where every page it needs lies in one
+    window. (Windows are separate snapshots: a lookup is advice; the get that follows answers from
+    what it pins.)"""
+    if len(keys) <= window:
+        return lookup(keys, list(parts))
+    overlap = max((part.trailing_pages for part in parts if part.hit_policy == "trailing_pages"), default=1) - 1
+    if window <= overlap:
+        raise ValueError(f"a trailing pool needs {overlap + 1} pages, more than one group lookup holds ({window})")
+    kv, sidecars = parts[0], list(parts[1:])
+    accepted: list[set[int]] = [set() for _ in sidecars]
+    broken = [False] * len(sidecars)    # an ALL_PAGES pool that missed a page accepts no longer prefix
+    start = leading = 0
+    while True:
+        span = keys[start:start + window]
+        judged_before = overlap if start else 0   # the window before judged these positions, with their pages
+        window_leading = lookup(span, [kv]).hit_pages if not sidecars else None
+        for i, part in enumerate(sidecars):
+            if broken[i]:
+                continue
+            hits = lookup(span, [kv, part])
+            window_leading = hits.part_hit_pages[0]
+            accepted[i] |= {start + length for length in hits.restorable_pages if length > judged_before}
+            broken[i] = part.hit_policy == "all_pages" and hits.part_hit_pages[1] < window_leading
+        if window_leading is None:   # every sidecar pool broke in an earlier window: the KV pool alone
+            window_leading = lookup(span, [kv]).hit_pages
+        leading = start + window_leading
+        if window_leading < len(span) or start + len(span) == len(keys):
+            break
+        start += window - overlap
+    restorable, part_hits = set(range(1, leading + 1)), [leading]
+    for found in accepted:
+        found = {length for length in found if length <= leading}
+        part_hits.append(max(found, default=0) if restorable else 0)
+        restorable &= found
+    ordered = sorted(restorable)
+    return GroupHits(ordered[-1] if ordered else 0, part_hits, ordered)
+
+
 def exists_result(asked: Sequence[PoolTransfer], hits: GroupHits) -> PoolTransferResult:
     """SGLang's PoolTransferResult from a LookupGroup's answer (a pool that accepts no prefix is left out,
     as SGLang's own backends leave it out)."""
