@@ -105,6 +105,13 @@ class KVStoreService:
 
     def lookup(self, request: pb.LookupRequest, owner: object | None) -> pb.LookupResponse:
         namespace = self.store.namespace(request.namespace_id)
+        if request.each_key:
+            if request.tokens or request.keys_packed or request.key_bytes:
+                raise errors.InvalidArgument("each_key asks about keys: send them in keys, not as tokens or packed")
+            keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
+            held = self.store.held_each(request.namespace_id, keys)
+            leading = held.find(0)
+            return pb.LookupResponse(hit_pages=len(held) if leading < 0 else leading, held=held)
         if request.keys_packed or request.key_bytes:
             packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
             tiers_packed = self.store.tiers_packed(request.namespace_id, packed, key_bytes)

@@ -272,6 +272,15 @@ class PageStore:
             return _DRAM_BYTE * len(offsets)
         return bytes(pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets)
 
+    def held_each(self, ns_id: int, keys: list[bytes]) -> bytes:
+        """One byte per key, 1 when its page is held here (any tier), each key on its own."""
+        with self._lock:
+            positions = self.index.positions_held(ns_id, keys)
+        held = bytearray(len(keys))
+        for position in positions:
+            held[position] = 1
+        return bytes(held)
+
     def group_presence(self, ns_ids: list[int], keys: list[bytes]) -> tuple[int, list[list[bool]]]:
         """One snapshot of a page group (groups.py): the leading pages of the first namespace, and whether
         each other namespace holds its page of each of those positions. Under one lock, so a group

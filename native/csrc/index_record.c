@@ -160,12 +160,25 @@ static int record_set_pins(record_t *self, PyObject *value, void *unused) {
     return set_u32(&PAGE(self)->pins, value, "pins");
 }
 
+/* hits saturates at UINT32_MAX rather than refuse a count past it: a page read 2^32 times (50 days
+   at 1,000 gets/s) stays readable, and hits only tells hot pages from cold. */
 static PyObject *record_get_hits(record_t *self, void *unused) {
     return PyLong_FromUnsignedLong(PAGE(self)->hits);
 }
 
 static int record_set_hits(record_t *self, PyObject *value, void *unused) {
-    return set_u32(&PAGE(self)->hits, value, "hits");
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "hits cannot be deleted");
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();   /* past 64 bits as well: saturated all the same */
+    }
+    PAGE(self)->hits = v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
+    return 0;
 }
 
 static PyObject *record_get_flag(record_t *self, void *flag) {

@@ -859,7 +859,7 @@ static PyObject *index_pin_all(index_t *self, PyObject *args, PyObject *kwargs) 
     FOR_RECORDS(records, page, {
         page_t *p = &self->pages[page];
         p->pins++;
-        p->hits += (uint32_t)hit;
+        p->hits += hit && p->hits < UINT32_MAX;   /* saturates: hits tell hot pages from cold, no more */
         p->tick = tick;
     });
     Py_RETURN_NONE;

@@ -280,3 +280,16 @@ def test_a_job_that_fails_unexpectedly_still_reports_back_to_vllm(server, engine
     engine.offload("broken", keys, random_pages(2, seed=10))   # settles only when every job reported back
     assert engine.tier.counters()[Metric.ERRORS] == 1
     assert not engine.tier.has_pending_work()
+
+
+def test_lookups_of_many_new_chunks_cost_one_lookup(server, engines):
+    """vLLM batches a step's lookups (keys of several requests): each key is answered on its own, and a
+    thousand chunks not yet stored cost one Lookup, where asking again after each miss cost a thousand."""
+    engine = engines(kvstore_tier(server))
+    stored = chunk_keys(list(range(300, 300 + 3 * BLOCK_TOKENS)))
+    engine.offload("stored", stored, random_pages(3, seed=12))
+    fresh = chunk_keys(list(range(5000, 5000 + 1000 * BLOCK_TOKENS)))
+    asked = [stored[0], *fresh[:500], stored[2], *fresh[500:], stored[1]]   # hits between misses
+    before = engine.tier.counters().get(Metric.LOOKUP_RPCS, 0)
+    assert engine.tier.present(asked) == [True] + [False] * 500 + [True] + [False] * 500 + [True]
+    assert engine.tier.counters()[Metric.LOOKUP_RPCS] - before == 1

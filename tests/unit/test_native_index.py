@@ -400,3 +400,16 @@ def test_keys_stay_found_as_the_key_table_grows_and_pages_leave():
     assert pair.c.positions_held(1, probe) == pair.py.positions_held(1, probe)
     assert len(pair.c) == len(pair.py) < len(keys) * 3 // 4
     same_state(pair)
+
+
+@needs_native
+def test_a_page_read_past_two_to_the_32_times_stays_readable():
+    """hits saturates: after 2**32 gets (50 days at 1,000 a second) a hot page is still served."""
+    index = native_index.NativePageIndex(lambda r: None, lambda r: None)
+    record = index.add((1, b"hot"), None, 0, 4096, 0)
+    record.hits = 2**32 - 1
+    record.hits += 1                       # the store's count of a hit
+    index.pin_all([record], hit=True)      # and the index's own
+    assert record.hits == 2**32 - 1 and record.pins == 1
+    record.hits = 2**70
+    assert record.hits == 2**32 - 1

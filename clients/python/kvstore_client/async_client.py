@@ -392,6 +392,18 @@ class AsyncKVStoreClient:
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(call, timeout_s)
 
+    async def held(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
+        """As KVStoreClient.held: whether the node holds each key's page, its Lookups sent at once."""
+        raw = encode_keys(keys)
+
+        async def call(conn: _Connection) -> list[bool]:
+            async def in_namespace(ns_id: int) -> list[bool]:
+                answers = await asyncio.gather(*(conn.control.call("Lookup", request, self._timeout_s)
+                                                 for request in lookup.held_requests(conn.hello.limits, ns_id, raw)))
+                return [bool(b) for answer in answers for b in answer.held]
+            return await self._in_namespace(conn, namespace, in_namespace)
+        return await self._on_node(call, timeout_s)
+
     async def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
                     tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
         request = pb.RouteRequest(**keys_or_tokens(keys, tokens), engine_ids=engine_id_list(engine_ids))

@@ -185,6 +185,14 @@ class KVStoreClient:
             namespace, lambda ns_id: lookup.leading_hits(conn.control, conn.hello.limits, ns_id, chain)), _always,
             timeout_s=timeout_s)
 
+    def held(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
+        """Whether the node holds each key's page, each key on its own (keys of several chains at once, not
+        only a leading run): one Lookup per limits.lookup_pages_max keys. Extends no lease."""
+        raw = encode_keys(keys)
+        return self._on_node(lambda conn: conn.reopening(
+            namespace, lambda ns_id: lookup.held_each(conn.control, conn.hello.limits, ns_id, raw)), _always,
+            timeout_s=timeout_s)
+
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
         """Score candidate engines by how much of this prefix each can reuse (its GPU, then this store)."""

@@ -122,6 +122,19 @@ def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> Itera
         yield _request(namespace_id, part)
 
 
+def held_each(control: Any, limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> list[bool]:
+    """Whether each key is held, its parts submitted at once and read in order."""
+    parts = [control.submit("Lookup", request) for request in held_requests(limits, namespace_id, keys)]
+    return [bool(b) for part in parts for b in part.result().held]
+
+
+def held_requests(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> list[pb.LookupRequest]:
+    """Lookups asking whether each key is held (each_key), at most pages_per_part keys each."""
+    part = pages_per_part(limits)
+    return [pb.LookupRequest(namespace_id=namespace_id, keys=keys[start:start + part], each_key=True)
+            for start in range(0, len(keys), part)]
+
+
 def leading_sum(hit_pages: Iterable[int], part_pages: int) -> int:
     """The chain's leading hits from its parts' answers, in order: up to the first part not wholly present."""
     hits = 0

@@ -75,6 +75,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from kvstore_client import errors
 from kvstore_client.adapters.settings import AdapterSettings, ClientPerThread
 from kvstore_client.keys import Namespace
+from kvstore_client.lookup import pages_per_part
 
 log = logging.getLogger(__name__)
 
@@ -145,17 +146,11 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def present(self, keys: list[OffloadKey]) -> list[bool]:
-        """Whether each key is stored: one Lookup for the leading run, and again after each miss."""
+        """Whether each key is stored, each on its own: one Lookup (per limits.lookup_pages_max keys)."""
         client = self._clients.get()
-        answers: list[bool] = []
-        while len(answers) < len(keys):
-            rest = keys[len(answers):]
-            hits = client.lookup(self.namespace, keys=rest)
-            self._counts.add(Metric.LOOKUP_RPCS)
-            answers += [True] * hits
-            if hits < len(rest):
-                answers.append(False)
-        return answers
+        held = client.held(self.namespace, keys)
+        self._counts.add(Metric.LOOKUP_RPCS, -(-len(keys) // pages_per_part(client.limits)))
+        return held
 
     # -- stores and loads -------------------------------------------------------------
 

@@ -206,32 +206,36 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes")
+    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes", "each_key")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EACH_KEY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parent_key: bytes
     keys_packed: bytes
     key_bytes: int
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ...) -> None: ...
+    each_key: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., each_key: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_pages", "tiers", "last_key", "tiers_packed")
+    __slots__ = ("hit_pages", "tiers", "last_key", "tiers_packed", "held")
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAST_KEY_FIELD_NUMBER: _ClassVar[int]
     TIERS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     hit_pages: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     last_key: bytes
     tiers_packed: bytes
-    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ...) -> None: ...
+    held: bytes
+    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ..., held: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent")
