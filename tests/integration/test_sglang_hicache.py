@@ -649,14 +649,20 @@ def test_a_backup_makes_each_position_visible_whole_and_hits_like_the_file_backe
 
     for i in range(len(keys)):
         back_up_position(theirs, kv, keys, i)
-    for span, trailing in ((keys, 1), (keys[:5], 1), (keys, 3), (keys[:7], 2)):
+    exists_answers_agree(ours, theirs, ((keys, 1), (keys[:5], 1), (keys, 3), (keys[:7], 2)))
+
+
+def exists_answers_agree(ours, theirs, spans):
+    """batch_exists_v2 answers the same on both backends, for each (span, the Mamba pool's trailing pages),
+    and every span's KV pages all hit."""
+    for span, trailing in spans:
         answers = [backend.batch_exists_v2(span, [
             PoolTransfer(name=PoolName.INDEXER, keys=span, hit_policy=PoolHitPolicy.ALL_PAGES),
             PoolTransfer(name=PoolName.MAMBA, keys=span[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
             for backend in (ours, theirs)]
         ours_answer, theirs_answer = [(a.kv_hit_pages, dict(a.extra_pool_hit_pages), a.restorable_prefix_pages)
                                       for a in answers]
-        assert ours_answer == theirs_answer and ours_answer[0] == len(span)
+        assert ours_answer == theirs_answer and ours_answer[0] == len(span), (len(span), trailing)
 
 
 def test_sidecar_pages_whose_kv_page_never_comes_are_never_visible(start_server, tmp_path):
@@ -695,11 +701,4 @@ def test_a_span_longer_than_one_group_lookup_hits_like_the_file_backend(start_se
     for i in range(len(keys)):
         for backend in (ours, theirs):
             back_up_position(backend, kv, keys, i)
-    for span, trailing in ((keys, 1), (keys, 3), (keys[:7], 2), (keys[:9], 1), (keys[:4], 1)):
-        answers = [backend.batch_exists_v2(span, [
-            PoolTransfer(name=PoolName.INDEXER, keys=span, hit_policy=PoolHitPolicy.ALL_PAGES),
-            PoolTransfer(name=PoolName.MAMBA, keys=span[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
-            for backend in (ours, theirs)]
-        ours_answer, theirs_answer = [(a.kv_hit_pages, dict(a.extra_pool_hit_pages), a.restorable_prefix_pages)
-                                      for a in answers]
-        assert ours_answer == theirs_answer and ours_answer[0] == len(span), (len(span), trailing)
+    exists_answers_agree(ours, theirs, ((keys, 1), (keys, 3), (keys[:7], 2), (keys[:9], 1), (keys[:4], 1)))
