@@ -45,7 +45,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore.config import AuthConfig
 from kvstore.control import local_proof
-from kvstore.control.identity import Authenticator, Caller, Identity, TokenStanding
+from kvstore.control.identity import Authenticator, Caller, TokenStanding
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
 from kvstore.tiers.dram import Arena

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
