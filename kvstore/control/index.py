@@ -35,7 +35,7 @@ import collections
 import heapq
 import itertools
 import struct
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 PageId = tuple[int, bytes]  # (namespace_id, key)
 NO_SLOT = -1
@@ -283,12 +283,12 @@ class PageIndex:
         victim = self._evict_oldest(slot_bytes, clean_only, tenant, notify=True)
         return victim[0] if victim else None
 
-    def evict_dram_many(self, slot_bytes: int | None, clean_only: bool, count: int, own_tenant: str | None = None,
-                        tenant: str | None = None, until_bytes: int = 0) -> tuple[list[int], list[str]]:
+    def evict_dram_many(self, slot_bytes: int | None, clean_only: bool, count: int, tenant: str | None = None,
+                        until_bytes: int = 0) -> tuple[list[int], list[str]]:
         """Up to `count` evict_dram(slot_bytes, clean_only, tenant) in a row, with no callback per victim:
         returns the DRAM offsets the victims held (each now the caller's to free) and their tenants, in
-        eviction order. With `own_tenant`, a victim of another tenant is the last one taken; with
-        `until_bytes`, the victim whose slot brings the run's slot bytes to that many is."""
+        eviction order. With `until_bytes`, the victim whose slot brings the run's slot bytes to that many
+        is the last one taken."""
         offsets: list[int] = []
         tenants: list[str] = []
         freed_bytes = 0
@@ -300,7 +300,7 @@ class PageIndex:
             offsets.append(offset)
             tenants.append(record.tenant)
             freed_bytes += record.slot_bytes
-            if (own_tenant is not None and record.tenant != own_tenant) or 0 < until_bytes <= freed_bytes:
+            if 0 < until_bytes <= freed_bytes:
                 break
         return offsets, tenants
 
@@ -321,11 +321,6 @@ class PageIndex:
             if not notify:
                 record.offset = NO_SLOT
         return record, offset
-
-    def oldest_evictable_slot_bytes(self, clean_only: bool) -> int | None:
-        """The slot size whose LRU evictable page is oldest across sizes (to free a whole slab)."""
-        entry = self._oldest(None, clean_only, None)
-        return entry[2].slot_bytes if entry is not None else None
 
     def _oldest(self, slot_bytes: int | None, clean_only: bool, tenant: str | None) -> _Entry | None:
         """The oldest evictable entry at the top of the DRAM heaps of this size and tenant (None: all),

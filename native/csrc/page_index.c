@@ -993,17 +993,16 @@ static PyObject *index_evict_dram(index_t *self, PyObject *args, PyObject *kwarg
 
 /* PageIndex.evict_dram_many: victims taken as evict_dram takes them, with no record or callback each. */
 static PyObject *index_evict_dram_many(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"slot_bytes", "clean_only", "count", "own_tenant", "tenant", "until_bytes", NULL};
-    PyObject *size_obj, *own_obj = Py_None, *tenant_obj = Py_None;
+    static char *names[] = {"slot_bytes", "clean_only", "count", "tenant", "until_bytes", NULL};
+    PyObject *size_obj, *tenant_obj = Py_None;
     int clean_only;
     Py_ssize_t count;
     long long until_bytes = 0, freed_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Opn|OOL", names, &size_obj, &clean_only, &count, &own_obj,
-                                     &tenant_obj, &until_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Opn|OL", names, &size_obj, &clean_only, &count, &tenant_obj,
+                                     &until_bytes))
         return NULL;
-    int64_t slot_bytes, own, only;
-    if (slot_bytes_arg(size_obj, &slot_bytes) < 0 || tenant_arg(self, own_obj, &own) < 0
-        || tenant_arg(self, tenant_obj, &only) < 0)
+    int64_t slot_bytes, only;
+    if (slot_bytes_arg(size_obj, &slot_bytes) < 0 || tenant_arg(self, tenant_obj, &only) < 0)
         return NULL;
     PyObject *offsets = PyList_New(0), *tenants = PyList_New(0);
     if (!offsets || !tenants)
@@ -1026,7 +1025,7 @@ static PyObject *index_evict_dram_many(index_t *self, PyObject *args, PyObject *
         freed_bytes += p->slot_bytes;
         if ((p->flags & F_NVME) ? drop_dram(self, page, 0) : remove_page_notify(self, page, 0))
             goto fail;
-        if ((own != -1 && tenant != own) || (until_bytes > 0 && freed_bytes >= until_bytes))
+        if (until_bytes > 0 && freed_bytes >= until_bytes)
             break;
     }
     return Py_BuildValue("(NN)", offsets, tenants);
@@ -1034,17 +1033,6 @@ fail:
     Py_XDECREF(offsets);
     Py_XDECREF(tenants);
     return NULL;
-}
-
-static PyObject *index_oldest_evictable_slot_bytes(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"clean_only", NULL};
-    int clean_only;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "p", names, &clean_only))
-        return NULL;
-    heap_t *best = oldest_dram(self, -1, clean_only, -1);
-    if (!best)
-        Py_RETURN_NONE;
-    return PyLong_FromUnsignedLong(self->pages[heap_top(best)->page].slot_bytes);
 }
 
 typedef struct {
@@ -1496,10 +1484,8 @@ static PyMethodDef index_methods[] = {
     {"evict_dram", (PyCFunction)(void (*)(void))index_evict_dram, METH_VARARGS | METH_KEYWORDS,
      "evict_dram(slot_bytes, clean_only, tenant=None) -> record | None"},
     {"evict_dram_many", (PyCFunction)(void (*)(void))index_evict_dram_many, METH_VARARGS | METH_KEYWORDS,
-     "evict_dram_many(slot_bytes, clean_only, count, own_tenant=None, tenant=None, until_bytes=0)"
+     "evict_dram_many(slot_bytes, clean_only, count, tenant=None, until_bytes=0)"
      " -> (offsets, tenants)"},
-    {"oldest_evictable_slot_bytes", (PyCFunction)(void (*)(void))index_oldest_evictable_slot_bytes,
-     METH_VARARGS | METH_KEYWORDS, "oldest_evictable_slot_bytes(clean_only) -> int | None"},
     {"evict_nvme", (PyCFunction)(void (*)(void))index_evict_nvme, METH_VARARGS | METH_KEYWORDS,
      "evict_nvme(shard_of, shard, count, tenant=None) -> records"},
     {"dram_only_lru", (PyCFunction)(void (*)(void))index_dram_only_lru, METH_VARARGS | METH_KEYWORDS,
