@@ -121,14 +121,15 @@ class CacheController:
 
     # -- called by the service, without any lock ------------------------------------------
 
-    def promote(self, records: list[PageRecord], deadline: float) -> int:
-        """Bring these NVMe pages into DRAM, in order, until the deadline; returns pages promoted."""
+    def promote(self, records: list[PageRecord], deadline: float) -> tuple[int, int]:
+        """Bring these NVMe pages into DRAM, in order, until the deadline; returns the pages promoted and
+        how many got no DRAM slot (every page that could make room pinned, moving, or unsaved under write_back)."""
         claim = self._store.claim_for_promotion(records, self._store.evict_first)
         if claim.short and self._store.protect_unsaved:
             cleaned = self.clean(claim.short)
             more = self._store.claim_for_promotion(records, Evict.CLEAN if cleaned else Evict.ANY)
             claim = Claim(claim.records + more.records, claim.slots + more.slots, more.short)
-        return self._promote(claim, deadline)
+        return self._promote(claim, deadline), claim.short
 
     def take_waiter(self) -> bool:
         """A place among the gets waiting for promotions, or False when they are all taken."""

@@ -203,7 +203,7 @@ class KVStoreService:
         DRAM under the lease and answer with them."""
         store = self.store
         deadline = time.monotonic() + checks.promote_wait_s(request, self.config)   # not used up by a commit wait
-        promoted = from_dram = 0
+        promoted = from_dram = short = 0
         try:
             missing = store.missing(lease)
             from_dram = lease.pinned.index(missing[0]) if missing else len(lease.pinned)
@@ -213,13 +213,18 @@ class KVStoreService:
                     store.want(lease)
                 else:
                     try:
-                        promoted = controller.promote(missing, deadline)
+                        promoted, short = controller.promote(missing, deadline)
                         store.wait_settled(missing, deadline)   # pages another get is promoting
                     finally:
                         controller.leave_waiter()
         finally:
             held = store.trim_read_lease(lease, len(keys), from_dram)
         if held is None:
+            if short:   # as a put in the same state is refused: the caller learns why it got nothing
+                raise errors.CapacityExhausted(
+                    "the chain's pages are on NVMe but none could come into DRAM: every page that could make room "
+                    "is pinned by a lease or being written down (under write_back, not yet written down); release "
+                    "finished gets, try again, or raise dram.arena_bytes")
             return pb.AcquireResponse(page_bytes=page_bytes)
         pages = held.pinned
         return pb.AcquireResponse(

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvstore.tiers.nvme import record_key
-from kvstore_client import KVStoreClient, Namespace, namespace_id
+from kvstore_client import KVStoreClient, Namespace, errors, namespace_id
+from kvstore_client.proto import pb
 
 PAGE = 65536
 NS = Namespace(model="nvme-test", page_bytes=PAGE)
@@ -199,3 +200,24 @@ def test_a_full_disk_evicts_and_keeps_serving(start_server, tmp_path):
         server.terminate()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_get_that_no_dram_slot_can_take_says_why(start_server, tmp_path):
+    """Pages on NVMe with every DRAM slot pinned: the get is refused with the reason, as a put would be,
+    not answered 0 as though the pages were missing; with a slot free again it loads them."""
+    server = start_server(nvme_settings(tmp_path, **{"dram.arena_bytes": "512KiB", "dram.slab_bytes": "256KiB"}))
+    with KVStoreClient(server.address) as c:
+        cold, hot = keys_of(0, 4), keys_of(1, 8)                    # 8 slots in the arena
+        assert c.put(NS, cold, chain_data(0, 4)) == 4
+        wait_for(lambda: tier(c.stats(), "NVME").pages == 4)
+        assert c.put(NS, hot, chain_data(1, 8)) == 8                # the cold pages leave DRAM
+        ns_id = c._namespace_id(NS)
+        held = c._grpc.call("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=[k.encode() for k in hot],
+                                                         lease_ttl_ms=60_000))
+        assert held.hit_pages == 8                                  # every slot pinned
+        out = np.zeros((4, PAGE), np.uint8)
+        with pytest.raises(errors.CapacityExhausted, match="on NVMe but none could come into DRAM"):
+            c.get(NS, cold, out)
+        c._grpc.call("Release", pb.ReleaseRequest(lease_ids=[held.lease_id]))
+        wait_for(lambda: tier(c.stats(), "NVME").pages == 12)      # the hot pages written down: evictable
+        assert c.get(NS, cold, out, verify=True) == 4 and np.array_equal(out, chain_data(0, 4))

@@ -75,7 +75,7 @@ def test_promotion_gives_each_page_a_slot_of_its_own_size(node):
     index = node.store.index
     # One promotion of both namespaces' pages, the small ones first (as a shared prefetch queue holds them).
     records = [index.get((small, k)) for k in small_keys] + [index.get((big, k)) for k in big_keys]
-    assert node.controller.promote(records, deadline=float("inf")) == 16
+    assert node.controller.promote(records, deadline=float("inf")) == (16, 0)
     assert node.counters.corrupt_pages == 0
     assert get(node, small, small_keys, SMALL) == 8 and get(node, big, big_keys, BIG) == 8
     node.store.check_invariants()
@@ -92,7 +92,7 @@ def test_a_page_wanted_twice_is_promoted_once_and_nothing_leaks(node):
     node.controller.on_wanted(records[2:])      # a second get sharing the chain
     prefetch = list(node.controller._prefetch)
     assert len(prefetch) == len(keys)
-    assert node.controller.promote(records + records[2:], deadline=float("inf")) == len(keys)
+    assert node.controller.promote(records + records[2:], deadline=float("inf")) == (len(keys), 0)
     assert get(node, ns, keys, SMALL) == len(keys)
     node.delete(pb.DeleteRequest(namespace_id=ns, all_pages=True), None)
     assert node.store.allocator.used_bytes == 0, "a slot or pin leaked"
