@@ -203,6 +203,7 @@ class LocalServer:
         arrivals.register(conn, select.POLLIN)
         try:
             while True:
+                peer.since, peer.busy = time.monotonic(), False   # the frame before is answered
                 if self._spin_s:
                     _poll_until_readable(arrivals, self._spin_s)
                 header = _recv_exact(conn, framing.HEADER.size)
@@ -225,7 +226,6 @@ class LocalServer:
                                                           f"with the {local_proof.CHALLENGE_BYTES} bytes Hello gave")
                         proven = True
                         conn.sendall(framing.encode(0, self._service.local_proof.answer(bytes(payload))))
-                        peer.since, peer.busy = time.monotonic(), False
                         continue
                     if kind == framing.AUTHENTICATE:
                         if not first:
@@ -234,7 +234,6 @@ class LocalServer:
                         owner.identity, standing = identity, TokenStanding(self._auth, identity)
                         first = False
                         conn.sendall(framing.encode(0, b""))
-                        peer.since, peer.busy = time.monotonic(), False
                         continue
                     if first and require_token:
                         refusal = errors.Unauthenticated(
@@ -252,7 +251,6 @@ class LocalServer:
                     self._map_arena(conn, owner)
                 else:
                     self._answer(conn, kind, payload, owner)
-                peer.since, peer.busy = time.monotonic(), False
         except framing.FrameError as exc:
             log.warning("shm peer pid=%d sent an unreadable frame, closing: %s", pid, exc)
         except OSError as exc:

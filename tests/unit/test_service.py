@@ -287,3 +287,29 @@ def test_list_keys_pages_through_a_namespace_in_byte_order(service):
         service.list_keys(pb.ListKeysRequest(namespace_id=ns, keys_max=service.limits.lookup_pages_max + 1), None)
     with pytest.raises(errors.NamespaceNotFound):
         service.list_keys(pb.ListKeysRequest(namespace_id=12345), None)
+
+
+def test_an_unreleased_read_lease_is_counted_once_when_it_expires(service, clock, caplog):
+    """However often its TTL was restarted (an Acquire restarts it at once)."""
+    ns = open_ns(service)
+    put(service, ns, [b"k"])
+    held = service.acquire(pb.AcquireRequest(namespace_id=ns, keys=[b"k"]), None)
+    assert held.hit_pages == 1
+    clock.advance(service.config.leases.read_ttl_ms / 1000 + 1)
+    with caplog.at_level("INFO", logger="kvstore.control.service"):
+        assert service.reap_expired() == 1
+    assert service.store.counters.leases_expired == 1
+    assert sum("lease expired" in r.getMessage() for r in caplog.records) == 1
+    assert len(service.store.leases) == 0
+
+
+@pytest.mark.parametrize("policy", [3, 99, -1])
+def test_an_acquire_with_an_undefined_policy_is_refused(service, policy):
+    ns = open_ns(service)
+    put(service, ns, [b"k"])
+    with pytest.raises(errors.InvalidArgument, match=rf"policy={policy} is not a PrefetchPolicy.*WAIT_COMPLETE"):
+        service.acquire(pb.AcquireRequest(namespace_id=ns, keys=[b"k"], policy=policy), None)
+    part = pb.AcquireRequest(namespace_id=ns, keys=[b"k"], policy=policy)
+    with pytest.raises(errors.InvalidArgument, match=rf"parts\[0\].policy={policy}"):
+        service.acquire_group(pb.AcquireGroupRequest(parts=[part]), None)
+    assert len(service.store.leases) == 0
