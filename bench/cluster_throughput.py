@@ -36,7 +36,7 @@ def client(url: str, index: int, args, go, out) -> None:
     chains = [prefix_hashes([index, c] + [rng.randrange(32000) for _ in range(16 * args.pages - 2)], 16)
               for c in range(args.chains)]
     data = np.random.default_rng(index).integers(0, 255, (args.pages, args.page_bytes), dtype=np.uint8)
-    with KVStoreCluster(url, segment_pages=args.segment_pages) as cluster:
+    with KVStoreCluster(url) as cluster:
         go.wait()
         started = time.perf_counter()
         put_pages = sum(cluster.put(ns, keys, data) for keys in chains)
@@ -79,7 +79,6 @@ def main() -> None:
     parser.add_argument("--chains", type=int, default=24)
     parser.add_argument("--pages", type=int, default=32)
     parser.add_argument("--page-bytes", type=int, default=256 << 10)
-    parser.add_argument("--segment-pages", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--arena", default="1GiB")
     parser.add_argument("--warmup-s", type=float, default=5.0)

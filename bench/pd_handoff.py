@@ -5,7 +5,7 @@ Transfer Engine moving the same bytes over TCP, in the same run.
 
 Handoff: runs examples/pd_handoff.py (read it for the setup: a real etcd, two nodes, a prefill
 and a decode process, decode over TCP) for each prompt length and both modes:
-  overlap  decode loads each segment as soon as it is committed (get with wait_ms);
+  overlap  decode loads each page as soon as it is committed (get with wait_ms);
   after    decode starts loading when prefill reports its last page (transfer after prefill).
 The figure is the time from prefill's last page to decode holding every page.
 
@@ -64,7 +64,7 @@ def timed(load, repeats: int) -> float:
     return statistics.median(times)
 
 
-def kvstore_transfer(example, pages: np.ndarray, nodes: int, arena: str, segment_pages: int, repeats: int) -> float:
+def kvstore_transfer(example, pages: np.ndarray, nodes: int, arena: str, repeats: int) -> float:
     from kvstore_client.cluster import KVStoreCluster
     from kvstore_client.keys import Namespace, prefix_hashes
 
@@ -75,8 +75,7 @@ def kvstore_transfer(example, pages: np.ndarray, nodes: int, arena: str, segment
     with tempfile.TemporaryDirectory(prefix="kvstore-pd-transfer-") as workdir:
         procs, url = example.start_cluster(workdir, nodes, arena)
         try:
-            with KVStoreCluster(url, segment_pages=segment_pages) as writer, \
-                    KVStoreCluster(url, segment_pages=segment_pages, transport="tcp") as reader:
+            with KVStoreCluster(url) as writer, KVStoreCluster(url, transport="tcp") as reader:
                 for client in (writer, reader):
                     deadline = time.monotonic() + 30
                     while len([m for m in client.members() if m.state == "serving"]) < nodes:
@@ -138,8 +137,7 @@ def main() -> int:
         pages = np.random.default_rng(tokens).integers(0, 256, (run["pages"], run["bytes"] // run["pages"]),
                                                        dtype=np.uint8)
         row = {"tokens": tokens, "pages": run["pages"], "bytes": run["bytes"],
-               "kvstore_s": kvstore_transfer(example, pages, settings["nodes"], settings["arena"],
-                                             settings["segment_pages"], args.repeats)}
+               "kvstore_s": kvstore_transfer(example, pages, settings["nodes"], settings["arena"], args.repeats)}
         if not absent:
             row["mooncake_s"] = mooncake_transfer(pages, args.repeats)
         transfers.append(row)

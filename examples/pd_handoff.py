@@ -7,10 +7,10 @@ It starts a real etcd and `--nodes` kvstore nodes registered in it (temp dirs, f
 then, for each prompt length and each mode, two processes:
   prefill  builds the model, prefills the prompt in chunks of `--chunk-tokens` (each chunk
            attends to the cache so far, as chunked prefill does) and after each chunk puts its
-           full pages into the cluster (KVStoreCluster.put with skip_pages). It sends the
+           full pages into the cluster (KVStoreClient(etcd://...).put of each chunk after its parent). It sends the
            first answer token and the time its last page was committed.
   decode   knows the prompt's tokens, so its keys. `overlap`: it asks for every page at once
-           with get(wait_ms=...) as prefill starts; each node answers a segment as soon as it
+           with get(wait_ms=...) as prefill starts; each node answers its pages as soon as it
            is complete. `after`: it asks only once prefill says it is done (transfer after
            prefill). It then runs one decode step on the loaded cache, then prefills the
            prompt itself the same way and checks that both decode steps' logits are identical.
@@ -132,7 +132,7 @@ def unpack(pages, ns):
 def prefill_process(args, url: str, tokens: int, go, prefill_done, results) -> None:
     import torch
     from kvstore_client.adapters.transformers import namespace_for
-    from kvstore_client.cluster import KVStoreCluster
+    from kvstore_client import KVStoreClient
     from kvstore_client.keys import prefix_hashes
 
     torch.set_num_threads(1)
@@ -141,12 +141,13 @@ def prefill_process(args, url: str, tokens: int, go, prefill_done, results) -> N
     prompt = prompt_tokens(args, tokens)
     keys = prefix_hashes(prompt, args.page_tokens)
     stored = [0]
-    with KVStoreCluster(url, segment_pages=args.segment_pages) as cluster:
+    with KVStoreClient(url) as cluster:
         def put_chunk(cache, end: int) -> None:
             full = end // args.page_tokens
             if full > stored[0]:
-                assert cluster.put(ns, keys[:full], pack(cache, stored[0], full, args.page_tokens),
-                                   skip_pages=stored[0]) == full
+                parent = keys[stored[0] - 1] if stored[0] else None
+                assert cluster.put(ns, keys[stored[0]:full], pack(cache, stored[0], full, args.page_tokens),
+                                   parent=parent) == full - stored[0]
                 stored[0] = full
 
         go.wait()
@@ -161,7 +162,7 @@ def prefill_process(args, url: str, tokens: int, go, prefill_done, results) -> N
 def decode_process(args, url: str, tokens: int, mode: str, go, prefill_done, results) -> None:
     import torch
     from kvstore_client.adapters.transformers import namespace_for
-    from kvstore_client.cluster import KVStoreCluster
+    from kvstore_client import KVStoreClient
     from kvstore_client.keys import prefix_hashes
 
     torch.set_num_threads(1)
@@ -170,14 +171,13 @@ def decode_process(args, url: str, tokens: int, mode: str, go, prefill_done, res
     prompt = prompt_tokens(args, tokens)
     keys = prefix_hashes(prompt, args.page_tokens)
     pages = torch.empty((len(keys), ns.page_bytes), dtype=torch.uint8)
-    with KVStoreCluster(url, segment_pages=args.segment_pages, transport=args.decode_transport,
-                        timeout_s=5) as cluster:
+    with KVStoreClient(url, transport=args.decode_transport, timeout_s=5) as cluster:
         go.wait()
         if mode == "after":
             prefill_done.wait()
         loaded = 0
         while loaded < len(keys):         # wait_ms is bounded by the node: ask again for the rest
-            loaded += cluster.get(ns, keys, pages[loaded:], wait_ms=args.wait_ms, skip_pages=loaded)
+            loaded += cluster.get(ns, keys[loaded:], pages[loaded:], wait_ms=args.wait_ms)
         holding_at = time.time()
     prefill = results_get(results, "prefill")
     cache = unpack(pages, ns)
@@ -227,7 +227,6 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--arena", default="512MiB")
     parser.add_argument("--page-tokens", type=int, default=64)
-    parser.add_argument("--segment-pages", type=int, default=8)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--wait-ms", type=int, default=5000)
     parser.add_argument("--decode-transport", default="tcp", choices=("tcp", "auto"))

@@ -22,7 +22,7 @@ def cmd_cluster_status(node: Any, args: argparse.Namespace) -> None:
 
     with KVStoreCluster(args.url, timeout_s=args.timeout, transport="tcp") as cluster:
         members = cluster.members()
-        stats = cluster.stats()
+        stats = cluster.node_stats()
         etcd_lost = cluster.etcd_lost
     now = time.time()
     rows = []

@@ -20,7 +20,8 @@ import time
 from typing import Any, Callable
 
 from kvstore import __version__
-from kvstore.control import checks, groups, route, tenancy
+from kvstore.control import checks, route, tenancy
+from kvstore_client import groups
 from kvstore.control.controller import CacheController
 from kvstore.control.engine_index import EngineIndex
 from kvstore.control.identity import TRUSTED, Caller
@@ -257,9 +258,13 @@ class KVStoreService:
             self.controller.forget([r.page_id for r in on_disk])
         if removed:
             log.info("pages deleted namespace=%016x pages=%d", request.namespace_id, len(removed))
-        return pb.DeleteResponse(deleted_pages=len(removed))
+        if not request.report_keys:
+            return pb.DeleteResponse(deleted_pages=len(removed))
+        most = self.limits.lookup_pages_max
+        return pb.DeleteResponse(deleted_pages=len(removed), removed_keys=[r.page_id[1] for r in removed[:most]],
+                                 removed_keys_cut=len(removed) > most)
 
-    # -- page groups (groups.py) ---------------------------------------------------------
+    # -- page groups (kvstore_client/groups.py) ----------------------------------------
 
     def commit_group(self, request: pb.CommitGroupRequest, owner: object | None) -> pb.CommitGroupResponse:
         """Publish every part's pages in one step, or none (store.commit_group)."""

@@ -750,13 +750,18 @@ class PageStore:
     # -- delete -------------------------------------------------------------------------
 
     def delete(self, ns_id: int, keys: list[bytes] | None) -> tuple[list[PageRecord], list[PageRecord]]:
-        """Remove pages (None: every page of the namespace) with everything that extends them.
+        """Remove pages (None: every page of the namespace) with everything that extends them: their
+        subtrees, and the pages anchored at each key (the key itself held or not).
 
         Returns (pages removed, those that are or may soon be on disk: on NVMe, or moving now,
         as a write-down in flight may still put them there; wait_settled before deleting them)."""
         removed: list[PageRecord] = []
         with self._lock:
-            records = self.index.roots(ns_id) if keys is None else [self.index.get((ns_id, k)) for k in keys]
+            if keys is None:
+                records = self.index.roots(ns_id)
+            else:
+                records = [self.index.get((ns_id, k)) for k in keys]
+                records += [r for k in keys for r in self.index.anchored((ns_id, k))]
             for record in records:
                 if record is not None and record.alive:
                     removed += self.index.remove_subtree(record)

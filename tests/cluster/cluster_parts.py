@@ -108,6 +108,16 @@ def wait_members(cluster: KVStoreCluster, serving: set[str], timeout_s: float = 
         time.sleep(0.05)
 
 
+def first_page_on(cluster: KVStoreCluster, keys: list, node_id: str) -> int:
+    """Where a chain's leading run ends once `node_id` is lost: its first page held there alone
+    (each page on the node its key ranks best; replicas=1)."""
+    from kvstore_client.keys import encode_keys
+    from kvstore_client.placement import place, placeable
+    weights = placeable(cluster.members(), time.time())
+    owners = place(encode_keys(keys), weights, 1, 0, chain_start=False)
+    return next((i for i, nodes in enumerate(owners) if nodes == (node_id,)), len(keys))
+
+
 def server_args(*settings: str) -> list[str]:
     """kvstore-server's command line for a node run by hand, with small pools and no NVMe."""
     import sys

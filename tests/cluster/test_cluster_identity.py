@@ -40,13 +40,13 @@ def test_a_cluster_client_with_the_token_reaches_every_node_and_one_without_is_u
     url, nodes, tokens = protected
     ids, data = chain(24)
     keys = prefix_hashes(ids, page_tokens=4)
-    with KVStoreCluster(url, segment_pages=4, replicas=1, token=tokens.alice) as alice:
+    with KVStoreCluster(url, replicas=1, token=tokens.alice) as alice:
         wait_members(alice, nodes)
         assert alice.put(NS, keys, data) == 24
         out = np.zeros_like(data)
         assert alice.get(NS, keys, out) == 24 and np.array_equal(out, data)
-        assert set(alice.stats()) == nodes                 # every node answered the token
-    with KVStoreCluster(url, segment_pages=4, replicas=1, timeout_s=5) as anonymous:
+        assert set(alice.node_stats()) == nodes            # every node answered the token
+    with KVStoreCluster(url, replicas=1, timeout_s=5) as anonymous:
         wait_members(anonymous, nodes)
         with pytest.raises(errors.Unauthenticated, match="token"):
             anonymous.lookup(NS, keys)
@@ -54,7 +54,7 @@ def test_a_cluster_client_with_the_token_reaches_every_node_and_one_without_is_u
             anonymous.put(NS, keys, data)
         with pytest.raises(errors.Unauthenticated):
             anonymous.get(NS, keys, np.zeros_like(data))
-    with KVStoreCluster(url, segment_pages=4, replicas=1, token="not-a-token-of-this-cluster") as stranger:
+    with KVStoreCluster(url, replicas=1, token="not-a-token-of-this-cluster") as stranger:
         wait_members(stranger, nodes)
         with pytest.raises(errors.Unauthenticated):
             stranger.lookup(NS, keys)
@@ -66,7 +66,7 @@ def test_the_token_comes_from_kvstore_token_for_the_client_and_cluster_status(pr
     assert "Unauthenticated" in capsys.readouterr().err
     monkeypatch.setenv("KVSTORE_TOKEN", tokens.alice)
     ids, data = chain(8)
-    with KVStoreCluster(url, segment_pages=4, replicas=1) as alice:
+    with KVStoreCluster(url, replicas=1) as alice:
         wait_members(alice, nodes)
         assert alice.put(NS, prefix_hashes(ids, page_tokens=4), data) == 8
     monkeypatch.setenv("KVSTORE_TOKEN", tokens.ops)   # tier totals are every tenant's: an admin's view
@@ -89,8 +89,8 @@ def test_tls_files_reach_every_node(start_node, etcd, tmp_path, request, monkeyp
     ids, data = chain(12)
     keys = prefix_hashes(ids, page_tokens=4)
     monkeypatch.setenv("KVSTORE_TLS_CA", certs.ca)                 # the CA from the environment, the token given
-    with KVStoreCluster(url, segment_pages=4, replicas=1, transport="tcp", token=tokens.alice) as alice:
+    with KVStoreCluster(url, replicas=1, transport="tcp", token=tokens.alice) as alice:
         wait_members(alice, nodes)
         assert alice.put(NS, keys, data) == 12
         assert alice.lookup(NS, tokens=ids) == 12
-        assert set(alice.stats()) == nodes
+        assert set(alice.node_stats()) == nodes

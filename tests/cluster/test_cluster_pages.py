@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from cluster_parts import etcd, start_node, wait_members  # noqa: F401
+from cluster_parts import etcd, first_page_on, start_node, wait_members  # noqa: F401
 from kvstore.admin import cli
-from kvstore_client import errors
+from kvstore_client import KVStoreClient, errors
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
-from kvstore_client.placement import placeable, plan
+from kvstore_client.placement import placeable, rank
 
 PAGE_BYTES = 4096
 NS = Namespace(model="cluster-test", page_bytes=PAGE_BYTES, page_tokens=4)
@@ -37,8 +37,7 @@ def three_nodes(start_node, request):
 def test_pages_put_through_one_client_are_got_through_another(three_nodes, etcd):
     cluster, three_nodes = three_nodes
     url = f"etcd://{etcd.endpoint}/{cluster}"
-    with KVStoreCluster(url, segment_pages=4, replicas=2) as writer, \
-            KVStoreCluster(url, transport="tcp", segment_pages=4, replicas=2) as reader:
+    with KVStoreClient(url, replicas=2) as writer, KVStoreClient(url, transport="tcp", replicas=2) as reader:
         wait_members(writer, set(three_nodes))
         wait_members(reader, set(three_nodes))
         chains = [chain(seed, 24) for seed in range(6)]
@@ -50,17 +49,19 @@ def test_pages_put_through_one_client_are_got_through_another(three_nodes, etcd)
             assert reader.get(NS, keys, out) == 24
             assert np.array_equal(out, data)
         assert all(client.transport == "tcp" for _, client in reader._nodes.values())
-        holding = {node: sum(t.pages for t in answer.tiers) for node, answer in reader.stats().items()}
+        holding = {node: sum(t.pages for t in answer.tiers) for node, answer in reader.node_stats().items()}
         assert set(holding) == set(three_nodes) and all(holding.values())   # spread over every node
         keys, data = chains[0]
-        assert reader.delete(NS, keys) >= 24
+        assert sum(t.pages for t in reader.stats().tiers) == sum(holding.values())   # the members' sum
+        assert reader.delete(NS, keys[:1]) >= 24           # the page and every page after it, on every node
         assert writer.lookup(NS, keys) == 0
+        assert writer.held(NS, keys) == [False] * 24
 
 
 def test_cluster_status_lists_every_member_with_its_pages(three_nodes, etcd, capsys):
     cluster, three_nodes = three_nodes
     url = f"etcd://{etcd.endpoint}/{cluster}"
-    with KVStoreCluster(url, segment_pages=4) as client:
+    with KVStoreCluster(url) as client:
         wait_members(client, set(three_nodes))
         keys, data = chain(3, 40)
         assert client.put(NS, keys, data) == 40
@@ -79,13 +80,11 @@ def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etc
     cluster, three_nodes = three_nodes
     url = f"etcd://{etcd.endpoint}/{cluster}"
     chains = [chain(100 + seed, 12) for seed in range(24)]
-    with KVStoreCluster(url, segment_pages=4, replicas=1) as loader:
+    with KVStoreCluster(url, replicas=1) as loader:
         wait_members(loader, set(three_nodes))
         for keys, data in chains:
             assert loader.put(NS, keys, data) == 12
-        weights = placeable(loader.members(), time.time())
-        # What survives n3: each chain up to its first segment placed on n3.
-        survives = [next((s.start for s in plan(encode_keys(keys), weights, 4, 1) if s.nodes == ("n3",)), 12) for keys, _ in chains]
+        survives = [first_page_on(loader, keys, "n3") for keys, _ in chains]   # each chain up to its first on n3
     assert 0 < sum(survives) < 12 * len(chains)
 
     failures: list[BaseException] = []
@@ -93,7 +92,7 @@ def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etc
     stop = threading.Event()
 
     def work(worker: int) -> None:
-        with KVStoreCluster(url, segment_pages=4, replicas=1, transport="tcp" if worker % 2 else "auto") as c:
+        with KVStoreCluster(url, replicas=1, transport="tcp" if worker % 2 else "auto") as c:
             rng = random.Random(worker)
             while not stop.is_set():
                 index = rng.randrange(len(chains))
@@ -120,7 +119,7 @@ def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etc
     for w in workers:
         w.join(60)
     assert not failures, failures
-    with KVStoreCluster(url, segment_pages=4, replicas=1) as after:
+    with KVStoreCluster(url, replicas=1) as after:
         wait_members(after, {"n1", "n2"})
         for (keys, data), kept in zip(chains, survives):
             out = np.zeros_like(data)
@@ -143,7 +142,7 @@ def test_a_new_node_takes_load_gradually(start_node, etcd):
 
         def share() -> float:
             weights = placeable(cluster.members(), time.time())
-            return sum(plan([k], weights, 1, 1)[0].nodes == ("r3",) for k in keys) / len(keys)
+            return sum(rank(k, weights, 1) == ("r3",) for k in keys) / len(keys)
 
         early = share()
         time.sleep(6.5)
@@ -156,28 +155,29 @@ def test_a_chain_stored_chunk_by_chunk_is_waited_for_and_got_whole(three_nodes, 
     cluster, three_nodes = three_nodes
     url = f"etcd://{etcd.endpoint}/{cluster}"
     keys, data = chain(11, 40)
-    with KVStoreCluster(url, segment_pages=8) as prefill, KVStoreCluster(url, segment_pages=8, transport="tcp") as decode:
+    with KVStoreCluster(url) as prefill, KVStoreCluster(url, transport="tcp") as decode:
         wait_members(prefill, set(three_nodes))
         wait_members(decode, set(three_nodes))
         out = np.zeros_like(data)
         waiting = threading.Thread(target=lambda: outcomes.append(decode.get(NS, keys, out, wait_ms=10_000)))
         outcomes: list[int] = []
         waiting.start()
-        for start in range(0, 40, 6):            # chunks that straddle segment boundaries
+        for start in range(0, 40, 6):            # chunk by chunk, each after the one before
             stop = min(start + 6, 40)
-            assert prefill.put(NS, keys[:stop], data[start:stop], skip_pages=start) == stop
+            parent = keys[start - 1] if start else None
+            assert prefill.put(NS, keys[start:stop], data[start:stop], parent=parent) == stop - start
             time.sleep(0.02)
         waiting.join(30)
         assert outcomes == [40]
         assert np.array_equal(out, data)
         tail = np.zeros_like(data[13:])
-        assert decode.get(NS, keys, tail, skip_pages=13) == 27        # the rest of a chain, from mid-segment
+        assert decode.get(NS, keys[13:], tail) == 27                  # the rest of a chain, from its middle
         assert np.array_equal(tail, data[13:])
 
 
 def test_lookup_by_tokens_hashes_them_as_a_put_by_keys_did(three_nodes, etcd):
     cluster, three_nodes = three_nodes
-    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", segment_pages=4, replicas=1) as client:
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", replicas=1) as client:
         wait_members(client, set(three_nodes))
         tokens = random.Random(7).choices(range(32000), k=4 * 20)
         data = np.random.default_rng(7).integers(0, 255, (20, PAGE_BYTES), dtype=np.uint8)
@@ -193,21 +193,69 @@ def test_lookup_by_tokens_hashes_them_as_a_put_by_keys_did(three_nodes, etcd):
             client.lookup(Namespace(model="cluster-test", page_bytes=PAGE_BYTES), tokens=tokens)
 
 
-def test_a_replica_that_misses_a_segment_is_read_from_the_next(three_nodes, etcd):
+def test_a_replica_that_misses_a_page_is_read_from_the_next(three_nodes, etcd):
     cluster, nodes = three_nodes
-    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", segment_pages=8, replicas=3,
-                        replicated_segments=1) as pool:
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", replicas=3, replicated_pages=8) as pool:
         wait_members(pool, set(nodes))
-        keys, data = chain(7, 8)                       # one segment, on all three nodes
+        keys, data = chain(7, 8)                       # a chain's first put: each page on all three nodes
         assert pool.put(NS, keys, data) == 8
-        segment = pool._plan(encode_keys(keys))[0]
-        assert sorted(segment.nodes) == sorted(nodes)
-        dropped = segment.nodes[0]
-        assert pool._node(dropped).delete(NS, keys[:1]) == 8     # one replica loses it
-        for _ in range(20):                            # whichever replica a read picks first
+        owners = pool._place(encode_keys(keys), chain_start=True)
+        assert all(sorted(o) == sorted(nodes) for o in owners)
+        best = owners[0][0]
+        assert pool._node(best).delete(NS, keys[:1]) == 8        # the best replica of page 0 loses the chain
+        for _ in range(5):
             out = np.zeros_like(data)
             assert pool.get(NS, keys, out) == 8 and np.array_equal(out, data)
-        nodes[segment.nodes[1]].kill()                 # and with a second replica gone
-        for _ in range(10):
+        assert pool.lookup(NS, keys) == 8
+        nodes[owners[0][1]].kill()                     # and with the next replica gone too
+        for _ in range(5):
             out = np.zeros_like(data)
             assert pool.get(NS, keys, out) == 8 and np.array_equal(out, data)
+
+
+def test_a_delete_ends_the_chain_on_every_node_and_removes_what_extends_it_there(three_nodes, etcd):
+    cluster, nodes = three_nodes
+    with KVStoreClient(f"etcd://{etcd.endpoint}/{cluster}") as pool:
+        wait_members(pool, set(nodes))
+        keys, data = chain(21, 64)
+        assert pool.put(NS, keys[:40], data[:40]) == 40
+        assert pool.put(NS, keys[40:], data[40:], parent=keys[39]) == 24     # a second call, after the first
+        other, other_data = chain(22, 16)
+        assert pool.put(NS, other, other_data) == 16
+        owners = [o[0] for o in pool._place(encode_keys(keys), chain_start=False)]
+        assert len(set(owners[32:])) == 3                                    # the tail is spread over all three
+        removed = pool.delete(NS, keys[32:33])
+        held = pool.held(NS, keys)
+        assert held[:32] == [True] * 32 and not held[32]
+        # On the node that held page 32, every later page of the chain went with it (its pieces of both
+        # calls hang off it); a later page elsewhere goes when its piece is anchored at a removed page.
+        assert not any(held[i] for i in range(33, 64) if owners[i] == owners[32])
+        assert removed == 32 - sum(held[33:])
+        assert pool.lookup(NS, keys) == 32 and pool.get(NS, keys, np.zeros_like(data)) == 32
+        assert pool.lookup(NS, other) == 16                                  # another chain keeps every page
+        assert pool.delete(NS, keys[32:33]) == 0
+
+
+def test_page_groups_commit_and_answer_whole_positions_across_nodes(three_nodes, etcd):
+    from kvstore_client.groups import GroupPart
+    cluster, nodes = three_nodes
+    sidecar = Namespace(model="cluster-test-state", page_bytes=512, page_tokens=4)
+    with KVStoreClient(f"etcd://{etcd.endpoint}/{cluster}") as pool:
+        wait_members(pool, set(nodes))
+        keys, data = chain(31, 40)
+        states = np.random.default_rng(31).integers(0, 255, (40, 512), dtype=np.uint8)
+        assert pool.put_group(keys, [(NS, data), (sidecar, states)]) == 40
+        parts = [GroupPart(NS), GroupPart(sidecar, "trailing_pages", 1)]
+        hits = pool.lookup_group(keys, parts)
+        assert hits.hit_pages == 40 and hits.restorable_pages == list(range(1, 41))
+        out, out_states = np.zeros_like(data), np.zeros_like(states)
+        assert pool.get_group([(NS, keys, out), (sidecar, keys, out_states)]) == [40, 40]
+        assert np.array_equal(out, data) and np.array_equal(out_states, states)
+        owner = pool._place(encode_keys(keys[39:]), chain_start=False)[0][0]
+        assert pool._node(owner).delete(sidecar, keys[39:]) == 1            # the last state page is lost
+        hits = pool.lookup_group(keys, parts)
+        assert hits.hit_pages == 39 and hits.restorable_pages == list(range(1, 40))
+        assert pool.get_group([(NS, keys, out), (sidecar, keys, out_states)]) == [39, 39]
+        staged = pool.stage(NS, keys[:4], data[:4])
+        pool.abort_staged([staged])                                          # staged on their nodes, given up
+        assert pool.lookup(NS, keys) == 40

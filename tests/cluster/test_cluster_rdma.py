@@ -67,7 +67,7 @@ def roundtrip(cluster, name, count=32):
 
 def opened(cluster):
     """Each member's client opened once, one per member (stats asks every member), before pages move."""
-    assert set(cluster.stats()) == {"with-rdma", "tcp-only"}
+    assert set(cluster.node_stats()) == {"with-rdma", "tcp-only"}
     return cluster
 
 
@@ -76,11 +76,11 @@ def planes(cluster):
 
 
 def test_a_node_advertising_rdma_is_reached_over_it_when_rdma_options_are_given(members, model):
-    with KVStoreCluster(members, rdma=RdmaOptions(), segment_pages=4, replicas=2, timeout_s=2) as cluster:
+    with KVStoreCluster(members, rdma=RdmaOptions(), replicas=2, timeout_s=2) as cluster:
         opened(cluster)
         roundtrip(cluster, "r")
         assert planes(cluster) == {"with-rdma": "rdma", "tcp-only": "tcp"}
-    with KVStoreCluster(members, segment_pages=4, replicas=2, timeout_s=2) as cluster:   # no RdmaOptions
+    with KVStoreCluster(members, replicas=2, timeout_s=2) as cluster:   # no RdmaOptions
         opened(cluster)
         roundtrip(cluster, "t")
         assert planes(cluster) == {"with-rdma": "tcp", "tcp-only": "tcp"}
@@ -92,14 +92,14 @@ def test_a_failed_rdma_setup_falls_back_to_tcp(members, node, model, failure):
      "port down": lambda: setattr(model, "ports_active", False),
      "queue pair creation fails": lambda: model.fail_call("create_queue_pair"),
      "peer not allowed": lambda: setattr(node.service.rdma, "allowed_peers", ("192.168.0.0/16",))}[failure]()
-    with KVStoreCluster(members, rdma=RdmaOptions(), segment_pages=4, replicas=2, timeout_s=2) as cluster:
+    with KVStoreCluster(members, rdma=RdmaOptions(), replicas=2, timeout_s=2) as cluster:
         opened(cluster)
         roundtrip(cluster, "f")
         assert planes(cluster) == {"with-rdma": "tcp", "tcp-only": "tcp"}
 
 
 def test_rdma_lost_mid_session_moves_the_node_to_tcp(members, model):
-    with KVStoreCluster(members, rdma=RdmaOptions(), segment_pages=4, replicas=2, timeout_s=2) as cluster:
+    with KVStoreCluster(members, rdma=RdmaOptions(), replicas=2, timeout_s=2) as cluster:
         opened(cluster)
         roundtrip(cluster, "before")
         assert planes(cluster)["with-rdma"] == "rdma"

@@ -67,7 +67,7 @@ def test_etcd_lost_while_serving_nodes_serve_on_and_rejoin(tmp_path):
         ns = Namespace(model="m", page_bytes=4096, page_tokens=4)
         keys = prefix_hashes(list(range(4 * 64)), page_tokens=4)
         pages = np.random.default_rng(1).integers(0, 255, (64, 4096), dtype=np.uint8)
-        with KVStoreCluster(f"etcd://{own.endpoint}/m3", timeout_s=5, segment_pages=8, replicas=2) as cluster:
+        with KVStoreCluster(f"etcd://{own.endpoint}/m3", timeout_s=5, replicas=2) as cluster:
             wait_members(cluster, {"x", "y"})
             assert cluster.put(ns, keys, pages) == 64
             own.kill()

@@ -8,7 +8,7 @@ import pytest
 from sglang_harness import import_sglang
 
 import_sglang()   # sglang_pools speaks SGLang's pool types
-from kvstore.control.groups import fold  # noqa: E402
+from kvstore_client.groups import fold  # noqa: E402
 from kvstore_client.adapters.sglang_pools import span_hits  # noqa: E402
 from kvstore_client.groups import HIT_POLICIES, GroupHits, GroupPart  # noqa: E402
 from kvstore_client.keys import Namespace  # noqa: E402

@@ -1,22 +1,53 @@
-"""A client names one node; a cluster URL is refused before anything is sent, naming the class that takes it."""
+"""A client names one node or a cluster: a cluster URL gives the cluster client, with the same methods."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 
 from kvstore_client import KVStoreClient, errors
 from kvstore_client.async_client import AsyncKVStoreClient
+from kvstore_client.async_cluster import AsyncKVStoreCluster
+from kvstore_client.cluster import KVStoreCluster
 
-CLUSTER_URL = "etcd://127.0.0.1:2379/prod"
+UNANSWERED_URL = "etcd://127.0.0.1:9/prod"   # nothing listens on port 9: no member is ever listed
 
 
-@pytest.mark.parametrize("client_class", [KVStoreClient, AsyncKVStoreClient])
-def test_a_cluster_url_is_refused_naming_kvstore_cluster(client_class):
-    with pytest.raises(errors.InvalidArgument, match=r"names a cluster.*KVStoreCluster\('etcd://127.0.0.1:2379/prod'\)"):
-        client_class(CLUSTER_URL)
+def test_a_cluster_url_gives_the_cluster_client():
+    with KVStoreClient(UNANSWERED_URL, members_wait_s=0.1) as pool:
+        assert isinstance(pool, KVStoreCluster)
+        assert pool.cluster == "prod"
+
+
+def test_the_async_client_of_a_cluster_url_is_the_async_cluster():
+    assert isinstance(AsyncKVStoreClient(UNANSWERED_URL), AsyncKVStoreCluster)   # nothing is dialled yet
+
+
+def test_the_cluster_has_every_public_method_of_the_node_client_with_its_arguments():
+    for name, method in inspect.getmembers(KVStoreClient, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        ours = getattr(KVStoreCluster, name, None)
+        assert ours is not None, f"KVStoreCluster has no {name}()"
+        theirs_args = list(inspect.signature(method).parameters)
+        assert list(inspect.signature(ours).parameters)[:len(theirs_args)] == theirs_args, name
+    for name in ("limits", "transport", "server_version"):
+        assert isinstance(getattr(KVStoreCluster, name), property), name
+
+
+def test_the_async_cluster_has_every_coroutine_of_the_async_client():
+    for name, method in inspect.getmembers(AsyncKVStoreClient, inspect.iscoroutinefunction):
+        if not name.startswith("_"):
+            assert inspect.iscoroutinefunction(getattr(AsyncKVStoreCluster, name, None)), name
 
 
 @pytest.mark.parametrize("target", ["", None, 50051])
 def test_a_target_that_is_no_address_is_refused(target):
     with pytest.raises(errors.InvalidArgument, match="target must be a node's address"):
         KVStoreClient(target)
+
+
+def test_a_bad_cluster_url_is_refused_naming_the_form():
+    with pytest.raises(errors.InvalidArgument, match=r"etcd://host:2379"):
+        KVStoreClient("etcd://127.0.0.1:2379")

@@ -9,7 +9,7 @@ import xxhash
 from node_parts import ManualClock, close_node, make_node, make_service
 
 pytestmark = pytest.mark.usefixtures("index_kind")
-from kvstore.control import groups
+from kvstore_client import groups
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb

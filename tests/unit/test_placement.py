@@ -1,4 +1,4 @@
-"""Rendezvous placement of chain segments: about 1/N moves on a membership change, weights and ramps hold."""
+"""Rendezvous placement of pages by key: about 1/N moves on a membership change, weights and ramps hold."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.membership import Member
-from kvstore_client.placement import RAMP_FLOOR, placeable, plan, rank, weight
+from kvstore_client.placement import RAMP_FLOOR, place, placeable, rank, weight
 
 KEYS = [random.Random(i).randbytes(32) for i in range(4000)]
 
@@ -30,7 +30,7 @@ def test_a_join_moves_about_one_nth_and_only_to_the_new_node():
     assert 0.6 / 11 < len(moved) / len(KEYS) < 1.4 / 11
 
 
-def test_a_leave_moves_only_the_leaving_nodes_segments():
+def test_a_leave_moves_only_the_leaving_nodes_pages():
     before = owners(placeable(members(10), 0))
     after = owners(placeable(members(10)[:-1], 0))
     assert all(a == "node-9" for a, b in zip(before, after) if a != b)
@@ -56,14 +56,27 @@ def test_only_serving_members_take_pages():
     assert set(placeable(group, 0)) == {"node-0", "node-2"}
 
 
-def test_plan_replicates_the_leading_segments_only():
+def test_a_chains_first_put_replicates_its_leading_pages_only():
     weights = placeable(members(5), 0)
-    segments = plan(KEYS[:40], weights, 16, 3, replicated_segments=1)
-    assert [(s.start, s.stop) for s in segments] == [(0, 16), (16, 32), (32, 40)]
-    assert len(segments[0].nodes) == 3 and len(set(segments[0].nodes)) == 3
-    assert all(len(s.nodes) == 1 for s in segments[1:])
-    assert [len(s.nodes) for s in plan(KEYS[:40], weights, 16, 3, replicated_segments=2)] == [3, 3, 1]
-    assert plan(KEYS[:5], {}, 16, 3)[0].nodes == ()
+    placed = place(KEYS[:40], weights, 3, 16, chain_start=True)
+    assert all(len(nodes) == 3 and len(set(nodes)) == 3 for nodes in placed[:16])
+    assert all(len(nodes) == 1 for nodes in placed[16:])
+    assert [nodes[0] for nodes in placed] == [rank(k, weights, 1)[0] for k in KEYS[:40]]   # the best node first
+    assert all(len(nodes) == 1 for nodes in place(KEYS[:40], weights, 3, 16, chain_start=False))
+    assert place(KEYS[:5], {}, 3, 16, chain_start=True) == [()] * 5
+
+
+def test_a_page_is_placed_by_its_key_alone_wherever_a_call_starts():
+    weights = placeable(members(7), 0)
+    whole = place(KEYS[:100], weights, 1, 0, chain_start=True)
+    assert place(KEYS[37:100], weights, 1, 0, chain_start=False) == whole[37:]
+
+
+def test_placing_pages_spreads_them_evenly():
+    counts = {}
+    for nodes in place(KEYS, placeable(members(8), 0), 1, 0, chain_start=False):
+        counts[nodes[0]] = counts.get(nodes[0], 0) + 1
+    assert len(counts) == 8 and max(counts.values()) < 1.25 * len(KEYS) / 8
 
 
 def test_cluster_url_names_endpoints_and_cluster():
@@ -75,9 +88,9 @@ def test_cluster_url_names_endpoints_and_cluster():
             parse_cluster_url(bad)
 
 
-def test_a_bad_segment_layout_is_the_sdks_invalid_argument():
-    with pytest.raises(InvalidArgument, match=r"segment_pages \(0\)"):
-        plan(KEYS[:5], {"a": 1.0}, 0, 3)
+def test_a_bad_replica_layout_is_the_sdks_invalid_argument():
+    with pytest.raises(InvalidArgument, match=r"replicas \(0\)"):
+        place(KEYS[:5], {"a": 1.0}, 0, 3, chain_start=True)
 
 
 def test_member_record_round_trips_and_ignores_unknown_fields():

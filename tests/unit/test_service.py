@@ -269,6 +269,16 @@ def test_delete_takes_descendants(service):
     assert service.store.allocator.used_bytes == PAGE
 
 
+def test_delete_takes_the_pages_anchored_at_a_key_it_does_not_hold_and_can_name_what_it_removed(service):
+    ns = open_ns(service)
+    put(service, ns, keys("b", 3), parent=b"a-gone", anchor=True)     # a chain's piece whose parent is elsewhere
+    put(service, ns, keys("c", 2))
+    answer = service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"a-gone"], report_keys=True), None)
+    assert answer.deleted_pages == 3 and sorted(answer.removed_keys) == keys("b", 3) and not answer.removed_keys_cut
+    assert lookup(service, ns, keys("b", 3)) == 0 and lookup(service, ns, keys("c", 2)) == 2
+    assert not service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"c0"]), None).removed_keys   # not asked
+
+
 def test_list_keys_pages_through_a_namespace_in_byte_order(service):
     ns, other = open_ns(service), open_ns(service, layout="x")
     put(service, ns, keys("a", 5))

@@ -16,14 +16,18 @@ from kvstore_client.tokens import token_array
 _PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_EFFORT, "timeout": pb.TIMEOUT}
 
 
+def is_cluster_url(target: Any) -> bool:
+    return isinstance(target, str) and target.startswith("etcd://")
+
+
 def node_target(target: Any) -> str:
-    """One node's gRPC address; a cluster URL (etcd://...) is refused with the class that takes it."""
+    """One node's gRPC address; a cluster URL (etcd://...) is refused with the classes that take it."""
     if not isinstance(target, str) or not target:
         raise errors.InvalidArgument(f"target must be a node's address like '127.0.0.1:50051', got {target!r}")
-    if target.startswith("etcd://"):
+    if is_cluster_url(target):
         raise errors.InvalidArgument(
-            f"{target!r} names a cluster, not a node: use kvstore_client.cluster.KVStoreCluster({target!r}), "
-            "which places pages across the nodes etcd lists")
+            f"{target!r} names a cluster, not a node: KVStoreClient({target!r}) and AsyncKVStoreClient take it "
+            "(a subclass of them takes one node's address only)")
     return target
 
 

@@ -37,8 +37,8 @@ import grpc
 import grpc.aio
 
 from kvstore_client import errors, framing, groups, lookup
-from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens, node_target, prefetch_policy,
-                                      put_pages)
+from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url, keys_or_tokens, node_target,
+                                      prefetch_policy, put_pages)
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
@@ -298,6 +298,13 @@ class _Connection:
 
 
 class AsyncKVStoreClient:
+    def __new__(cls, target: str = "", **options: Any) -> Any:
+        """A cluster URL (etcd://host:2379/<cluster>) gives an AsyncKVStoreCluster (async_cluster.py)."""
+        if cls is AsyncKVStoreClient and is_cluster_url(target):
+            from kvstore_client.async_cluster import AsyncKVStoreCluster
+            return AsyncKVStoreCluster(target, **options)
+        return super().__new__(cls)
+
     def __init__(self, target: str, *, timeout_s: float = 5.0, transport: str = "auto", client_name: str = "",
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None):

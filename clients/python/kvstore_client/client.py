@@ -29,6 +29,9 @@ messages it sends (channel.call_deadline); without it each message gets the clie
 Token ids may be a list, a numpy array or a torch tensor wherever a call takes them; a bad
 argument of any kind raises errors.InvalidArgument (a ValueError) before anything is sent.
 For asyncio engines, async_client.AsyncKVStoreClient has the same methods as coroutines.
+
+KVStoreClient("etcd://host:2379/<cluster>") is a KVStoreCluster (cluster.py) instead: the same
+methods, arguments and results over every node of a cluster.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ import time
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from kvstore_client import errors, groups, lookup
-from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens, node_target, prefetch_policy,
-                                      put_pages)
+from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url, keys_or_tokens, node_target,
+                                      prefetch_policy, put_pages)
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
@@ -63,6 +66,14 @@ def _never() -> bool:
 
 
 class KVStoreClient:
+    def __new__(cls, target: str = "", **options: Any) -> Any:
+        """A cluster URL (etcd://host:2379/<cluster>) gives a KVStoreCluster (cluster.py): the same methods,
+        over every node etcd lists. Anything else is one node's gRPC address."""
+        if cls is KVStoreClient and is_cluster_url(target):
+            from kvstore_client.cluster import KVStoreCluster   # here: cluster.py builds on this module
+            return KVStoreCluster(target, **options)
+        return super().__new__(cls)
+
     def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = "",
                  transport: str = "auto", tcp_congestion: str = "", rdma: RdmaOptions | None = None,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
@@ -204,6 +215,20 @@ class KVStoreClient:
         request = pb.DeleteRequest(keys=encode_keys(keys))
         return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never,
                              timeout_s=timeout_s).deleted_pages
+
+    def removing(self, namespace: Namespace, keys: Sequence[Key], *,
+                 timeout_s: float | None = None) -> tuple[int, list[bytes], bool]:
+        """delete(), answering also the removed pages' keys: (pages removed, their keys, whether more were
+        removed than the keys name). A cluster's delete asks the other nodes for pages anchored at them."""
+        raw, step = encode_keys(keys), self.limits.batch_pages_max
+        removed, named, cut = 0, [], False
+        for start in range(0, len(raw), step):
+            request = pb.DeleteRequest(keys=raw[start:start + step], report_keys=True)
+            answer = self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never, timeout_s=timeout_s)
+            removed += answer.deleted_pages
+            named += answer.removed_keys
+            cut = cut or answer.removed_keys_cut
+        return removed, named, cut
 
     def clear(self, namespace: Namespace, *, timeout_s: float | None = None) -> int:
         """Remove every page of the namespace; returns pages removed."""

@@ -1,52 +1,70 @@
 """KVStoreCluster: one pool of KV pages across the kvstore nodes registered in etcd.
 
-    with KVStoreCluster("etcd://10.0.0.1:2379/prod") as cluster:
-        cluster.put(ns, keys, pages)            # keys: a chain from its first page
-        loaded = cluster.get(ns, keys, out)
+    with KVStoreClient("etcd://10.0.0.1:2379/prod") as pool:     # a KVStoreCluster
+        pool.put(ns, keys, pages)
+        loaded = pool.get(ns, keys, out)
 
-Membership comes from etcd (membership.py) and placement is computed here without asking
-anyone (placement.py): each chain segment of `segment_pages` pages lives on one node, the
-first `replicated_segments` segments (where shared system prompts sit) on `replicas` nodes. Every call asks all the nodes it needs at once, in
-one round. Each node is reached over its best data plane (data_plane() decides, from the
-node's record alone): shared memory when it runs on this host (same host id), else RDMA when
-the node advertises it and the cluster was given `rdma=RdmaOptions(...)`, else TCP. An RDMA
-node's client falls back to TCP as KVStoreClient's transport="auto" does, at connect and
-mid-session, whenever RDMA cannot start or breaks (no device, port down, a refused peer).
+KVStoreClient(target) gives a KVStoreCluster when the target is a cluster URL, and this class has
+KVStoreClient's methods, arguments, results and errors, so a caller (every adapter) need not know
+which it holds. Each call is KVStoreClient's, made on every node that holds some of its pages:
 
-A lost node costs misses, not errors: get and lookup count its pages as absent, put stops
-counting at its segment. A get of a replicated segment that one replica misses (or cannot
-answer) reads it from the next. No call returns, not even with an error, before every piece it
-started has ended: a piece still running may be copying into the caller's buffer. A node that stops renewing its etcd lease leaves the view within
-one lease TTL and its segments are placed on the others. Errors a caller can act on (bad
-input, a full node, a refused identity) are raised as in KVStoreClient.
+- Membership comes from etcd (membership.py); placement is computed here without asking
+  anyone (placement.py): each page lives on the node its own key ranks best, the leading pages
+  of a chain's first put on `replicas` nodes. A call's pages are grouped by node and every node
+  is asked at once, one round, one call per node.
+- On each node a call's pages are a chain of their own, anchored at the page before them in
+  the call (the node keeps them prefix-closed and evicts them leaf first). `parent` therefore
+  acts as `anchor`: the page before keys[0] lives on whichever node its key names.
+- Leading counts (put, get, lookup) are the chain's leading run over all nodes: a page a node
+  misses ends it. A get or lookup whose page one replica misses (or cannot answer) asks the
+  next replica for it, in a second round.
+- A lost node costs misses, not errors: its pages count as absent, a put stops counting at its
+  first page. Errors a caller can act on (bad input, a full node, a refused identity) are
+  raised as by KVStoreClient, once every node's piece of the call has ended: no call returns,
+  not even with an error, while a piece may still copy into the caller's buffer.
+- Delete and clear go to every member. A node removes the keys' pages and what extends them
+  there: their children, and pages anchored at the keys (a piece of a chain whose page before
+  it lives elsewhere). It answers the keys it removed, and the next round asks every member for
+  pages anchored at those, until a round removes nothing new.
+- Page groups: a key's parts live on the same nodes (placement ignores the namespace), so each
+  node commits its positions whole; a group lookup folds each part's presence by the node's own
+  rule (groups.fold). Nodes commit in parallel: a group one node refuses may be visible on the
+  others, position by position, each whole.
 
-Every node connection carries the same identity, given as KVStoreClient takes it: `token`,
-`tls_ca`, `tls_cert`, `tls_key`, each one left None read from KVSTORE_TOKEN, KVSTORE_TLS_CA,
-KVSTORE_TLS_CERT, KVSTORE_TLS_KEY (credentials.py). A node that refuses it answers
-errors.Unauthenticated (or PermissionDenied), raised to the caller, not counted as a miss.
+Each node is reached over its best data plane (data_plane() decides, from the node's record
+alone): shared memory when it runs on this host (same host id), else RDMA when the node
+advertises it and the cluster was given `rdma=RdmaOptions(...)`, else TCP. Every node connection
+carries the same identity (`token`, `tls_*`, or KVSTORE_TOKEN, KVSTORE_TLS_* as KVStoreClient reads
+them). A node that stops renewing its etcd lease leaves the view within one lease TTL and its pages
+are placed on the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import random
 import threading
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
-from kvstore_client import errors, lookup, placement
-from kvstore_client.buffers import page_segments
+from kvstore_client import errors, groups, lookup, placement
+from kvstore_client.arguments import engine_id_list, get_pages, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials
-from kvstore_client.keys import Key, Namespace, encode_keys
+from kvstore_client.groups import GroupHits, GroupPart, StagedPages
+from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
+from kvstore_client.pipeline import PutResult
+from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+DELETE_ROUNDS_MAX = 64    # a chain's pieces hang off each other across nodes a few levels deep, not 64
 
 # What a lost or leaving node answers with: the call on it reads as a miss.
 NODE_LOST = (errors.Unavailable, errors.DeadlineExceeded, errors.Draining, errors.TransportUnavailable)
@@ -61,36 +79,63 @@ def parse_cluster_url(url: str) -> tuple[list[str], str]:
     return parts.netloc.split(","), cluster
 
 
+@dataclasses.dataclass(eq=False)
+class ClusterStaged:
+    """A part of a group commit staged across nodes (KVStoreCluster.stage): each node's StagedPages, and the
+    positions in `keys` each of them holds."""
+
+    namespace: Namespace
+    keys: list[bytes]
+    pieces: dict[str, tuple[list[int], StagedPages]]
+
+    @property
+    def stored(self) -> int:
+        flags = [False] * len(self.keys)
+        for positions, staged in self.pieces.values():
+            for i in positions[:staged.stored]:
+                flags[i] = True
+        return _leading_run(flags)
+
+
 class KVStoreCluster:
-    def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", segment_pages: int = 16,
-                 replicas: int = 3, replicated_segments: int = 2, client_name: str = "", members_wait_s: float = 5.0,
+    def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", control: str = "local",
+                 tcp_congestion: str = "", replicas: int = 3, replicated_pages: int = 32, client_name: str = "", members_wait_s: float = 5.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, rdma: RdmaOptions | None = None):
-        """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node).
-        `token`, `tls_*`: who this client is to every node (see above). `rdma`: this host's NIC settings
-        (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are reached over it; None = TCP."""
+        """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node). `control`:
+        how same-host nodes are asked ("local": their Unix socket; "grpc"). `replicas`, `replicated_pages`:
+        copies of a chain's leading pages (placement.py). `token`, `tls_*`: who this client is to every node.
+        `rdma`: this host's NIC settings (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are
+        reached over it; None = TCP."""
         if transport not in ("auto", "tcp"):
-            raise errors.InvalidArgument(f"transport must be 'auto' or 'tcp', got {transport!r}")
-        placement.check_layout(segment_pages, replicas, replicated_segments)
+            raise errors.InvalidArgument(f"a cluster's transport must be 'auto' or 'tcp', got {transport!r}")
+        if control not in ("local", "grpc"):
+            raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        placement.check_layout(replicas, replicated_pages)
         endpoints, self.cluster = parse_cluster_url(url)
         self._credentials = Credentials.resolve(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
-        self.segment_pages = segment_pages
         self.replicas = replicas
-        self.replicated_segments = replicated_segments
+        self.replicated_pages = replicated_pages
         self._timeout_s = timeout_s
         self._transport = transport
+        self._control = control
+        self._tcp_congestion = tcp_congestion
         self._rdma = rdma
         self._client_name = client_name
         self._host_id = local_host_id()
         self._lock = threading.Lock()
         self._nodes: dict[str, tuple[Member, KVStoreClient]] = {}
+        self._registered: list[tuple[int, int, Any]] = []
+        self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvstore-cluster")
         self._view = MembershipView(endpoints, self.cluster, timeout_s=min(timeout_s, 3.0))
         if not self._view.wait_listed(members_wait_s):
             log.warning("no membership from etcd at %s after %.1fs: every call misses until it answers",
                         ",".join(endpoints), members_wait_s)
 
-    # -- public API -------------------------------------------------------------------
+    # -- the cluster ------------------------------------------------------------------
 
     def members(self) -> list[Member]:
         return sorted(self._view.members(), key=lambda m: m.node_id)
@@ -99,100 +144,262 @@ class KVStoreCluster:
     def etcd_lost(self) -> bool:
         return bool(self._view.etcd_lost_since)
 
-    def put(self, namespace: Namespace, keys: Sequence[Key], buffers: Any, skip_pages: int = 0) -> int:
-        """Store a chain's pages; returns how many leading pages of the chain are stored.
+    @property
+    def transport(self) -> str:
+        """The data planes pages move over to the nodes asked so far: "shm", "tcp", "shm+tcp"..."""
+        with self._lock:
+            planes = sorted({client.transport for _, client in self._nodes.values()})
+        return "+".join(planes) or "none"
 
-        `keys` run from the chain's first page (they fix where each segment lives); `buffers`
-        hold the pages of keys[skip_pages:] only: the leading `skip_pages` were stored by an
-        earlier call (a prefill engine storing each chunk as soon as it is computed).
-        """
-        raw = _chain_keys(keys, skip_pages)
-        pages, keepalive = page_segments(buffers, len(raw) - skip_pages, namespace.page_bytes, writable=False)
-        segments = self._plan(raw)
+    @property
+    def limits(self) -> pb.Limits:
+        """The smallest of each limit over the serving members (a call of KVStoreCluster obeys them all)."""
+        answers = self._each_member(lambda client: client.limits, self._serving())
+        limits = [a for a in answers.values() if a is not None]
+        if not limits:
+            raise errors.Unavailable(f"no member of cluster {self.cluster!r} answers")
+        fields = [f.name for f in pb.Limits.DESCRIPTOR.fields]
+        return pb.Limits(**{name: min(getattr(one, name) for one in limits) for name in fields})
 
-        def put_piece(segment: placement.Segment, node_id: str) -> int:
-            first = max(segment.start, skip_pages)        # a node holds a segment as a chain from its first page
-            parent = raw[first - 1] if first > segment.start else None
-            stored = self._node(node_id).put(namespace, raw[first:segment.stop],
-                                             pages[first - skip_pages:segment.stop - skip_pages], parent=parent)
-            return first - segment.start + stored
+    @property
+    def server_version(self) -> str:
+        versions = {a for a in self._each_member(lambda c: c.server_version, self._serving()).values() if a}
+        return ", ".join(sorted(versions))
 
-        calls = [(segment, node_id) for segment in segments if segment.stop > skip_pages for node_id in segment.nodes]
-        counts = fan_out(self._pool, [(lambda s=s, n=n: put_piece(s, n)) for s, n in calls], miss=0)
-        stored_by_segment = {s.start: s.stop - s.start for s in segments if s.stop <= skip_pages}
-        for (segment, _), count in zip(calls, counts):    # a replicated segment is stored if any replica has it
-            stored_by_segment[segment.start] = max(stored_by_segment.get(segment.start, 0), count)
+    # -- the same methods as KVStoreClient --------------------------------------------
+
+    def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
+            parent: Key | None = None, verify: bool = False, durable: bool = False, *,
+            tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
+        """KVStoreClient.put, each page on its nodes; the count is the chain's leading run stored anywhere."""
+        raw, pages, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
+        before = parent if parent is not None else anchor
+        before_key = encode_key(before) if before is not None else None
+        owners = self._place(raw, chain_start=before_key is None)
+        pieces = _pieces(owners, every_owner=True)
+
+        def put_piece(node_id: str, positions: list[int]) -> PutResult:
+            first = positions[0]
+            piece_anchor = raw[first - 1] if first else before_key
+            return self._node(node_id).put(namespace, [raw[i] for i in positions], _picked(pages, positions),
+                                           verify=verify, durable=durable, timeout_s=timeout_s, anchor=piece_anchor)
+
+        answers = fan_out(self._pool, [(lambda n=n, p=p: put_piece(n, p)) for n, p in pieces], miss=None)
         del keepalive
-        return _leading(segments, stored_by_segment)
+        stored, reasons = [False] * len(raw), {}
+        for (_, positions), answer in zip(pieces, answers):
+            count = int(answer) if answer is not None else 0
+            for i in positions[:count]:
+                stored[i] = True
+            if count < len(positions):
+                reasons[positions[count]] = answer.reason if answer is not None else "UNAVAILABLE: node lost"
+        count = _leading_run(stored)
+        return PutResult(count, len(raw), "" if count == len(raw) else reasons.get(count, "not stored"))
 
-    def get(self, namespace: Namespace, keys: Sequence[Key], out: Any, wait_ms: int = 0, skip_pages: int = 0) -> int:
-        """Copy the chain's leading stored pages into `out`; returns how many were loaded.
+    def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None, verify: bool = False,
+            policy: str = "wait_complete", timeout_ms: int = 0, *, tokens: Any = None,
+            timeout_s: float | None = None, wait_ms: int = 0) -> int:
+        """KVStoreClient.get across the nodes: copies the chain's leading stored pages into `out`."""
+        raw, pages, keepalive = get_pages(namespace, keys, out, tokens)
+        call_timeout = timeout_s if timeout_s is not None else self._timeout_s + wait_ms / 1000
 
-        `wait_ms`: each node waits up to that long for its pages not yet committed (a
-        producer writing them now); segments are waited for in parallel. `skip_pages`: the
-        leading pages the caller already holds; `out` then holds keys[skip_pages:] only and
-        the count is of those (a decode engine asking again for the rest).
-        """
-        raw = _chain_keys(keys, skip_pages)
-        pages, keepalive = page_segments(out, len(raw) - skip_pages, namespace.page_bytes, writable=True)
-        segments = [s for s in self._plan(raw) if s.stop > skip_pages]
+        def get_piece(client: KVStoreClient, positions: list[int]) -> list[bool]:
+            loaded = client.get(namespace, [raw[i] for i in positions], _picked(pages, positions), verify=verify,
+                                policy=policy, timeout_ms=timeout_ms, wait_ms=wait_ms, timeout_s=call_timeout)
+            return _leading_flags(loaded, len(positions))
 
-        def get_piece(segment: placement.Segment) -> int:
-            first = max(segment.start, skip_pages)
-            best, lost = 0, None
-            for node_id in _readers(segment):   # the next replica when one misses or is lost
-                try:
-                    got = self._node(node_id).get(
-                        namespace, raw[first:segment.stop], pages[first - skip_pages:segment.stop - skip_pages],
-                        wait_ms=wait_ms, timeout_s=self._timeout_s + wait_ms / 1000)
-                except NODE_LOST as exc:
-                    lost = exc
-                    continue
-                best = max(best, got)
-                if first + best == segment.stop:
-                    break
-            if not best and lost is not None:
-                raise lost
-            return first - segment.start + best
-
-        placed = [s for s in segments if s.nodes]
-        counts = fan_out(self._pool, [(lambda s=s: get_piece(s)) for s in placed], miss=0)
+        found = self._read(raw, get_piece, leading=True)
         del keepalive
-        if not segments:
-            return 0
-        held = skip_pages - segments[0].start              # pages of the first segment the caller holds
-        counts_by_start = {s.start: c for s, c in zip(placed, counts)}
-        counts_by_start[segments[0].start] = max(counts_by_start.get(segments[0].start, 0), held)
-        return _leading(segments, counts_by_start) - held
+        return _leading_run(found)
 
-    def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None) -> int:
-        """How many leading pages of the chain are stored in the cluster: one parallel round.
-
-        By keys, or by token ids (a list, numpy array or tensor): those are hashed here with the
-        namespace's chain (keys.prefix_hashes), so placement sees the same keys a put by keys did.
-        """
+    def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None, *,
+               timeout_s: float | None = None) -> int:
+        """How many leading pages of the chain the cluster holds (by keys, or tokens hashed here)."""
         raw = lookup.chain_keys(namespace, keys, tokens)
-        segments = [s for s in self._plan(raw) if s.nodes]
-        counts = fan_out(self._pool, [(lambda s=s: self._node(_readers(s)[0]).lookup(namespace,
-                                                                                  keys=raw[s.start:s.stop]))
-                                      for s in segments], miss=0)
-        return _leading(self._plan(raw), {s.start: c for s, c in zip(segments, counts)})
+        found = self._read(raw, lambda client, positions: _leading_flags(client.lookup(
+            namespace, keys=[raw[i] for i in positions], timeout_s=timeout_s), len(positions)), leading=True)
+        return _leading_run(found)
 
-    def delete(self, namespace: Namespace, keys: Sequence[Key]) -> int:
-        """Remove the chain's pages on every node that holds them; returns pages removed."""
+    def held(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
+        """Whether the cluster holds each key's page, each key on its own."""
         raw = encode_keys(keys)
-        calls = [(segment, node_id) for segment in self._plan(raw) for node_id in segment.nodes]
-        counts = fan_out(self._pool, [(lambda s=s, n=n: self._node(n).delete(namespace, raw[s.start:s.stop]))
-                                      for s, n in calls], miss=0)
-        return sum(counts)
+        return self._read(raw, lambda client, positions: client.held(
+            namespace, [raw[i] for i in positions], timeout_s=timeout_s), leading=False)
 
-    def stats(self) -> dict[str, Any]:
+    def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
+              tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
+        """Route asked of every serving member: each engine's best score (a node follows the KV events of the
+        engines configured to publish to it, and sees this store's pages it holds)."""
+        ids = engine_id_list(engine_ids)
+        answers = [a for a in self._each_member(lambda c: c.route(namespace, ids, keys, tokens, timeout_s=timeout_s),
+                                                self._serving(), raise_errors=True).values() if a is not None]
+        if not answers:
+            raise errors.Unavailable(f"no member of cluster {self.cluster!r} answers")
+        scores = [max((a.scores[i] for a in answers), key=lambda s: s.score) for i in range(len(ids))]
+        best = max(scores, key=lambda s: s.score).engine_id if scores else ""
+        return pb.RouteResponse(scores=scores, best_engine_id=best)
+
+    def delete(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> int:
+        """Remove the pages and every page that extends them, on every member; returns pages removed (each
+        copy counts). Round by round: every member removes what extends the keys it is sent, and the next
+        round sends every member the keys removed in this one (pages on other nodes are anchored at them)."""
+        frontier, seen, removed = encode_keys(keys), set(), 0
+        for _ in range(DELETE_ROUNDS_MAX):
+            seen.update(frontier)
+            answers = self._each_member(lambda c: c.removing(namespace, frontier, timeout_s=timeout_s),
+                                        self.members(), raise_errors=True)
+            named = set()
+            for node_id, answer in answers.items():
+                if answer is None:
+                    continue
+                count, keys_removed, cut = answer
+                removed += count
+                named.update(keys_removed)
+                if cut:
+                    log.warning("node %s removed more pages than it could name: pages on other nodes that extend "
+                                "them stay until evicted (outside every leading run)", node_id)
+            frontier = sorted(named - seen)
+            if not frontier:
+                return removed
+        log.warning("delete stopped after %d rounds: pages that extend the last ones removed may stay until evicted",
+                    DELETE_ROUNDS_MAX)
+        return removed
+
+    def clear(self, namespace: Namespace, *, timeout_s: float | None = None) -> int:
+        """Remove every page of the namespace on every member; returns pages removed (copies count)."""
+        return sum(a or 0 for a in self._each_member(lambda c: c.clear(namespace, timeout_s=timeout_s),
+                                                     self.members(), raise_errors=True).values())
+
+    def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
+        """Keys of every page of the namespace on any reachable member, in byte order, each once."""
+        answers = self._each_member(lambda c: c.list_keys(namespace, timeout_s=timeout_s), self.members(),
+                                    raise_errors=True)
+        return sorted({key for found in answers.values() if found for key in found})
+
+    def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
+        """The reachable members' Stats added up (counters summed, tiers, namespaces, engines and tenants
+        merged by name); node_stats() has each member's own."""
+        return merged_stats(list(self.node_stats(timeout_s=timeout_s).values()))
+
+    def node_stats(self, *, timeout_s: float | None = None) -> dict[str, pb.StatsResponse]:
         """Each reachable member's StatsResponse, by node id (a lost node is left out)."""
-        members = self.members()
-        answers = fan_out(self._pool, [(lambda m=m: self._node(m.node_id).stats()) for m in members], miss=None)
-        return {m.node_id: a for m, a in zip(members, answers) if a is not None}
+        answers = self._each_member(lambda c: c.stats(timeout_s=timeout_s), self.members(), raise_errors=True)
+        return {node_id: answer for node_id, answer in answers.items() if answer is not None}
+
+    # -- page groups ------------------------------------------------------------------
+
+    def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
+              parent: Key | None = None, verify: bool = False, *, tokens: Any = None, anchor: Key | None = None,
+              timeout_s: float | None = None) -> ClusterStaged:
+        """KVStoreClient.stage on every node that will hold some of the pages."""
+        raw, pages, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
+        before = parent if parent is not None else anchor
+        before_key = encode_key(before) if before is not None else None
+        pieces = _pieces(self._place(raw, chain_start=before_key is None), every_owner=True)
+
+        def stage_piece(node_id: str, positions: list[int]) -> tuple[list[int], StagedPages]:
+            first = positions[0]
+            return positions, self._node(node_id).stage(
+                namespace, [raw[i] for i in positions], _picked(pages, positions), verify=verify,
+                anchor=raw[first - 1] if first else before_key, timeout_s=timeout_s)
+
+        try:
+            staged = fan_out(self._pool, [(lambda n=n, p=p: stage_piece(n, p)) for n, p in pieces], miss=None)
+        finally:
+            del keepalive
+        return ClusterStaged(namespace, raw, {node_id: answer for (node_id, _), answer in zip(pieces, staged)
+                                              if answer is not None})
+
+    def commit_group(self, parts: Sequence[ClusterStaged], *, timeout_s: float | None = None) -> list[PutResult]:
+        """Commit every part's staged pages, each node its own positions in one CommitGroup."""
+        by_node: dict[str, list[StagedPages]] = {}
+        for part in parts:
+            for node_id, (_, staged) in part.pieces.items():
+                by_node.setdefault(node_id, []).append(staged)
+        nodes = sorted(by_node)
+        fan_out(self._pool, [(lambda n=n: self._node(n).commit_group(by_node[n], timeout_s=timeout_s))
+                             for n in nodes], miss=None)
+        return [PutResult(part.stored, len(part.keys)) for part in parts]
+
+    def abort_staged(self, parts: Sequence[ClusterStaged], *, timeout_s: float | None = None) -> None:
+        by_node: dict[str, list[StagedPages]] = {}
+        for part in parts:
+            for node_id, (_, staged) in part.pieces.items():
+                by_node.setdefault(node_id, []).append(staged)
+        fan_out(self._pool, [(lambda n=n: self._node(n).abort_staged(by_node[n], timeout_s=timeout_s))
+                             for n in sorted(by_node)], miss=None)
+
+    def put_group(self, keys: Sequence[Key], parts: Sequence[tuple[Namespace, Any]], parent: Key | None = None,
+                  verify: bool = False, *, anchor: Key | None = None, timeout_s: float | None = None) -> PutResult:
+        """KVStoreClient.put_group: each key's pages of every part made visible together, node by node."""
+        if not parts:
+            raise errors.InvalidArgument("put_group needs at least one (namespace, pages) part")
+        staged: list[ClusterStaged] = []
+        try:
+            for namespace, buffers in parts:
+                staged.append(self.stage(namespace, keys, buffers, parent, verify, anchor=anchor,
+                                         timeout_s=timeout_s))
+        except BaseException:
+            self.abort_staged(staged)
+            raise
+        return min(self.commit_group(staged, timeout_s=timeout_s), key=int)
+
+    def lookup_group(self, keys: Sequence[Key], parts: Sequence[GroupPart], *,
+                     timeout_s: float | None = None) -> GroupHits:
+        """Which prefixes of `keys` every part can restore: each part's pages looked up on their nodes
+        (all parts at once), folded by the node's own rule."""
+        request = groups.lookup_group_request(keys, parts, self.limits)
+        raw = list(request.keys)
+        present = fan_out(self._pool, [(lambda p=p: self.held(p.namespace, raw, timeout_s=timeout_s))
+                                       for p in parts], miss=None)
+        present = [found if found is not None else [False] * len(raw) for found in present]
+        return groups.fold(_leading_run(present[0]), present[1:], request.parts)
+
+    def get_group(self, parts: Sequence[tuple[Namespace, Sequence[Key], Any]], verify: bool = False,
+                  policy: str = "wait_complete", *, timeout_s: float | None = None) -> list[int]:
+        """KVStoreClient.get_group across the nodes: each node pins its positions of every part in one
+        AcquireGroup; a part's count is its leading run, cut where another part that names the key missed."""
+        if not parts:
+            raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
+        prepared = [get_pages(namespace, part_keys, out, None) for namespace, part_keys, out in parts]
+        part_keys = [raw for raw, _, _ in prepared]
+        placed = [_pieces(self._place(raw, chain_start=True), every_owner=False) for raw in part_keys]
+        by_node: dict[str, list[tuple[int, list[int]]]] = {}
+        for part_index, pieces in enumerate(placed):
+            for node_id, positions in pieces:
+                by_node.setdefault(node_id, []).append((part_index, positions))
+
+        def get_on(node_id: str) -> list[int]:
+            reads = [(parts[i][0], [part_keys[i][p] for p in positions], _picked(prepared[i][1], positions))
+                     for i, positions in by_node[node_id]]
+            return self._node(node_id).get_group(reads, verify=verify, policy=policy, timeout_s=timeout_s)
+
+        nodes = sorted(by_node)
+        answers = fan_out(self._pool, [(lambda n=n: get_on(n)) for n in nodes], miss=None)
+        loaded = [[False] * len(raw) for raw in part_keys]
+        for node_id, counts in zip(nodes, answers):
+            for (part_index, positions), count in zip(by_node[node_id], counts or []):
+                for p in positions[:count]:
+                    loaded[part_index][p] = True
+        return groups.whole_positions(part_keys, [_leading_run(flags) for flags in loaded])
+
+    # -- buffers and the client's life ------------------------------------------------
+
+    def register_buffer(self, address: int, nbytes: int, owner: Any = None) -> None:
+        """KVStoreClient.register_buffer, on every node client now open and each one opened later."""
+        if address <= 0 or nbytes <= 0:
+            raise errors.InvalidArgument(f"bad buffer to register: address {address:#x}, {nbytes} bytes")
+        with self._lock:
+            self._registered.append((address, nbytes, owner))
+            clients = [client for _, client in self._nodes.values()]
+        for client in clients:
+            client.register_buffer(address, nbytes, owner)
 
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._view.close()
         self._pool.shutdown(wait=True)
         with self._lock:
@@ -206,11 +413,53 @@ class KVStoreCluster:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- placement and nodes ----------------------------------------------------------
+    # -- placement, reads and nodes ---------------------------------------------------
 
-    def _plan(self, raw: list[bytes]) -> list[placement.Segment]:
+    def _place(self, raw: Sequence[bytes], chain_start: bool) -> list[tuple[str, ...]]:
         weights = placement.placeable(self._view.members(), time.time())
-        return placement.plan(raw, weights, self.segment_pages, self.replicas, self.replicated_segments)
+        return placement.place(raw, weights, self.replicas, self.replicated_pages, chain_start)
+
+    def _read(self, raw: list[bytes], ask: Callable[[KVStoreClient, list[int]], list[bool]],
+              leading: bool) -> list[bool]:
+        """Each key found or not: asked of its best node, then of its next replica where that missed (or
+        was lost), round by round. `leading`: only keys before the chain's first sure miss are asked again."""
+        owners = self._place(raw, chain_start=True)
+        found, tried = [False] * len(raw), [0] * len(raw)
+        pending = [i for i, nodes in enumerate(owners) if nodes]
+        while pending:
+            by_node: dict[str, list[int]] = {}
+            for i in pending:
+                by_node.setdefault(owners[i][tried[i]], []).append(i)
+            nodes = sorted(by_node)
+            answers = fan_out(self._pool, [(lambda n=n: ask(self._node(n), by_node[n])) for n in nodes], miss=None)
+            for node_id, flags in zip(nodes, answers):
+                for i, hit in zip(by_node[node_id], flags or []):
+                    found[i] = found[i] or bool(hit)
+            for i in pending:
+                tried[i] += 1
+            again = [i for i in pending if not found[i] and tried[i] < len(owners[i])]
+            if leading:
+                sure_miss = next((i for i in range(len(raw)) if not found[i] and tried[i] >= len(owners[i])),
+                                 len(raw))
+                again = [i for i in again if i < sure_miss]
+            pending = again
+        return found
+
+    def _serving(self) -> list[Member]:
+        return [m for m in self.members() if m.state == "serving"]
+
+    def _each_member(self, call: Callable[[KVStoreClient], T], members: Sequence[Member],
+                     raise_errors: bool = False) -> dict[str, T | None]:
+        """call(client) on each member at once, by node id; a lost member answers None. Other errors are
+        raised (once all ended) when `raise_errors`, else logged and answer None."""
+        ids = [m.node_id for m in members]
+        calls = [(lambda n=n: call(self._node(n))) for n in ids]
+        if raise_errors:
+            return dict(zip(ids, fan_out(self._pool, calls, miss=None)))
+        answers = {}
+        for node_id, answer in zip(ids, fan_out(self._pool, [_quiet(c) for c in calls], miss=None)):
+            answers[node_id] = answer
+        return answers
 
     def _node(self, node_id: str) -> KVStoreClient:
         """The client of a member, opened on first use (and again when its record changed)."""
@@ -218,6 +467,8 @@ class KVStoreCluster:
         if member is None:
             raise errors.Unavailable(f"node {node_id} left the cluster")
         with self._lock:
+            if self._closed:
+                raise errors.InvalidArgument("this KVStoreCluster is closed: open a new one")
             known = self._nodes.get(node_id)
             if known is not None and known[0].grpc_address == member.grpc_address:
                 return known[1]
@@ -229,8 +480,11 @@ class KVStoreCluster:
             else:
                 stale = known[1] if known is not None else None
                 self._nodes[node_id] = (member, client)
+            registered = list(self._registered)
         if stale is not None:
             stale.close()
+        for address, nbytes, owner in registered:
+            client.register_buffer(address, nbytes, owner)
         return client
 
     def _open(self, member: Member) -> KVStoreClient:
@@ -241,7 +495,8 @@ class KVStoreCluster:
         # the socket is absent or answers another node's instance id).
         transport = "tcp" if plane == "tcp" else "auto"
         client = KVStoreClient(member.grpc_address, timeout_s=self._timeout_s, transport=transport,
-                               control="local" if plane == "shm" else "grpc", client_name=self._client_name,
+                               control=self._control if plane == "shm" else "grpc", client_name=self._client_name,
+                               tcp_congestion=self._tcp_congestion,
                                rdma=self._rdma if plane == "rdma" else None,
                                token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key)
         if plane == "rdma" and client.transport != "rdma":
@@ -280,27 +535,77 @@ def fan_out(pool: Executor, calls: list[Callable[[], T]], miss: Any) -> list[Any
     return results
 
 
-def _readers(segment: placement.Segment) -> list[str]:
-    """The replicas a read tries, in order: any of them first, so a shared prefix's reads spread."""
-    if len(segment.nodes) <= 1:
-        return list(segment.nodes)
-    first = random.randrange(len(segment.nodes))
-    return [*segment.nodes[first:], *segment.nodes[:first]]
-
-
-def _chain_keys(keys: Sequence[Key], skip_pages: int) -> list[bytes]:
-    raw = encode_keys(keys)
-    if not 0 <= skip_pages <= len(raw):
-        raise errors.InvalidArgument(f"skip_pages {skip_pages} is outside the chain of {len(raw)} pages")
-    return raw
-
-
-def _leading(segments: list[placement.Segment], counts: dict[int, int]) -> int:
-    """Leading pages present: whole segments in order, then the first partial one."""
-    total = 0
-    for segment in segments:
-        count = counts.get(segment.start, 0)
-        total += count
-        if count < segment.stop - segment.start:
-            break
+def merged_stats(answers: Sequence[pb.StatsResponse]) -> pb.StatsResponse:
+    """Several nodes' Stats as one: numbers summed; repeated entries merged by their first field (a name)."""
+    total = pb.StatsResponse()
+    for answer in answers:
+        _add_into(total, answer)
     return total
+
+
+def _add_into(total: Any, one: Any, name_field: str = "") -> None:
+    """Numbers summed (an entry's name and enums kept), flags or'ed, text kept from the first that has it."""
+    for field in one.DESCRIPTOR.fields:
+        value = getattr(one, field.name)
+        if field.name == name_field:
+            continue
+        if field.is_repeated:
+            if field.type == field.TYPE_MESSAGE:
+                _merge_entries(getattr(total, field.name), value)
+        elif field.type == field.TYPE_MESSAGE:
+            if one.HasField(field.name):
+                _add_into(getattr(total, field.name), value)
+        elif field.type == field.TYPE_BOOL:
+            setattr(total, field.name, getattr(total, field.name) or value)
+        elif isinstance(value, (int, float)) and field.enum_type is None:
+            setattr(total, field.name, getattr(total, field.name) + value)
+        elif not getattr(total, field.name):
+            setattr(total, field.name, value)
+
+
+def _merge_entries(merged: Any, entries: Any) -> None:
+    """Repeated entries (tiers, namespaces, engines, tenants) merged by their first field, their name."""
+    for entry in entries:
+        name_field = entry.DESCRIPTOR.fields[0].name
+        same = next((m for m in merged if getattr(m, name_field) == getattr(entry, name_field)), None)
+        if same is None:
+            merged.add().CopyFrom(entry)
+        else:
+            _add_into(same, entry, name_field)
+
+
+def _pieces(owners: Sequence[tuple[str, ...]], every_owner: bool) -> list[tuple[str, list[int]]]:
+    """(node id, positions of the keys it gets), by node id: each key to all its owners, or its best."""
+    by_node: dict[str, list[int]] = {}
+    for i, nodes in enumerate(owners):
+        for node_id in (nodes if every_owner else nodes[:1]):
+            by_node.setdefault(node_id, []).append(i)
+    return sorted(by_node.items())
+
+
+def _picked(pages: Any, positions: list[int]) -> Any:
+    """The pages at `positions`, without copying: a slice where they run on, else their segments."""
+    first, last = positions[0], positions[-1]
+    if last - first + 1 == len(positions):
+        return pages[first:last + 1]
+    return [pages[i] for i in positions]
+
+
+def _leading_flags(count: int, total: int) -> list[bool]:
+    return [True] * int(count) + [False] * (total - int(count))
+
+
+def _leading_run(flags: Sequence[bool]) -> int:
+    return next((i for i, hit in enumerate(flags) if not hit), len(flags))
+
+
+def _quiet(call: Callable[[], T]) -> Callable[[], T | None]:
+    def run() -> T | None:
+        try:
+            return call()
+        except NODE_LOST:
+            raise
+        except errors.KVStoreError as exc:
+            log.warning("a cluster member answered %s: %s", type(exc).__name__, exc)
+            return None
+    return run

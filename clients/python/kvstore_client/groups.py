@@ -6,6 +6,15 @@ group visible in one step (CommitGroup), answers which prefixes can be restored 
 snapshot (LookupGroup, with each part's hit policy) and pins every part of a read at once
 (AcquireGroup). Here is what both clients share: the parts of a lookup, the answer, pages staged
 for a group commit (written into their slots, not yet visible), and the folds over answers.
+
+Which prefixes a group can restore (fold: the node's answer to LookupGroup, and a cluster's over
+what each node holds):
+- the first part (the KV pool) bounds the answer with its leading pages, as a Lookup does;
+- a GROUP_ALL_PAGES part accepts a prefix when every page of it is present;
+- a GROUP_TRAILING_PAGES part accepts a prefix when its last `trailing_pages` pages are present
+  (a state that summarises everything before it needs only the pages at the cut).
+A prefix is restorable when every part accepts it. Once no prefix is left, later parts are not
+weighed (each answers 0), as SGLang's own backends answer.
 """
 
 from __future__ import annotations
@@ -153,6 +162,35 @@ def lookup_group_request(keys: Sequence[Key], parts: Sequence[GroupPart], limits
             raise errors.InvalidArgument(f"trailing_pages must be a count of pages, got {part.trailing_pages!r}")
     return pb.LookupGroupRequest(keys=raw_keys, parts=[
         pb.GroupPart(hit_policy=HIT_POLICIES[part.hit_policy], trailing_pages=part.trailing_pages) for part in parts])
+
+
+def fold(leading: int, present: Sequence[Sequence[bool]], parts: Sequence[pb.GroupPart]) -> GroupHits:
+    """The group's answer from one snapshot: `leading` pages of the first part, and for every other
+    part whether its page of each of those positions is present (present[i] for parts[i + 1])."""
+    restorable = list(range(1, leading + 1))
+    part_hits = [leading]
+    for part, found in zip(parts[1:], present):
+        if not restorable:
+            part_hits.append(0)
+            continue
+        accepted = _accepted(part, found, leading)
+        part_hits.append(max(accepted, default=0))
+        restorable = [length for length in restorable if length in accepted]
+    return GroupHits(restorable[-1] if restorable else 0, part_hits, restorable)
+
+
+def _accepted(part: pb.GroupPart, found: Sequence[bool], leading: int) -> set[int]:
+    """The prefix lengths (1..leading) one part accepts under its policy."""
+    if part.hit_policy == pb.GROUP_ALL_PAGES:
+        boundary = next((i for i in range(leading) if not found[i]), leading)
+        return set(range(1, boundary + 1))
+    trailing = max(1, part.trailing_pages)
+    accepted, run = set(), 0
+    for length in range(1, leading + 1):
+        run = run + 1 if found[length - 1] else 0   # present pages ending at this prefix's last one
+        if run >= min(trailing, length):
+            accepted.add(length)
+    return accepted
 
 
 def group_hits(answer: pb.LookupGroupResponse) -> GroupHits:

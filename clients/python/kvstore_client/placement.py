@@ -1,41 +1,42 @@
-"""Where a page lives in a cluster: weighted rendezvous hashing over chain segments. Pure.
+"""Where a page lives in a cluster: weighted rendezvous hashing of each page's own key. Pure.
 
-The unit of placement is a chain segment: pages [i*K, (i+1)*K) of a prefix chain go to
-the node that scores highest for the segment's first key (its prefix hash names the
-whole prefix up to there). A conversation of P pages touches ceil(P/K) nodes, all asked
-at once in one round. The first S segments are where prefixes shared by many
-conversations (system prompts, RAG documents) sit, so each is written to the R
-highest-scoring nodes and each read goes to one of them: a shared prefix loads R nodes
-instead of one. bench/placement_sim.py compares this with per-page and per-conversation
-placement (100 nodes, 80% of conversations on one of 10 system prompts: K=16 asks about
-4 nodes per lookup; replicating the first two segments halves the hottest node's load).
+Why each page by its own key, and not chain segments by their position: an engine's calls
+rarely start at a chain's first page. SGLang stores the pages after its own cache hit, vLLM
+stores whichever blocks a job holds and asks about keys one by one (held), LMCache names
+chunks. A page's place must follow from what every caller knows of it, its key, so that a
+writer mid-chain and a reader from the chain's start find it on the same node. A call's
+pages are grouped by node and each node is asked once, all at once: one round, at most one
+RPC per node. The cost is fan-out: a long prompt touches every node (bench/placement_sim.py
+measures it beside segment placement).
 
-Rendezvous scoring (Schindelhauer and Schomaker's weighted form, -w / ln(u) with u the
-key's and node's hash in (0, 1)) moves only the segments the changed node wins or loses:
-about 1/N of them when one of N equal nodes joins or leaves. A node's weight is its
-capacity times a ramp that grows linearly from `RAMP_FLOOR` to 1 over the node's ramp_s
-after it starts serving, so an empty node does not take every new write at once.
+A chain's leading pages (system prompts, shared RAG documents) are where many conversations
+meet, so a put that starts a chain (no parent or anchor) writes its first `replicated_pages`
+pages to the `replicas` best nodes, and reads of them spread over those (a mid-chain writer
+writes only the best node, which every read falls back to).
+
+Rendezvous scoring (Schindelhauer and Schomaker's weighted form, -w / ln(u), u from the
+key's and the node's hash in (0, 1)) moves only the pages the changed node wins or loses:
+about 1/N when one of N equal nodes joins or leaves. The key is hashed once (BLAKE2b) and
+mixed with each node's salt in numpy, so placing 8,000 pages over 8 nodes costs
+milliseconds. A node's weight is its capacity times a ramp that grows linearly from
+`RAMP_FLOOR` to 1 over the node's ramp_s after it starts serving, so an empty node does not
+take every new write at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import math
-import struct
 from typing import Sequence
+
+import numpy as np
 
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.membership import Member
 
 RAMP_FLOOR = 0.05
 
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    start: int                  # index of the segment's first key in the chain
-    stop: int
-    nodes: tuple[str, ...]      # node ids, best first; more than one for a replicated segment
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
 
 
 def weight(member: Member, now: float) -> float:
@@ -47,37 +48,53 @@ def weight(member: Member, now: float) -> float:
     return capacity * min(1.0, max(RAMP_FLOOR, ramp))
 
 
-def score(key: bytes, node_id: str, node_weight: float) -> float:
-    digest = hashlib.blake2b(key, digest_size=8, key=node_id.encode()[:64]).digest()
-    u = (struct.unpack("<Q", digest)[0] + 0.5) / 2.0 ** 64      # in (0, 1)
-    return -node_weight / math.log(u)
-
-
-def rank(key: bytes, weights: dict[str, float], count: int) -> tuple[str, ...]:
-    """The `count` highest-scoring node ids for `key`."""
-    scored = sorted(weights, key=lambda node_id: score(key, node_id, weights[node_id]), reverse=True)
-    return tuple(scored[:count])
-
-
 def placeable(members: Sequence[Member], now: float) -> dict[str, float]:
     """Weights of the members that take pages: serving ones (joining and draining ones do not)."""
     return {m.node_id: weight(m, now) for m in members if m.state == "serving"}
 
 
-def check_layout(segment_pages: int, replicas: int, replicated_segments: int) -> None:
-    if segment_pages <= 0 or replicas <= 0 or replicated_segments < 0:
-        raise InvalidArgument(f"segment_pages ({segment_pages}) and replicas ({replicas}) must be positive, "
-                              f"replicated_segments ({replicated_segments}) not negative")
+def check_layout(replicas: int, replicated_pages: int) -> None:
+    if replicas <= 0 or replicated_pages < 0:
+        raise InvalidArgument(f"replicas ({replicas}) must be positive and replicated_pages "
+                              f"({replicated_pages}) not negative")
 
 
-def plan(keys: Sequence[bytes], weights: dict[str, float], segment_pages: int, replicas: int,
-         replicated_segments: int = 1) -> list[Segment]:
-    """The segments of one chain (keys from its first page) and the nodes of each: the first
-    `replicated_segments` on `replicas` nodes, the others on one."""
-    check_layout(segment_pages, replicas, replicated_segments)
-    segments = []
-    for start in range(0, len(keys), segment_pages):
-        count = replicas if start < replicated_segments * segment_pages else 1
-        nodes = rank(keys[start], weights, count) if weights else ()
-        segments.append(Segment(start, min(start + segment_pages, len(keys)), nodes))
-    return segments
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _scores(keys: Sequence[bytes], node_ids: Sequence[str], weights: Sequence[float]) -> np.ndarray:
+    """scores[i, j]: key i's rendezvous score on node j (splitmix64 of key hash ^ node salt)."""
+    key_hashes = np.fromiter((_hash64(k) for k in keys), dtype=np.uint64, count=len(keys))
+    salts = np.array([_hash64(b"node:" + n.encode()) for n in node_ids], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = key_hashes[:, None] ^ salts[None, :]
+        z = (z ^ (z >> np.uint64(30))) * _MIX_1
+        z = (z ^ (z >> np.uint64(27))) * _MIX_2
+        z = z ^ (z >> np.uint64(31))
+    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)     # in (0, 1)
+    return -np.asarray(weights, dtype=np.float64)[None, :] / np.log(u)
+
+
+def rank(key: bytes, weights: dict[str, float], count: int) -> tuple[str, ...]:
+    """The `count` highest-scoring node ids for `key`, best first."""
+    return place([key], weights, count, 1, chain_start=True)[0]
+
+
+def place(keys: Sequence[bytes], weights: dict[str, float], replicas: int, replicated_pages: int,
+          chain_start: bool) -> list[tuple[str, ...]]:
+    """Each key's nodes, best first: `replicas` of them for the first `replicated_pages` keys of a call that
+    starts a chain, one for every other key; () for every key when no node takes pages."""
+    check_layout(replicas, replicated_pages)
+    if not weights or not keys:
+        return [() for _ in keys]
+    node_ids = sorted(weights)
+    scores = _scores(keys, node_ids, [weights[n] for n in node_ids])
+    best = np.argmax(scores, axis=1)
+    placed = [(node_ids[j],) for j in best.tolist()]
+    copies = min(replicas, len(node_ids))
+    if chain_start and copies > 1:
+        for i in range(min(replicated_pages, len(keys))):
+            order = np.argsort(-scores[i], kind="stable")[:copies]
+            placed[i] = tuple(node_ids[j] for j in order.tolist())
+    return placed

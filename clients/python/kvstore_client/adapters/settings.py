@@ -11,12 +11,13 @@ import dataclasses
 import threading
 from typing import Any, Mapping
 
+from kvstore_client.arguments import is_cluster_url
 from kvstore_client.client import KVStoreClient
 
 
 @dataclasses.dataclass(frozen=True)
 class AdapterSettings:
-    target: str                 # kvstore-server gRPC address, e.g. "127.0.0.1:50051"
+    target: str                 # a node's gRPC address ("127.0.0.1:50051") or a cluster ("etcd://h:2379/prod")
     timeout_s: float = 5.0      # deadline of every call
     control: str = "local"      # "local" (Unix socket, same host) or "grpc"
     tenant: str = ""            # keeps one tenant's pages apart from another's
@@ -32,8 +33,8 @@ class AdapterSettings:
                              f"known: {', '.join(prefix + k for k in sorted(known))}")
         target = values.get("target")
         if not isinstance(target, str) or not target:
-            raise ValueError(f"{where}: {prefix}target is required: the kvstore-server gRPC address, "
-                             "e.g. \"127.0.0.1:50051\"")
+            raise ValueError(f"{where}: {prefix}target is required: a kvstore-server's gRPC address, "
+                             "e.g. \"127.0.0.1:50051\", or a cluster's, e.g. \"etcd://10.0.0.1:2379/prod\"")
         timeout_s = values.get("timeout_s", cls.timeout_s)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"{where}: {prefix}timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -64,6 +65,9 @@ class ClientPerThread:
 
     def get(self) -> KVStoreClient:
         client = getattr(self._local, "client", None)
+        if client is None and is_cluster_url(self._settings.target):
+            with self._lock:   # a cluster's client is shared: it fans each call out over its own threads
+                client = self._clients[0] if self._clients else None
         if client is None:
             s = self._settings
             client = KVStoreClient(s.target, timeout_s=s.timeout_s, control=s.control, client_name=self._client_name)

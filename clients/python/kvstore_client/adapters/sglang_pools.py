@@ -12,7 +12,7 @@ them up), except Mamba states, which are TP-sharded: each rank keeps its own.
 
 A position is the KV page and the sidecar pages named by one prefix key: its page group. The
 store holds each part as a page of its own namespace (evicted leaf-first on its own) and offers
-three group calls (kvstore/control/groups.py): CommitGroup publishes several write leases in one
+three group calls (kvstore_client/groups.py): CommitGroup publishes several write leases in one
 step, all or nothing; LookupGroup answers from one snapshot which prefixes every part can restore
 under its pool's hit policy; AcquireGroup pins every part's pages at once. On top of them:
 
@@ -154,7 +154,7 @@ def span_hits(lookup: Callable[[Sequence[str], list[GroupPart]], GroupHits], key
     (limits.lookup_pages_max): one snapshot where the span fits. A longer span is read in windows
     while the KV pool holds all of one, each window asking every sidecar pool beside the KV pool
     alone (so each answer is that pool's own acceptance), then folded as the node folds one lookup
-    (kvstore/control/groups.py). A window overlaps the one before by the longest trailing need less
+    (kvstore_client/groups.py). A window overlaps the one before by the longest trailing need less
     one, so whether a trailing pool accepts a prefix is judged where every page it needs lies in one
     window. (Windows are separate snapshots: a lookup is advice; the get that follows answers from
     what it pins.)"""

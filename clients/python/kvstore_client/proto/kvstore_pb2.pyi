@@ -366,20 +366,26 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "all_pages")
+    __slots__ = ("namespace_id", "keys", "all_pages", "report_keys")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ALL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     all_pages: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., all_pages: _Optional[bool] = ...) -> None: ...
+    report_keys: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., all_pages: _Optional[bool] = ..., report_keys: _Optional[bool] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
-    __slots__ = ("deleted_pages",)
+    __slots__ = ("deleted_pages", "removed_keys", "removed_keys_cut")
     DELETED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_CUT_FIELD_NUMBER: _ClassVar[int]
     deleted_pages: int
-    def __init__(self, deleted_pages: _Optional[int] = ...) -> None: ...
+    removed_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    removed_keys_cut: bool
+    def __init__(self, deleted_pages: _Optional[int] = ..., removed_keys: _Optional[_Iterable[bytes]] = ..., removed_keys_cut: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("namespaces_offset", "namespaces_max")
