@@ -25,6 +25,7 @@ from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
+from cluster_parts import cluster_pool, etcd, start_node  # noqa: E402,F401  (three nodes in a real etcd)
 from kvstore_client.adapters.lmcache import KVStoreConnector  # noqa: E402
 
 LMCACHE_VERSION = "0.5.6"
@@ -348,3 +349,21 @@ def test_tags_and_the_salt_keep_requests_apart(server, loop):
     assert salted.leading([tagged(h) for h in hashes]) == 0
     salted.put([salted.key(h) for h in hashes[:1]], [salted.chunk(20)])
     assert salted.leading([salted.key(h) for h in hashes]) == 1 and plain.leading([plain.key(h) for h in hashes]) == 3
+
+
+def test_lmcaches_loader_takes_a_cluster_and_a_lost_node_costs_only_its_chunks(cluster_pool, loop):
+    engine = Engine(make_config(cluster_pool), loop)                    # remote_storage_plugin target: etcd://
+    keys = [engine.key(0x2000 + i) for i in range(24)]
+    objs = [engine.chunk(seed=100 + i) for i in range(24)]
+    engine.put(keys, objs)
+    assert engine.leading(keys) == 24
+    assert [raw(o) for o in engine.remote.batched_get_blocking(keys)] == [raw(o) for o in objs]
+    cluster_pool.nodes["p2"].kill()                                      # SIGKILL, mid-run
+    time.sleep(3)                                                       # past its 2 s lease: it leaves the view
+    loaded = engine.remote.batched_get_blocking(keys)
+    kept = next((i for i, o in enumerate(loaded) if o is None), len(keys))
+    assert kept == engine.leading(keys)
+    assert [raw(o) for o in loaded[:kept]] == [raw(o) for o in objs[:kept]]   # what is loaded is what was put
+    fresh = [engine.key(0x3000 + i) for i in range(8)]
+    engine.put(fresh, objs[:8])                                          # new chunks land on the two left
+    assert engine.leading(fresh) == 8

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
+from cluster_parts import cluster_pool, etcd, only_on, start_node  # noqa: E402,F401  (three nodes, a real etcd)
 from kvstore_client.adapters.sglang import KVStoreHiCacheStorage  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -91,6 +92,29 @@ def test_zero_copy_round_trip_is_sglangs_flat_page(server, layout):
     # The generic path reads the same stored page as SGLang's flat data page.
     flat = backend.get(keys[3], pool.get_dummy_flat_data_page())
     assert flat is not None and flat.view(torch.uint8).numpy().tobytes() == written[3]
+
+
+def test_sglangs_factory_takes_a_cluster_and_a_lost_node_costs_only_its_pages(cluster_pool):
+    pool = SGLangHostPool("page_first", pages=128, page_size=PAGE)
+    pool.fill_random(seed=9)
+    backend = create(cluster_pool, pool)                                  # kvstore_target: etcd://...
+    assert isinstance(backend, KVStoreHiCacheStorage)
+    keys = prefix_hashes(tokens(60 * PAGE, seed=9), PAGE)
+    written = [pool.page_bytes(p * PAGE) for p in range(60)]
+    assert backend.batch_set_v1(keys[:40], host_indices(0, 40), HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 40
+    assert backend.batch_set_v1(keys[40:], host_indices(40, 20),
+                                HiCacheStorageExtraInfo(prefix_keys=keys[:40])) == [True] * 20
+    assert backend.batch_exists(keys) == 60
+    assert backend.batch_get_v1(keys, host_indices(64, 60)) == [True] * 60
+    assert [pool.page_bytes((64 + p) * PAGE) for p in range(60)] == written
+
+    lost = only_on(cluster_pool, keys[:40], "p2") + only_on(cluster_pool, keys[40:], "p2", chain_start=False)
+    kept = lost.index(True) if any(lost) else 60
+    cluster_pool.nodes["p2"].kill()                                       # SIGKILL, mid-run
+    time.sleep(3)                                                         # past its 2 s lease
+    assert backend.batch_exists(keys) == kept
+    assert backend.batch_get_v1(keys, host_indices(64, 60)) == [True] * kept + [False] * (60 - kept)
+    assert [pool.page_bytes((64 + p) * PAGE) for p in range(kept)] == written[:kept]
 
 
 def test_generic_set_is_read_by_zero_copy_get(server):

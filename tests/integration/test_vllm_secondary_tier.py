@@ -28,6 +28,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from cluster_parts import cluster_pool, etcd, only_on, start_node  # noqa: F401  (three nodes in a real etcd)
 from kvstore_client import KVStoreClient
 from kvstore_client.adapters.vllm import KVStoreSecondaryTier, Metric
 
@@ -293,3 +294,25 @@ def test_lookups_of_many_new_chunks_cost_one_lookup(server, engines):
     before = engine.tier.counters().get(Metric.LOOKUP_RPCS, 0)
     assert engine.tier.present(asked) == [True] + [False] * 500 + [True] + [False] * 500 + [True]
     assert engine.tier.counters()[Metric.LOOKUP_RPCS] - before == 1
+
+
+def test_vllms_tier_factory_takes_a_cluster_and_a_lost_node_costs_only_its_chunks(cluster_pool, engines):
+    tokens = np.random.default_rng(13).integers(0, 128_000, 24 * BLOCK_TOKENS).tolist()
+    keys = chunk_keys(tokens)
+    pages = random_pages(len(keys), seed=14)
+    writer = engines(kvstore_tier(cluster_pool))                          # target: etcd://..., vLLM's own loader
+    assert isinstance(writer.tier, KVStoreSecondaryTier)
+    writer.offload("prefill", keys, pages)
+    reader = engines(kvstore_tier(cluster_pool))
+    context, _, final = reader.lookup_all("follow-up", keys)
+    assert final == [LookupResult.HIT] * len(keys)
+    assert reader.read(context, keys) == [p.tobytes() for p in pages]
+
+    lost = only_on(cluster_pool, keys, "p3")
+    cluster_pool.nodes["p3"].kill()                                       # SIGKILL, mid-run
+    time.sleep(3)                                                         # past its 2 s lease
+    late = engines(kvstore_tier(cluster_pool))
+    context, _, final = late.lookup_all("after-the-loss", keys)
+    assert final == [LookupResult.MISS if gone else LookupResult.HIT for gone in lost]   # p3's single copies
+    hits = [k for k, a in zip(keys, final) if a is LookupResult.HIT]
+    assert late.read(context, hits) == [pages[keys.index(k)].tobytes() for k in hits]

@@ -1,11 +1,12 @@
 """Cluster test parts: a real etcd (the `etcd` binary, data in a temp dir) and kvstore nodes registered in it.
 
-Test modules import the fixtures by name (`from cluster_parts import etcd, start_node`).
+Test modules import the fixtures by name (`from cluster_parts import etcd, start_node`); an engine's
+tests take `cluster_pool` (three nodes) to run its adapter against a cluster.
 """
 
 from __future__ import annotations
 
-import shutil
+import dataclasses
 import signal
 import socket
 import subprocess
@@ -94,6 +95,34 @@ def start_node(tmp_path: Path, etcd: EtcdProcess) -> Iterator:
     yield start
     for node in started:
         node.kill()
+
+
+@dataclasses.dataclass
+class Pool:
+    """Three nodes in a cluster of their own: `address` is its URL, where a test of one node passes
+    server.address, so an engine's adapter is configured against the cluster the same way."""
+
+    address: str
+    nodes: dict[str, ServerProcess]
+
+
+@pytest.fixture
+def cluster_pool(start_node, etcd, request) -> Pool:
+    cluster = "pool-" + request.node.name.removeprefix("test_")[:40]
+    nodes = {name: start_node(name, cluster=cluster) for name in ("p1", "p2", "p3")}
+    pool = Pool(f"etcd://{etcd.endpoint}/{cluster}", nodes)
+    with KVStoreCluster(pool.address) as watcher:
+        wait_members(watcher, set(nodes))
+    return pool
+
+
+def only_on(pool: Pool, keys: list, node_id: str, chain_start: bool = True) -> list[bool]:
+    """Whether each key's page is stored on `node_id` alone (lost with it), as a put of these keys placed
+    them (chain_start: the put named no parent, so its leading pages have replicas)."""
+    from kvstore_client.keys import encode_keys
+    with KVStoreCluster(pool.address) as placer:
+        owners = placer._place(encode_keys(keys), chain_start=chain_start)
+    return [nodes == (node_id,) for nodes in owners]
 
 
 def wait_members(cluster: KVStoreCluster, serving: set[str], timeout_s: float = 15.0) -> None:
