@@ -259,3 +259,38 @@ def test_page_groups_commit_and_answer_whole_positions_across_nodes(three_nodes,
         staged = pool.stage(NS, keys[:4], data[:4])
         pool.abort_staged([staged])                                          # staged on their nodes, given up
         assert pool.lookup(NS, keys) == 40
+
+
+def test_the_async_client_of_a_cluster_url_has_the_same_calls(three_nodes, etcd):
+    import asyncio
+    from kvstore_client import AsyncKVStoreClient
+    cluster, nodes = three_nodes
+    keys, data = chain(41, 20)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(f"etcd://{etcd.endpoint}/{cluster}", timeout_s=5) as pool:
+            with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}") as watcher:
+                wait_members(watcher, set(nodes))
+            stored = await pool.put(NS, keys, data)
+            assert stored == 20 and stored.complete
+            out = np.zeros_like(data)
+            assert await pool.get(NS, keys, out) == 20 and np.array_equal(out, data)
+            assert await pool.lookup(NS, keys) == 20
+            assert await pool.held(NS, keys[::2]) == [True] * 10
+            assert sum(t.pages for t in (await pool.stats()).tiers) >= 20
+            assert await pool.delete(NS, keys[:1]) >= 20
+            assert await pool.lookup(NS, keys) == 0
+
+    asyncio.run(run())
+
+
+def test_route_asks_every_member(three_nodes, etcd):
+    cluster, nodes = three_nodes
+    with KVStoreClient(f"etcd://{etcd.endpoint}/{cluster}") as pool:
+        wait_members(pool, set(nodes))
+        keys, data = chain(51, 8)
+        assert pool.put(NS, keys, data) == 8
+        answer = pool.route(NS, ["engine-a", "engine-b"], keys=keys)
+        assert [s.engine_id for s in answer.scores] == ["engine-a", "engine-b"]
+        assert all(s.prefix_pages == 8 and s.dram_pages == 8 for s in answer.scores)   # from this store
+        assert answer.best_engine_id == "engine-a"

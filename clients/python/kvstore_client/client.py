@@ -216,8 +216,8 @@ class KVStoreClient:
         return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never,
                              timeout_s=timeout_s).deleted_pages
 
-    def removing(self, namespace: Namespace, keys: Sequence[Key], *,
-                 timeout_s: float | None = None) -> tuple[int, list[bytes], bool]:
+    def _removing(self, namespace: Namespace, keys: Sequence[Key], *,
+                  timeout_s: float | None = None) -> tuple[int, list[bytes], bool]:
         """delete(), answering also the removed pages' keys: (pages removed, their keys, whether more were
         removed than the keys name). A cluster's delete asks the other nodes for pages anchored at them."""
         raw, step = encode_keys(keys), self.limits.batch_pages_max

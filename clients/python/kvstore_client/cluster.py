@@ -246,7 +246,7 @@ class KVStoreCluster:
         frontier, seen, removed = encode_keys(keys), set(), 0
         for _ in range(DELETE_ROUNDS_MAX):
             seen.update(frontier)
-            answers = self._each_member(lambda c: c.removing(namespace, frontier, timeout_s=timeout_s),
+            answers = self._each_member(lambda c: c._removing(namespace, frontier, timeout_s=timeout_s),
                                         self.members(), raise_errors=True)
             named = set()
             for node_id, answer in answers.items():
