@@ -260,6 +260,9 @@ class ClusterConfig:
     lease_ttl_s: int = 10                   # a dead node leaves the membership this long after its last renewal
     ramp_s: float = 60.0                    # a new node's placement weight grows to full over this long
     etcd_timeout_s: float = 3.0             # each etcd call
+    etcd_tls_ca: str = ""                   # PEM CA of etcd's certificate: etcd over TLS (https:// endpoints)
+    etcd_tls_cert: str = ""                 # PEM certificate this node presents to etcd (--client-cert-auth)
+    etcd_tls_key: str = ""                  # its private key
 
 
 @dataclasses.dataclass(frozen=True)

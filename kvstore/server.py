@@ -329,7 +329,7 @@ def _write_ready_file(path: str, node: Node) -> None:
 
 def _join_cluster(config: Config) -> Registration:
     """Claim this node's id in etcd; ClusterError unless it may serve alone (cluster.required = false)."""
-    registration = Registration(config.cluster, config.dram.arena_bytes)
+    registration = Registration(config.cluster, config.dram.arena_bytes, config.auth)
     try:
         registration.claim()
     except ClusterError as exc:

@@ -28,32 +28,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EtcdProcess:
-    """One etcd member on 127.0.0.1; restartable on the same ports and data dir."""
+@dataclasses.dataclass(frozen=True)
+class EtcdTls:
+    """TLS files of an etcd that takes clients with certificates only (--client-cert-auth)."""
 
-    def __init__(self, workdir: Path, host: str = "127.0.0.1", started: bool = True):
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str     # what nodes and clients present
+    client_key: str
+
+
+class EtcdProcess:
+    """One etcd member on 127.0.0.1; restartable on the same ports and data dir. With `tls`, clients must
+    speak TLS and present a certificate of its CA."""
+
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", started: bool = True, tls: EtcdTls | None = None):
         require_tool("etcd")
         self.workdir = workdir
         self.host = host
+        self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
         self.endpoint = f"{host}:{self.client_port}"
+        self.url = f"{'https' if tls else 'http'}://{self.endpoint}"
         self.log_path = workdir / "etcd.log"
         self.process: subprocess.Popen | None = None
         if started:
             self.start()
 
     def start(self) -> None:
-        client_url, peer_url = f"http://{self.endpoint}", f"http://{self.host}:{self.peer_port}"
+        client_url, peer_url = self.url, f"http://{self.host}:{self.peer_port}"
         args = ["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                 "--initial-cluster", f"test={peer_url}", "--log-level", "warn"]
+        context = None
+        if self.tls is not None:
+            args += ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key,
+                     "--client-cert-auth", "--trusted-ca-file", self.tls.ca]
+            import ssl
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while True:
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as answer:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1, context=context) as answer:
                     if b"true" in answer.read():
                         return
             except OSError:
@@ -76,8 +97,12 @@ def etcd(tmp_path_factory) -> Iterator[EtcdProcess]:
 
 
 def node_settings(etcd: EtcdProcess, node_id: str, cluster: str, **extra: object) -> dict[str, object]:
-    return {"cluster.endpoints": f"http://{etcd.endpoint}", "cluster.name": cluster, "cluster.node_id": node_id,
-            "cluster.lease_ttl_s": 2, "cluster.ramp_s": 0, "cluster.etcd_timeout_s": 1, **extra}
+    settings: dict[str, object] = {"cluster.endpoints": etcd.url, "cluster.name": cluster, "cluster.node_id": node_id,
+                                   "cluster.lease_ttl_s": 2, "cluster.ramp_s": 0, "cluster.etcd_timeout_s": 1}
+    if etcd.tls is not None:
+        settings.update({"cluster.etcd_tls_ca": etcd.tls.ca, "cluster.etcd_tls_cert": etcd.tls.client_cert,
+                         "cluster.etcd_tls_key": etcd.tls.client_key})
+    return {**settings, **extra}
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@
     kvstore bench                       quick put/get throughput against memcpy
     kvstore token --tenant T [--admin]  a new bearer token, and its line for auth.tokens_file
     kvstore cluster status etcd://H:2379/C  members of a cluster: state, weight, pages, bytes, load
+    kvstore cluster certs DIR --nodes A,B   a cluster's CA and the certificates of etcd, clients, nodes
 
 On a node with authentication the commands send KVSTORE_TOKEN (and KVSTORE_TLS_* files):
 a tenant's token shows that tenant's namespaces only; scrub needs an admin's.

@@ -13,7 +13,7 @@ import argparse
 import time
 from typing import Any
 
-from kvstore.admin import render
+from kvstore.admin import cluster_certs, render
 
 
 def cmd_cluster_status(node: Any, args: argparse.Namespace) -> None:
@@ -60,3 +60,4 @@ def add_parser(commands: Any) -> None:
     status = actions.add_parser("status", help="members, state, weight, pages, bytes and load")
     status.add_argument("url", help="etcd://host:2379[,host:2379]/<cluster>")
     status.set_defaults(run=cmd_cluster_status)
+    cluster_certs.add_parser(actions)

@@ -9,7 +9,12 @@
 
 The claim is one etcd transaction, "create the key if it does not exist", so two nodes
 started with the same node_id cannot both hold it: the second is refused. A thread renews
-the lease every third of its TTL. When etcd stops answering the node keeps serving (its
+the lease every third of its TTL, and each time reads the record back: one that was deleted
+or changed by anyone else is put back, so it is right again within a third of the TTL.
+
+A node that serves gRPC over TLS signs its record (kvstore_client/record_trust.py) with its
+certificate, which must name its node id: clients that trust the cluster's CA use no record
+that cannot prove itself. A certificate that does not name the id refuses the start. When etcd stops answering the node keeps serving (its
 clients place pages by the membership they last saw), logs it once and reports it in
 `describe()` (the systemd status and the health log line); when etcd answers again and
 the lease expired meanwhile, the node claims its id again with a new lease.
@@ -24,8 +29,9 @@ import threading
 import time
 from typing import Any
 
-from kvstore.config import ClusterConfig
-from kvstore_client.etcd import EtcdSession, EtcdUnavailable
+from kvstore.config import AuthConfig, ClusterConfig
+from kvstore_client import record_trust
+from kvstore_client.etcd import EtcdSession, EtcdTlsFiles, EtcdUnavailable
 from kvstore_client.membership import Member, local_host_id, node_key
 
 log = logging.getLogger(__name__)
@@ -36,19 +42,23 @@ class ClusterError(Exception):
 
 
 class Registration:
-    def __init__(self, config: ClusterConfig, capacity_bytes: int):
+    def __init__(self, config: ClusterConfig, capacity_bytes: int, auth: AuthConfig = AuthConfig()):
         self.config = config
         self.node_id = config.node_id or socket.gethostname()
         self._key = node_key(config.name, self.node_id)
         self._member = Member(node_id=self.node_id, host_id=config.host_id or local_host_id(), state="joining",
                               capacity_bytes=capacity_bytes, ramp_s=config.ramp_s)
+        self._identity = _identity(auth, self.node_id)
+        etcd_tls = (EtcdTlsFiles(config.etcd_tls_ca, config.etcd_tls_cert, config.etcd_tls_key)
+                    if config.etcd_tls_ca or config.etcd_tls_cert else None)
         try:
-            self._session = EtcdSession(config.endpoints, config.etcd_timeout_s)
+            self._session = EtcdSession(config.endpoints, config.etcd_timeout_s, etcd_tls)
         except ImportError as exc:   # no use retrying: refuse the start, naming the setting and the install
             raise OSError(f"cluster.endpoints is set but {exc} (for a node: pip install 'kvstore[cluster]')") from None
         self._lock = threading.Lock()
         self._lease_id = 0                    # 0: not holding the id (etcd lost at start, or the lease expired)
         self.etcd_lost_since = 0.0            # monotonic; 0 while etcd answers
+        self._written: bytes | None = None    # the record last put (what _restore compares etcd's with)
         self._stop = threading.Event()
         self._keeper = threading.Thread(target=self._keep_alive, name="cluster-lease", daemon=True)
 
@@ -117,7 +127,7 @@ class Registration:
         tx = client.transactions
         created, responses = await client.transaction(
             compare=[tx.create(self._key) == 0],
-            success=[tx.put(self._key, self._member.encode(), lease.id)],
+            success=[tx.put(self._key, self._record(self._member), lease.id)],
             failure=[tx.get(self._key)])
         if not created:
             await client.revoke_lease(lease.id)
@@ -126,16 +136,33 @@ class Registration:
                                f"{holder}: give each node its own cluster.node_id")
         self._lease_id = lease.id
 
+    def _record(self, member: Member) -> bytes:
+        """The record's bytes in etcd: signed when this node has a certificate of its own."""
+        if self._identity is None:
+            return member.encode()
+        return record_trust.sign(member, *self._identity).encode()
+
     def _update(self, **changes: Any) -> None:
         with self._lock:
             self._member = dataclasses.replace(self._member, **changes)
-            member = self._member
+            record = self._written = self._record(self._member)
         if not self._lease_id:
             return
         try:
-            self._session.call(lambda client: client.put(self._key, member.encode(), lease=self._lease_id))
+            self._session.call(lambda client: client.put(self._key, record, lease=self._lease_id))
         except EtcdUnavailable as exc:
             self._lost(exc)
+
+    async def _restore(self, client: Any) -> None:
+        """Put the record back if anyone deleted or changed it (it is this node's own, under its lease)."""
+        found = await client.get(self._key)
+        value = found.value if found is not None else None
+        with self._lock:
+            written = self._written
+        if written is not None and value != written:
+            await client.put(self._key, written, lease=self._lease_id)
+            log.warning("cluster %s: node id %s's record was %s in etcd by someone else; put back", self.config.name,
+                        self.node_id, "deleted" if value is None else "changed")
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self._renew_interval_s):
@@ -149,8 +176,10 @@ class Registration:
                 if not self._lease_id:
                     self._session.call(self._claim)
                     with self._lock:
-                        member = self._member
-                    self._session.call(lambda client: client.put(self._key, member.encode(), lease=self._lease_id))
+                        record = self._written = self._record(self._member)
+                    self._session.call(lambda client: client.put(self._key, record, lease=self._lease_id))
+                else:
+                    self._session.call(self._restore)
                 if self.etcd_lost_since:
                     log.info("cluster %s: etcd at %s answers again after %.1fs; node id %s registered",
                              self.config.name, self._session.endpoint, time.monotonic() - self.etcd_lost_since,
@@ -170,6 +199,21 @@ class Registration:
             self.etcd_lost_since = time.monotonic()
             log.warning("cluster %s: %s; serving on with the membership last seen (the node leaves it "
                         "for clients after %ds)", self.config.name, exc, self.config.lease_ttl_s)
+
+
+def _identity(auth: AuthConfig, node_id: str) -> tuple[bytes, bytes] | None:
+    """(certificate, key) PEM that sign this node's record: its gRPC TLS files; None without them.
+    ClusterError when the certificate does not name the node id (no client that checks would use it)."""
+    if not (auth.tls_cert and auth.tls_key):
+        return None
+    with open(auth.tls_cert, "rb") as c, open(auth.tls_key, "rb") as k:
+        cert, key = c.read(), k.read()
+    named = record_trust.names(cert)
+    if node_id not in named:
+        raise ClusterError(f"auth.tls_cert names {', '.join(named) or 'no DNS name'}, not node id {node_id!r}: in a "
+                           "cluster a node's certificate must carry its cluster.node_id as a DNS name (clients check "
+                           "it before they send a token or a page)")
+    return cert, key
 
 
 def _holder(responses: list[Any]) -> str:

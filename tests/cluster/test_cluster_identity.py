@@ -4,12 +4,15 @@ errors.Unauthenticated, never counted as a miss or left waiting."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import subprocess
 
 import numpy as np
 import pytest
+from cryptography import x509
 
-from cluster_parts import etcd, start_node, wait_members  # noqa: F401
+from cluster_parts import etcd, server_args, start_node, wait_members  # noqa: F401
 from identities import Certificates, Tokens
 from kvstore.admin import cli
 from kvstore_client import errors
@@ -81,10 +84,12 @@ def test_tls_files_reach_every_node(start_node, etcd, tmp_path, request, monkeyp
         monkeypatch.delenv(variable, raising=False)
     tokens, certs = Tokens(tmp_path), Certificates(tmp_path)
     cluster = request.node.name.removeprefix("test_")[:40]
-    tls = {"auth.tokens_file": str(tokens.path), "auth.tls_cert": certs.server_cert, "auth.tls_key": certs.server_key}
     nodes = {"n1", "n2", "n3"}
-    for name in sorted(nodes):
-        start_node(name, cluster=cluster, **tls)
+    for name in sorted(nodes):                                     # each node's certificate names its id
+        cert, key = certs.issue(f"node-{name}", name, [x509.DNSName(name), x509.IPAddress(ipaddress.ip_address(
+            "127.0.0.1"))])
+        start_node(name, cluster=cluster, **{"auth.tokens_file": str(tokens.path), "auth.tls_cert": cert,
+                                             "auth.tls_key": key})
     url = f"etcd://{etcd.endpoint}/{cluster}"
     ids, data = chain(12)
     keys = prefix_hashes(ids, page_tokens=4)
@@ -94,3 +99,12 @@ def test_tls_files_reach_every_node(start_node, etcd, tmp_path, request, monkeyp
         assert alice.put(NS, keys, data) == 12
         assert alice.lookup(NS, tokens=ids) == 12
         assert set(alice.node_stats()) == nodes
+
+
+def test_a_node_whose_certificate_does_not_name_its_id_refuses_to_start(etcd, tmp_path):
+    certs = Certificates(tmp_path)                                 # its server certificate names localhost only
+    refused = subprocess.run(server_args("shm.enabled=false", f"cluster.endpoints=http://{etcd.endpoint}",
+                                         "cluster.name=refused", "cluster.node_id=n9", f"auth.tls_cert={certs.server_cert}",
+                                         f"auth.tls_key={certs.server_key}"), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1, refused.stderr
+    assert "names localhost, not node id 'n9'" in refused.stderr and "cluster.node_id" in refused.stderr

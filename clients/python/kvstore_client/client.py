@@ -77,11 +77,12 @@ class KVStoreClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = "",
                  transport: str = "auto", tcp_congestion: str = "", rdma: RdmaOptions | None = None,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None):
+                 tls_key: str | None = None, tls_server_name: str = ""):
         """`rdma`: device, port, GID index, traffic class, service level and queue sizes of the RDMA data plane
         (experimental: see rdma_transport.py); None = defaults (first ACTIVE port, a RoCE v2 GID).
         `token`, `tls_ca`, `tls_cert`, `tls_key`: who this client is to the node (credentials.py); each
-        one left None is read from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY."""
+        one left None is read from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY.
+        `tls_server_name`: the name the node's gRPC certificate must carry ("" = the host dialled)."""
         target = node_target(target)
         if control not in ("local", "grpc"):
             raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
@@ -90,7 +91,8 @@ class KVStoreClient:
         self._options = ConnectOptions(target=target, timeout_s=timeout_s, control=control, transport=transport,
                                        client_name=client_name, tcp_congestion=tcp_congestion,
                                        rdma=rdma or RdmaOptions(), credentials=Credentials.resolve(
-                                           token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key))
+                                           token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                           tls_server_name=tls_server_name))
         self._lock = threading.Lock()            # guards _conn and _closed; a call enters _conn under it
         self._replace_lock = threading.Lock()    # one reconnect at a time; the other callers then use it
         self._closed = False

@@ -31,6 +31,11 @@ which it holds. Each call is KVStoreClient's, made on every node that holds some
   rule (groups.fold). Nodes commit in parallel: a group one node refuses may be visible on the
   others, position by position, each whole.
 
+Trust: with `tls_ca` (the CA of the nodes' certificates) a member counts only if its record is
+signed under a certificate of that CA naming its node id, and each node is dialled checking that
+its certificate names that id, before any token or page goes out (record_trust.py). etcd itself
+is reached over TLS with `etcd_tls_*` (etcd.py).
+
 Each node is reached over its best data plane (data_plane() decides, from the node's record
 alone): shared memory when it runs on this host (same host id), else RDMA when the node
 advertises it and the cluster was given `rdma=RdmaOptions(...)`, else TCP. Every node connection
@@ -53,12 +58,14 @@ from kvstore_client import errors, groups, lookup, placement
 from kvstore_client.arguments import engine_id_list, get_pages, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials
+from kvstore_client.etcd import EtcdTlsFiles
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
 from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
+from kvstore_client.record_trust import RecordTrust
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +108,15 @@ class KVStoreCluster:
     def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", control: str = "local",
                  tcp_congestion: str = "", replicas: int = 3, replicated_pages: int = 32, client_name: str = "", members_wait_s: float = 5.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, rdma: RdmaOptions | None = None):
+                 tls_key: str | None = None, rdma: RdmaOptions | None = None, etcd_tls_ca: str | None = None,
+                 etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None):
         """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node). `control`:
         how same-host nodes are asked ("local": their Unix socket; "grpc"). `replicas`, `replicated_pages`:
         copies of a chain's leading pages (placement.py). `token`, `tls_*`: who this client is to every node.
         `rdma`: this host's NIC settings (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are
-        reached over it; None = TCP."""
+        reached over it; None = TCP. `etcd_tls_*`: etcd over TLS (etcd.EtcdTlsFiles; each one None is read
+        from KVSTORE_ETCD_TLS_CA, _CERT, _KEY). With `tls_ca`, only members whose record proves itself are
+        used (record_trust.py), each dialled checking that its certificate names its node id."""
         if transport not in ("auto", "tcp"):
             raise errors.InvalidArgument(f"a cluster's transport must be 'auto' or 'tcp', got {transport!r}")
         if control not in ("local", "grpc"):
@@ -130,7 +140,9 @@ class KVStoreCluster:
         self._registered: list[tuple[int, int, Any]] = []
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvstore-cluster")
-        self._view = MembershipView(endpoints, self.cluster, timeout_s=min(timeout_s, 3.0))
+        trust = RecordTrust(self._credentials.tls_ca) if self._credentials.tls_ca else None
+        etcd_tls = EtcdTlsFiles.resolve(ca=etcd_tls_ca, cert=etcd_tls_cert, key=etcd_tls_key)
+        self._view = MembershipView(endpoints, self.cluster, timeout_s=min(timeout_s, 3.0), tls=etcd_tls, trust=trust)
         if not self._view.wait_listed(members_wait_s):
             log.warning("no membership from etcd at %s after %.1fs: every call misses until it answers",
                         ",".join(endpoints), members_wait_s)
@@ -498,7 +510,8 @@ class KVStoreCluster:
                                control=self._control if plane == "shm" else "grpc", client_name=self._client_name,
                                tcp_congestion=self._tcp_congestion,
                                rdma=self._rdma if plane == "rdma" else None,
-                               token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key)
+                               token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key,
+                               tls_server_name=member.node_id if who.tls_ca else "")
         if plane == "rdma" and client.transport != "rdma":
             log.warning("node %s advertises RDMA but it cannot be used from here: its pages move over %s",
                         member.node_id, client.transport)

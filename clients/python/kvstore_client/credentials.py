@@ -31,6 +31,8 @@ class Credentials:
     tls_ca: str = ""            # PEM file of the CA that signed the node's certificate; "" = plaintext gRPC
     tls_cert: str = ""          # PEM file of this client's certificate (mutual TLS)
     tls_key: str = ""           # PEM file of its private key
+    tls_server_name: str = ""   # the name the node's certificate must carry; "" = the host dialled (a cluster
+                                # client gives the node id: the record's address alone proves nothing)
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **given: str | None) -> "Credentials":
@@ -38,7 +40,7 @@ class Credentials:
         environ = os.environ if environ is None else environ
         values = {name: given.get(name) if given.get(name) is not None else environ.get(variable, "")
                   for name, variable in ENV.items()}
-        credentials = cls(**values)
+        credentials = cls(**values, tls_server_name=given.get("tls_server_name") or "")
         if bool(credentials.tls_cert) != bool(credentials.tls_key):
             raise InvalidArgument("tls_cert and tls_key go together (a client certificate and its key), or neither")
         if credentials.tls_cert and not credentials.tls_ca:
@@ -52,13 +54,18 @@ class Credentials:
     def channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.Channel:
         if not self.tls_ca:
             return grpc.insecure_channel(target, options=options)
-        return grpc.secure_channel(target, self._ssl(), options=options)
+        return grpc.secure_channel(target, self._ssl(), options=self._named(options))
 
     def aio_channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
         """The same channel for asyncio (async_client.py)."""
         if not self.tls_ca:
             return grpc.aio.insecure_channel(target, options=options)
-        return grpc.aio.secure_channel(target, self._ssl(), options=options)
+        return grpc.aio.secure_channel(target, self._ssl(), options=self._named(options))
+
+    def _named(self, options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        if not self.tls_server_name:
+            return options
+        return [*options, ("grpc.ssl_target_name_override", self.tls_server_name)]
 
     def tcp_tls(self) -> ssl.SSLContext:
         """The TLS context for a node's TCP data plane (Hello's tcp_tls): the node's certificate is checked

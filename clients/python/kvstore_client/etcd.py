@@ -8,11 +8,21 @@ daemon thread and every call is handed to it with a deadline.
 
 aetcd talks to one endpoint at a time; a session tries the configured endpoints in
 order and moves to the next when one fails.
+
+TLS: an `https://` endpoint, or any endpoint of a session given EtcdTlsFiles, is dialled over
+TLS (the server checked against the CA, this side's certificate presented for etcd's
+--client-cert-auth); `http://` is plaintext, and refused with TLS files, which would not be
+used. aetcd itself dials every endpoint with grpc.aio.insecure_channel; `_dial` takes that one
+function's place and dials over TLS when the session connecting now says so (a context
+variable set around its own connect), so sessions of one process never share TLS settings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
+import os
 import threading
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
@@ -21,30 +31,86 @@ from kvstore_client.errors import InvalidArgument
 
 T = TypeVar("T")
 
+ENV = {"ca": "KVSTORE_ETCD_TLS_CA", "cert": "KVSTORE_ETCD_TLS_CERT", "key": "KVSTORE_ETCD_TLS_KEY"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdTlsFiles:
+    """PEM files for etcd over TLS: the CA of etcd's certificate, and this side's certificate and key."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @classmethod
+    def resolve(cls, environ: Any = None, **given: str | None) -> "EtcdTlsFiles | None":
+        """The given files, each one not given (None) read from KVSTORE_ETCD_TLS_*; None when there are none."""
+        environ = os.environ if environ is None else environ
+        files = cls(**{name: given.get(name) if given.get(name) is not None else environ.get(variable, "")
+                       for name, variable in ENV.items()})
+        if bool(files.cert) != bool(files.key):
+            raise InvalidArgument("an etcd client certificate and its key go together (etcd_tls_cert, etcd_tls_key)")
+        return files if (files.ca or files.cert) else None
+
+    def credentials(self) -> Any:
+        import grpc
+
+        def read(path: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as exc:
+                raise InvalidArgument(f"cannot read etcd TLS file {path}: {exc.strerror}") from None
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+_DIAL_TLS: contextvars.ContextVar[Any] = contextvars.ContextVar("kvstore_etcd_tls", default=None)
+
+
+def _dial(target: str, options: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """aetcd's channel: over TLS with the credentials of the session connecting now, else plaintext."""
+    import grpc.aio
+    credentials = _DIAL_TLS.get()
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options, *args, **kwargs)
+    return grpc.aio.secure_channel(target, credentials, options, *args, **kwargs)
+
 
 class EtcdUnavailable(Exception):
     """No configured etcd endpoint answered within the deadline; the message names them."""
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """'http://10.0.0.1:2379', '10.0.0.1:2379' or '10.0.0.1' -> (host, port)."""
-    parts = urlsplit(text if "://" in text else f"http://{text}")
-    if not parts.hostname:
-        raise InvalidArgument(f"etcd endpoint {text!r} must look like host:port or http://host:port")
-    return parts.hostname, parts.port or 2379
+def parse_endpoint(text: str) -> tuple[str, int, str]:
+    """'https://10.0.0.1:2379', 'http://10.0.0.1:2379', '10.0.0.1:2379' or '10.0.0.1' -> (host, port, scheme),
+    scheme "" when none is written."""
+    parts = urlsplit(text if "://" in text else f"//{text}")
+    if not parts.hostname or parts.scheme not in ("", "http", "https"):
+        raise InvalidArgument(f"etcd endpoint {text!r} must look like host:port, http://host:port or https://host:port")
+    return parts.hostname, parts.port or 2379, parts.scheme
 
 
 class EtcdSession:
-    def __init__(self, endpoints: Sequence[str], timeout_s: float):
+    def __init__(self, endpoints: Sequence[str], timeout_s: float, tls: EtcdTlsFiles | None = None):
         try:
             import aetcd  # imported here: only clustered nodes and cluster clients need it
+            import aetcd.rpc
         except ImportError as exc:
             raise ImportError(f"etcd needs its client, aetcd ({exc}): pip install 'kvstore-client[cluster]'") from None
 
         if not endpoints:
             raise InvalidArgument("no etcd endpoint given")
         self._aetcd = aetcd
-        self.endpoints = [parse_endpoint(e) for e in endpoints]
+        parsed = [parse_endpoint(e) for e in endpoints]
+        plain = [f"{h}:{p}" for h, p, scheme in parsed if scheme == "http"]
+        if plain and (tls is not None or any(scheme == "https" for _, _, scheme in parsed)):
+            raise InvalidArgument(f"etcd endpoint(s) {', '.join(plain)} are http:// where others are https:// or TLS "
+                                  "files are given: write https:// (or leave the scheme out)")
+        secure = any(scheme == "https" for _, _, scheme in parsed) or tls is not None
+        self._tls = (tls or EtcdTlsFiles()).credentials() if secure else None   # every endpoint, or none
+        aetcd.rpc.insecure_channel = _dial
+        self.endpoints = [(h, p) for h, p, _ in parsed]
         self.timeout_s = timeout_s
         self._current = 0
         self._client: Any = None
@@ -92,7 +158,13 @@ class EtcdSession:
     async def _connected(self) -> Any:
         if self._client is None:
             host, port = self.endpoints[self._current]
-            self._client = self._aetcd.Client(host=host, port=port, timeout=max(1, round(self.timeout_s)))
+            client = self._aetcd.Client(host=host, port=port, timeout=max(1, round(self.timeout_s)))
+            dialling = _DIAL_TLS.set(self._tls)
+            try:
+                await client.connect()
+            finally:
+                _DIAL_TLS.reset(dialling)
+            self._client = client
         return self._client
 
     async def _drop(self) -> None:

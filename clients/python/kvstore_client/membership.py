@@ -4,7 +4,9 @@ Each node keeps `/kvstore/<cluster>/nodes/<node_id>` under an etcd lease; the ke
 disappears when the node stops renewing it (it died, or lost etcd for a lease TTL). The
 value is the JSON of a Member. MembershipView keeps the records in memory from one
 listing and then a watch, so placement never asks anyone: when etcd is lost the view
-keeps the members it last saw, and lists again once etcd answers.
+keeps the members it last saw, and lists again once etcd answers. Given a RecordTrust, the
+view keeps only records that prove who wrote them (record_trust.py); one that cannot is
+ignored, and logged once per content.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from kvstore_client.etcd import EtcdSession, EtcdUnavailable
+from kvstore_client.etcd import EtcdSession, EtcdTlsFiles, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class Member:
     capacity_bytes: int = 0
     serving_since: float = 0.0    # unix time the node began serving; weight ramps from it
     ramp_s: float = 0.0
+    cert: str = ""                # PEM of the node's certificate, naming its id (record_trust.py)
+    signature: str = ""           # base64: the record signed with that certificate's key
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -70,10 +74,13 @@ def local_host_id() -> str:
 class MembershipView:
     """The cluster's members, listed once and then kept current by an etcd watch."""
 
-    def __init__(self, endpoints: Sequence[str], cluster: str, timeout_s: float = 3.0, resync_s: float = 5.0):
+    def __init__(self, endpoints: Sequence[str], cluster: str, timeout_s: float = 3.0, resync_s: float = 5.0,
+                 tls: EtcdTlsFiles | None = None, trust: Any = None):
         self.cluster = cluster
         self._prefix = nodes_prefix(cluster)
-        self._session = EtcdSession(endpoints, timeout_s)
+        self._trust = trust
+        self._ignored: set[bytes] = set()     # records already logged as ignored
+        self._session = EtcdSession(endpoints, timeout_s, tls)
         self._resync_s = resync_s
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
@@ -120,8 +127,8 @@ class MembershipView:
         result = await client.get_prefix(self._prefix)
         members = {}
         for kv in result:
-            member = _decode(kv.value)
-            if member is not None:
+            member = self._trusted(kv.value)
+            if member is not None and member.node_id == kv.key[len(self._prefix):].decode(errors="replace"):
                 members[member.node_id] = member
         with self._lock:
             self._members = members
@@ -137,12 +144,29 @@ class MembershipView:
                 with self._lock:
                     if event.kind == "DELETE":
                         self._members.pop(node_id, None)
-                    else:
-                        member = _decode(event.kv.value)
-                        if member is not None:
+                    else:   # a record that cannot prove itself leaves the one before it in place
+                        member = self._trusted(event.kv.value)
+                        if member is not None and member.node_id == node_id:
                             self._members[node_id] = member
         finally:
             await watch.cancel()
+
+
+    def _trusted(self, value: bytes) -> Member | None:
+        """The record, unless it is no member record or (with a RecordTrust) cannot prove who wrote it."""
+        member = _decode(value)
+        if member is None or self._trust is None:
+            return member
+        problem = self._trust.problem(member)
+        if not problem:
+            return member
+        if value not in self._ignored:
+            if len(self._ignored) >= 1024:    # bounded, whatever is written to etcd
+                self._ignored.clear()
+            self._ignored.add(value)
+            log.warning("ignoring the member record of %r in cluster %s (address %s): %s", member.node_id,
+                        self.cluster, member.grpc_address or "none", problem)
+        return None
 
 
 def _decode(value: bytes) -> Member | None:
