@@ -28,22 +28,17 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from pd_handoff import start_etcd  # noqa: E402  (a real etcd on loopback)
+
 TTL_S = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def page_of(key: bytes, page_bytes: int) -> np.ndarray:
@@ -54,25 +49,16 @@ def page_of(key: bytes, page_bytes: int) -> np.ndarray:
 class Cluster:
     def __init__(self, workdir: str, nodes: int, arena: str):
         self.workdir, self.arena = workdir, arena
-        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        self.etcd = subprocess.Popen(["etcd", "--name", "s", "--data-dir", os.path.join(workdir, "etcd"),
-                                      "--listen-client-urls", client, "--advertise-client-urls", client,
-                                      "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                                      "--initial-cluster", f"s={peer}", "--log-level", "error"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(200):
-            try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.1)
+        self.etcd, client = start_etcd(workdir)
         self.endpoint = client
         self.url = f"etcd://{client.removeprefix('http://')}/scale"
         self.nodes: dict[str, subprocess.Popen] = {}
         for i in range(nodes):
             self.start(f"node{i}")
 
-    def start(self, node_id: str) -> None:
+    def start(self, node_id: str, deadline: float = 0.0) -> None:
+        """Start a node; one started again after a SIGKILL waits until the dead one's lease frees its id."""
+        deadline = deadline or time.monotonic() + 60
         ready = os.path.join(self.workdir, f"{node_id}-{time.monotonic_ns()}.json")
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0", "--ready-file", ready,
@@ -82,13 +68,12 @@ class Cluster:
              "--set", f"cluster.node_id={node_id}", "--set", "cluster.ramp_s=0",
              "--set", f"cluster.lease_ttl_s={TTL_S}", "--set", "cluster.etcd_timeout_s=1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
         while not os.path.exists(ready):
             if proc.poll() is not None:   # its id is still held by the killed one's lease: try again
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{node_id} did not start")
                 time.sleep(0.5)
-                return self.start(node_id)
+                return self.start(node_id, deadline)
             time.sleep(0.05)
         self.nodes[node_id] = proc
 

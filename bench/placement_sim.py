@@ -9,7 +9,8 @@ the same capacity. Placement is weighted rendezvous hashing (as kvstore_client/p
 with a vectorized 64-bit mix instead of blake2b so 100 nodes x 10^5 keys runs in seconds).
 
 Schemes:
-  page          each page on the node its own key picks
+  page          each page on the node its own key picks (what kvstore_client/placement.py does, with the
+                leading pages of a chain's first put also on 3 nodes)
   chain         a conversation's whole chain on the node its first key picks
   segK          chain segments of K pages, each on the node its first key picks
   segK+rRxS     segK, the first S segments (S=1 if left out) each on the R highest-scoring nodes,

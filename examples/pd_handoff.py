@@ -44,22 +44,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(workdir: str, nodes: int, arena: str) -> tuple[list[subprocess.Popen], str]:
-    """A one-member etcd and `nodes` kvstore nodes in cluster "pd"; returns the processes and the cluster URL."""
+def start_etcd(workdir: str) -> tuple[subprocess.Popen, str]:
+    """A one-member etcd on loopback, answering; returns its process and client URL."""
     if shutil.which("etcd") is None:
         raise SystemExit("etcd is not installed (apt-get install etcd-server)")
     client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(["etcd", "--name", "pd", "--data-dir", os.path.join(workdir, "etcd"),
-                               "--listen-client-urls", client, "--advertise-client-urls", client,
-                               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                               "--initial-cluster", f"pd={peer}", "--log-level", "error"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    etcd = subprocess.Popen(["etcd", "--name", "pd", "--data-dir", os.path.join(workdir, "etcd"),
+                             "--listen-client-urls", client, "--advertise-client-urls", client,
+                             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                             "--initial-cluster", f"pd={peer}", "--log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):
         try:
             with urllib.request.urlopen(f"{client}/health", timeout=1):
                 break
         except OSError:
             time.sleep(0.1)
+    return etcd, client
+
+
+def start_cluster(workdir: str, nodes: int, arena: str) -> tuple[list[subprocess.Popen], str]:
+    """A one-member etcd and `nodes` kvstore nodes in cluster "pd"; returns the processes and the cluster URL."""
+    etcd, client = start_etcd(workdir)
+    procs = [etcd]
     for i in range(nodes):
         ready = os.path.join(workdir, f"ready{i}.json")
         procs.append(subprocess.Popen(
