@@ -51,3 +51,13 @@ def test_a_target_that_is_no_address_is_refused(target):
 def test_a_bad_cluster_url_is_refused_naming_the_form():
     with pytest.raises(errors.InvalidArgument, match=r"etcd://host:2379"):
         KVStoreClient("etcd://127.0.0.1:2379")
+
+
+def test_a_cluster_with_no_member_stores_nothing_and_says_why():
+    import numpy as np
+    from kvstore_client import Namespace
+    with KVStoreClient(UNANSWERED_URL, members_wait_s=0.1) as pool:
+        ns = Namespace(model="m", page_bytes=16)
+        stored = pool.put(ns, [b"k0", b"k1"], np.zeros((2, 16), np.uint8))
+        assert stored == 0 and "no member of cluster 'prod'" in stored.reason
+        assert pool.lookup(ns, [b"k0"]) == 0 and pool.held(ns, [b"k0"]) == [False]

@@ -206,7 +206,10 @@ class KVStoreCluster:
             if count < len(positions):
                 reasons[positions[count]] = answer.reason if answer is not None else "UNAVAILABLE: node lost"
         count = _leading_run(stored)
-        return PutResult(count, len(raw), "" if count == len(raw) else reasons.get(count, "not stored"))
+        if count == len(raw):
+            return PutResult(count, len(raw))
+        fallback = "not stored" if pieces else f"UNAVAILABLE: no member of cluster {self.cluster!r} takes pages"
+        return PutResult(count, len(raw), reasons.get(count, fallback))
 
     def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None, verify: bool = False,
             policy: str = "wait_complete", timeout_ms: int = 0, *, tokens: Any = None,
