@@ -286,7 +286,7 @@ def main() -> None:
         print(f"{r['nodes']} node(s): put {r['put_gbps']:6.2f} GB/s  get {r['get_gbps']:6.2f} GB/s  "
               f"wrong bytes {r['wrong_bytes']}")
     report["throughput"] = rows
-    report["ratio"] = {"put": rows[1]["put_gbps"] / rows[0]["put_gbps"], "get": rows[1]["get_gbps"] / rows[0]["get_gbps"]}
+    report["ratio"] = {way: rows[1][f"{way}_gbps"] / rows[0][f"{way}_gbps"] for way in ("put", "get")}
     print(f"{args.nodes} nodes / 1 node: put {report['ratio']['put']:.2f}  get {report['ratio']['get']:.2f}")
     lost = report["node_lost"] = node_lost(args)
     print(f"{lost['victim']} SIGKILLed: {100 * lost['lost_fraction']:.1f}% of leading pages lost (placement predicts "

@@ -1,6 +1,6 @@
 """This node's record in etcd: claimed under a lease at start-up, kept alive, marked draining.
 
-    registration = Registration(config.cluster, capacity_bytes)
+    registration = Registration(config.cluster, capacity_bytes, config.auth)
     registration.claim()                 # ClusterError: etcd unreachable, or the id is taken
     ...node starts...
     registration.serve(grpc_address, tcp_endpoint)
@@ -14,10 +14,12 @@ or changed by anyone else is put back, so it is right again within a third of th
 
 A node that serves gRPC over TLS signs its record (kvstore_client/record_trust.py) with its
 certificate, which must name its node id: clients that trust the cluster's CA use no record
-that cannot prove itself. A certificate that does not name the id refuses the start. When etcd stops answering the node keeps serving (its
-clients place pages by the membership they last saw), logs it once and reports it in
-`describe()` (the systemd status and the health log line); when etcd answers again and
-the lease expired meanwhile, the node claims its id again with a new lease.
+that cannot prove itself. A certificate that does not name the id refuses the start.
+
+When etcd stops answering the node keeps serving (its clients place pages by the membership
+they last saw), logs it once and reports it in `describe()` (the systemd status and the
+health log line); when etcd answers again and the lease expired meanwhile, the node claims
+its id again with a new lease.
 """
 
 from __future__ import annotations

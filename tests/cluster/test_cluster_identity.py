@@ -103,8 +103,8 @@ def test_tls_files_reach_every_node(start_node, etcd, tmp_path, request, monkeyp
 
 def test_a_node_whose_certificate_does_not_name_its_id_refuses_to_start(etcd, tmp_path):
     certs = Certificates(tmp_path)                                 # its server certificate names localhost only
-    refused = subprocess.run(server_args("shm.enabled=false", f"cluster.endpoints=http://{etcd.endpoint}",
-                                         "cluster.name=refused", "cluster.node_id=n9", f"auth.tls_cert={certs.server_cert}",
-                                         f"auth.tls_key={certs.server_key}"), capture_output=True, text=True, timeout=60)
+    args = server_args("shm.enabled=false", f"cluster.endpoints=http://{etcd.endpoint}", "cluster.name=refused",
+                       "cluster.node_id=n9", f"auth.tls_cert={certs.server_cert}", f"auth.tls_key={certs.server_key}")
+    refused = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1, refused.stderr
     assert "names localhost, not node id 'n9'" in refused.stderr and "cluster.node_id" in refused.stderr

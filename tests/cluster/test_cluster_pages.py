@@ -134,11 +134,18 @@ def test_killing_a_node_under_four_clients_loses_only_its_pages(three_nodes, etc
 def test_a_new_node_takes_load_gradually(start_node, etcd):
     for name in ("r1", "r2"):
         start_node(name, cluster="p2")
-    with KVStoreCluster(f"etcd://{etcd.endpoint}/p2") as cluster:
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/p2", replicas=1) as cluster:
         wait_members(cluster, {"r1", "r2"})
+        stored_keys, data = chain(61, 600)
+        assert cluster.put(NS, stored_keys, data) == 600            # on r1 and r2 alone
         start_node("r3", cluster="p2", **{"cluster.ramp_s": 6})
         wait_members(cluster, {"r1", "r2", "r3"})
         keys = [random.Random(i).randbytes(16) for i in range(3000)]
+        weights = placeable(cluster.members(), time.time())
+        moved = [k for k in encode_keys(stored_keys) if rank(k, weights, 1) == ("r3",)]
+        out = np.zeros_like(data)
+        assert moved and cluster.get(NS, stored_keys, out) == 600   # r3 misses them: read where they were
+        assert np.array_equal(out, data)
 
         def share() -> float:
             weights = placeable(cluster.members(), time.time())

@@ -97,3 +97,17 @@ def test_member_record_round_trips_and_ignores_unknown_fields():
     member = members(1, serving_since=5.0, ramp_s=2.0)[0]
     assert Member.decode(member.encode()) == member
     assert Member.decode(member.encode()[:-1] + b', "added_later": 1}') == member
+
+
+def test_a_read_asks_a_ramping_nodes_keys_of_the_node_they_had_before():
+    from kvstore_client.placement import read_order
+    now = 10_000.0
+    group = members(3) + [Member(node_id="new", host_id="h", state="serving", capacity_bytes=1 << 30,
+                                 serving_since=now - 50, ramp_s=100)]      # halfway up its ramp
+    before = {k: rank(k, placeable(members(3), now), 1)[0] for k in KEYS}
+    orders = read_order(KEYS, group, now, 1, 0)
+    taken = [k for k, order in zip(KEYS, orders) if order[0] == "new"]
+    assert 0.05 < len(taken) / len(KEYS) < 0.3
+    assert all(order == ("new", before[k]) for k, order in zip(KEYS, orders) if order[0] == "new")
+    assert all(order == (before[k],) for k, order in zip(KEYS, orders) if order[0] != "new")
+    assert read_order(KEYS, group, now + 100, 1, 0) == [(o,) for o in owners(placeable(group, now + 100))]

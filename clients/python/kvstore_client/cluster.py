@@ -15,6 +15,8 @@ which it holds. Each call is KVStoreClient's, made on every node that holds some
 - On each node a call's pages are a chain of their own, anchored at the page before them in
   the call (the node keeps them prefix-closed and evicts them leaf first). `parent` therefore
   acts as `anchor`: the page before keys[0] lives on whichever node its key names.
+- While a node ramps up after it joins (cluster.ramp_s), a read it misses asks the node the key
+  had before it came, so a join costs no misses for pages already stored.
 - Leading counts (put, get, lookup) are the chain's leading run over all nodes: a page a node
   misses ends it. A get or lookup whose page one replica misses (or cannot answer) asks the
   next replica for it, in a second round.
@@ -106,7 +108,8 @@ class ClusterStaged:
 
 class KVStoreCluster:
     def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", control: str = "local",
-                 tcp_congestion: str = "", replicas: int = 3, replicated_pages: int = 32, client_name: str = "", members_wait_s: float = 5.0,
+                 tcp_congestion: str = "", replicas: int = 3, replicated_pages: int = 32, client_name: str = "",
+                 members_wait_s: float = 5.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, rdma: RdmaOptions | None = None, etcd_tls_ca: str | None = None,
                  etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None):
@@ -436,9 +439,10 @@ class KVStoreCluster:
 
     def _read(self, raw: list[bytes], ask: Callable[[KVStoreClient, list[int]], list[bool]],
               leading: bool) -> list[bool]:
-        """Each key found or not: asked of its best node, then of its next replica where that missed (or
-        was lost), round by round. `leading`: only keys before the chain's first sure miss are asked again."""
-        owners = self._place(raw, chain_start=True)
+        """Each key found or not: asked of its best node, then of its next replica (or, while its node ramps
+        up, of the node it had before) where that missed or was lost, round by round. `leading`: only keys
+        before the chain's first sure miss are asked again."""
+        owners = placement.read_order(raw, self._view.members(), time.time(), self.replicas, self.replicated_pages)
         found, tried = [False] * len(raw), [0] * len(raw)
         pending = [i for i, nodes in enumerate(owners) if nodes]
         while pending:

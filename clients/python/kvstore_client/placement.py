@@ -20,7 +20,8 @@ about 1/N when one of N equal nodes joins or leaves. The key is hashed once (BLA
 mixed with each node's salt in numpy, so placing 8,000 pages over 8 nodes costs
 milliseconds. A node's weight is its capacity times a ramp that grows linearly from
 `RAMP_FLOOR` to 1 over the node's ramp_s after it starts serving, so an empty node does not
-take every new write at once.
+take every new write at once; while it ramps, a read that misses a key there asks the node the key
+had before it came (read_order).
 """
 
 from __future__ import annotations
@@ -51,6 +52,26 @@ def weight(member: Member, now: float) -> float:
 def placeable(members: Sequence[Member], now: float) -> dict[str, float]:
     """Weights of the members that take pages: serving ones (joining and draining ones do not)."""
     return {m.node_id: weight(m, now) for m in members if m.state == "serving"}
+
+
+def settled(members: Sequence[Member], now: float) -> dict[str, float]:
+    """Weights of the serving members whose ramp is over: where pages were placed before the ramping ones came."""
+    return {m.node_id: weight(m, now) for m in members
+            if m.state == "serving" and (m.ramp_s <= 0 or now - m.serving_since >= m.ramp_s)}
+
+
+def read_order(keys: Sequence[bytes], members: Sequence[Member], now: float, replicas: int,
+               replicated_pages: int) -> list[tuple[str, ...]]:
+    """The nodes a read asks for each key, in order: its nodes as a write now places them, then, where the best
+    of those is still ramping up, the node the key had before (a ramping node has few pages yet)."""
+    weights = placeable(members, now)
+    owners = place(keys, weights, replicas, replicated_pages, chain_start=True)
+    before = settled(members, now)
+    if len(before) == len(weights) or not before:
+        return owners
+    earlier = place(keys, before, 1, 0, chain_start=False)
+    return [nodes + earlier[i] if nodes and nodes[0] not in before and earlier[i][0] not in nodes else nodes
+            for i, nodes in enumerate(owners)]
 
 
 def check_layout(replicas: int, replicated_pages: int) -> None:
