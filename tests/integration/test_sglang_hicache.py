@@ -365,6 +365,15 @@ def test_hybrid_model_pools_back_up_and_hit_like_the_file_backend(server, tmp_pa
     """SGLang's v2 calls for a hybrid model (a Mamba state pool, trailing pages only, and a KV-shaped
     sidecar on every page, as a DSA indexer): back up, ask, load; every answer equals SGLang's file
     backend's on the same calls, and the loaded pages are the written ones, byte for byte."""
+    hybrid_round_trip(server, tmp_path)
+
+
+def test_a_hybrid_model_on_a_cluster_backs_up_and_hits_like_the_file_backend(cluster_pool, tmp_path):
+    """The same v2 calls with kvstore_target naming a cluster: each node commits its positions' pages whole."""
+    hybrid_round_trip(cluster_pool, tmp_path)
+
+
+def hybrid_round_trip(server, tmp_path):
     kv = SGLangHostPool("page_first", pages=12, page_size=PAGE)
     kv.fill_random(seed=11)
     indexer = SGLangHostPool("page_first", pages=12, page_size=PAGE, layer_num=1, head_num=1, head_dim=16)

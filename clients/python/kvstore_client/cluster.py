@@ -105,6 +105,28 @@ class ClusterStaged:
                 flags[i] = True
         return _leading_run(flags)
 
+    @property
+    def slots(self) -> dict[bytes, Any]:
+        """The staged keys (over every node's lease), as StagedPages.slots names them."""
+        return {key: slot for _, staged in self.pieces.values() for key, slot in staged.slots.items()}
+
+    @property
+    def commit_by(self) -> float:
+        """When the first of its nodes' write leases may expire (time.monotonic())."""
+        return min((staged.commit_by for _, staged in self.pieces.values()), default=float("inf"))
+
+    def take(self, keys: Sequence[Key]) -> "ClusterStaged":
+        """StagedPages.take on every node: the staged pages of these keys as a part of their own."""
+        wanted = set(encode_keys(keys))
+        kept = [i for i, key in enumerate(self.keys) if key in wanted]
+        renumbered = {old: new for new, old in enumerate(kept)}
+        pieces = {}
+        for node_id, (positions, staged) in self.pieces.items():
+            mine = [renumbered[p] for p in positions if p in renumbered]
+            if mine:
+                pieces[node_id] = (mine, staged.take(keys))
+        return ClusterStaged(self.namespace, [self.keys[i] for i in kept], pieces)
+
 
 class KVStoreCluster:
     def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", control: str = "local",
