@@ -2,9 +2,10 @@
 
 from kvstore_client.async_client import AsyncKVStoreClient
 from kvstore_client.client import KVStoreClient
+from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.errors import InvalidArgument, KVStoreError
 from kvstore_client.keys import Namespace, namespace_id, page_hash, prefix_hashes
 from kvstore_client.pipeline import PutResult
 
-__all__ = ["AsyncKVStoreClient", "InvalidArgument", "KVStoreClient", "KVStoreError", "Namespace", "PutResult",
-           "namespace_id", "page_hash", "prefix_hashes"]
+__all__ = ["AsyncKVStoreClient", "InvalidArgument", "KVStoreClient", "KVStoreCluster", "KVStoreError", "Namespace",
+           "PutResult", "namespace_id", "page_hash", "prefix_hashes"]
