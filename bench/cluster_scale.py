@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -183,6 +184,14 @@ def node_lost(args) -> dict:
             "wrong_bytes": wrong}
 
 
+def dram_evictions(url: str) -> int:
+    """DRAM pages the nodes alive now evicted (a restarted node counts from its restart)."""
+    from kvstore_client import KVStoreClient
+    from kvstore_client.proto import pb
+    with KVStoreClient(url, transport="tcp", timeout_s=10) as pool:
+        return sum(t.evictions for t in pool.stats().tiers if t.tier == pb.DRAM)
+
+
 def loop_client(url: str, index: int, args, stop, killed, out) -> None:
     """Put and get random chains until `stop`; every miss explained by the kills (`killed`: node -> kill times)."""
     from kvstore_client import KVStoreClient, Namespace
@@ -192,8 +201,10 @@ def loop_client(url: str, index: int, args, stop, killed, out) -> None:
     chains = chains_of(index * 1000 + 7, args.loop_chains, args.pages)   # a fixed set: it fits, nothing is evicted
     stored: dict[int, tuple[list[tuple[str, ...]], float]] = {}   # chain -> its pages' nodes and time, at its put
     counts = {"puts": 0, "gets": 0, "pages_read": 0, "wrong_bytes": 0, "missed_killed": 0, "missed_moved": 0,
-              "missed_unexplained": 0, "errors": 0}
+              "missed_unexplained": 0, "errors": 0, "node_calls_unanswered": {}}
     out_buf = np.empty((args.pages, args.page_bytes), np.uint8)
+    logging.getLogger("kvstore_client.cluster").addHandler(_Unanswered(counts["node_calls_unanswered"]))
+    logging.getLogger("kvstore_client.cluster").setLevel(logging.INFO)
     with KVStoreClient(url, transport="tcp", timeout_s=5) as pool:
         while not stop.is_set():
             i = rng.randrange(len(chains))
@@ -229,6 +240,19 @@ def loop_client(url: str, index: int, args, stop, killed, out) -> None:
     out.put(counts)
 
 
+class _Unanswered(logging.Handler):
+    """Counts the node calls a cluster call read as misses, by why (the node lost, or the deadline passed)."""
+
+    def __init__(self, counts: dict):
+        super().__init__()
+        self.counts = counts
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("a node did not answer"):
+            kind = str(record.args[0])
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+
+
 def kill_loop(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvstore-scale-loop-") as workdir:
         cluster = Cluster(workdir, args.nodes, args.arena)
@@ -255,11 +279,17 @@ def kill_loop(args) -> dict:
             results = [out.get(timeout=120) for _ in workers]
             for w in workers:
                 w.join(30)
+            evictions = dram_evictions(cluster.url)
         finally:
             cluster.close()
             manager.shutdown()
-    total = {key: sum(r[key] for r in results) for key in results[0]}
-    return {"minutes": args.loop_minutes, "kills": kills, **total}
+    total = {key: sum(r[key] for r in results) for key in results[0] if key != "node_calls_unanswered"}
+    unanswered: dict = {}
+    for r in results:
+        for kind, n in r["node_calls_unanswered"].items():
+            unanswered[kind] = unanswered.get(kind, 0) + n
+    return {"minutes": args.loop_minutes, "kills": kills, **total, "node_calls_unanswered": unanswered,
+            "evictions": evictions}
 
 
 def main() -> None:
@@ -298,7 +328,8 @@ def main() -> None:
         print(f"kill-restart loop, {loop['minutes']:g} min, {loop['kills']} kills: {loop['gets']} gets "
               f"({loop['pages_read']} pages), {loop['puts']} puts, wrong bytes {loop['wrong_bytes']}; misses: "
               f"{loop['missed_killed']} on killed nodes, {loop['missed_moved']} moved to a node that came back, "
-              f"{loop['missed_unexplained']} unexplained; {loop['errors']} calls failed")
+              f"{loop['missed_unexplained']} unexplained; {loop['errors']} calls failed; node calls read as misses: "
+              f"{loop['node_calls_unanswered']}; DRAM evictions {loop['evictions']}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
