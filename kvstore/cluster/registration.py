@@ -33,7 +33,8 @@ from typing import Any
 
 from kvstore.config import AuthConfig, ClusterConfig
 from kvstore_client import record_trust
-from kvstore_client.etcd import EtcdSession, EtcdTlsFiles, EtcdUnavailable
+from kvstore_client.credentials import EtcdTlsFiles
+from kvstore_client.etcd import EtcdSession, EtcdUnavailable
 from kvstore_client.membership import Member, local_host_id, node_key
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from conftest import ServerProcess
 from identities import Certificates, Tokens
 from kvstore.admin import cli, cluster_certs
 from kvstore_client import KVStoreClient, Namespace, prefix_hashes
-from kvstore_client.etcd import EtcdSession, EtcdTlsFiles, EtcdUnavailable
+from kvstore_client.credentials import EtcdTlsFiles
+from kvstore_client.etcd import EtcdSession, EtcdUnavailable
 from kvstore_client.membership import Member, node_key
 from kvstore_client.record_trust import RecordTrust, sign
 

@@ -59,8 +59,7 @@ from urllib.parse import urlsplit
 from kvstore_client import errors, groups, lookup, placement
 from kvstore_client.arguments import engine_id_list, get_pages, put_pages
 from kvstore_client.client import KVStoreClient
-from kvstore_client.credentials import Credentials
-from kvstore_client.etcd import EtcdTlsFiles
+from kvstore_client.credentials import Credentials, EtcdTlsFiles
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
@@ -139,7 +138,7 @@ class KVStoreCluster:
         how same-host nodes are asked ("local": their Unix socket; "grpc"). `replicas`, `replicated_pages`:
         copies of a chain's leading pages (placement.py). `token`, `tls_*`: who this client is to every node.
         `rdma`: this host's NIC settings (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are
-        reached over it; None = TCP. `etcd_tls_*`: etcd over TLS (etcd.EtcdTlsFiles; each one None is read
+        reached over it; None = TCP. `etcd_tls_*`: etcd over TLS (credentials.EtcdTlsFiles; each one None is read
         from KVSTORE_ETCD_TLS_CA, _CERT, _KEY). With `tls_ca`, only members whose record proves itself are
         used (record_trust.py), each dialled checking that its certificate names its node id."""
         if transport not in ("auto", "tcp"):

@@ -4,7 +4,8 @@
     KVStoreClient(target, tls_ca="ca.pem", tls_cert="alice.pem", tls_key="alice.key")   # mutual TLS
 
 Each argument left out is read from the environment: KVSTORE_TOKEN, KVSTORE_TLS_CA,
-KVSTORE_TLS_CERT, KVSTORE_TLS_KEY. The token travels in every call's metadata as
+KVSTORE_TLS_CERT, KVSTORE_TLS_KEY (and, for a cluster's etcd, KVSTORE_ETCD_TLS_CA, _CERT, _KEY:
+EtcdTlsFiles). The token travels in every call's metadata as
 `authorization: Bearer <token>` and, on the TCP data plane, in the connection's first frame.
 With tls_ca the gRPC channel speaks TLS and checks the node's certificate against that CA.
 """
@@ -87,3 +88,30 @@ def _read(path: str, name: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise InvalidArgument(f"cannot read {name} {path}: {exc.strerror}") from None
+
+
+ETCD_ENV = {"ca": "KVSTORE_ETCD_TLS_CA", "cert": "KVSTORE_ETCD_TLS_CERT", "key": "KVSTORE_ETCD_TLS_KEY"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdTlsFiles:
+    """PEM files for etcd over TLS: the CA of etcd's certificate, and this side's certificate and key."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @classmethod
+    def resolve(cls, environ: Any = None, **given: str | None) -> "EtcdTlsFiles | None":
+        """The given files, each one not given (None) read from KVSTORE_ETCD_TLS_*; None when there are none."""
+        environ = os.environ if environ is None else environ
+        files = cls(**{name: given.get(name) if given.get(name) is not None else environ.get(variable, "")
+                       for name, variable in ETCD_ENV.items()})
+        if bool(files.cert) != bool(files.key):
+            raise InvalidArgument("an etcd client certificate and its key go together (etcd_tls_cert, etcd_tls_key)")
+        return files if (files.ca or files.cert) else None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        files = [_read(path, name) if path else None for path, name in
+                 ((self.ca, "etcd_tls_ca"), (self.key, "etcd_tls_key"), (self.cert, "etcd_tls_cert"))]
+        return grpc.ssl_channel_credentials(*files)

@@ -21,50 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
-import os
 import threading
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
+from kvstore_client.credentials import EtcdTlsFiles
 from kvstore_client.errors import InvalidArgument
 
 T = TypeVar("T")
-
-ENV = {"ca": "KVSTORE_ETCD_TLS_CA", "cert": "KVSTORE_ETCD_TLS_CERT", "key": "KVSTORE_ETCD_TLS_KEY"}
-
-
-@dataclasses.dataclass(frozen=True)
-class EtcdTlsFiles:
-    """PEM files for etcd over TLS: the CA of etcd's certificate, and this side's certificate and key."""
-
-    ca: str = ""
-    cert: str = ""
-    key: str = ""
-
-    @classmethod
-    def resolve(cls, environ: Any = None, **given: str | None) -> "EtcdTlsFiles | None":
-        """The given files, each one not given (None) read from KVSTORE_ETCD_TLS_*; None when there are none."""
-        environ = os.environ if environ is None else environ
-        files = cls(**{name: given.get(name) if given.get(name) is not None else environ.get(variable, "")
-                       for name, variable in ENV.items()})
-        if bool(files.cert) != bool(files.key):
-            raise InvalidArgument("an etcd client certificate and its key go together (etcd_tls_cert, etcd_tls_key)")
-        return files if (files.ca or files.cert) else None
-
-    def credentials(self) -> Any:
-        import grpc
-
-        def read(path: str) -> bytes | None:
-            if not path:
-                return None
-            try:
-                with open(path, "rb") as f:
-                    return f.read()
-            except OSError as exc:
-                raise InvalidArgument(f"cannot read etcd TLS file {path}: {exc.strerror}") from None
-        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
-
 
 _DIAL_TLS: contextvars.ContextVar[Any] = contextvars.ContextVar("kvstore_etcd_tls", default=None)
 

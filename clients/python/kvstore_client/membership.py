@@ -20,7 +20,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from kvstore_client.etcd import EtcdSession, EtcdTlsFiles, EtcdUnavailable
+from kvstore_client.credentials import EtcdTlsFiles
+from kvstore_client.etcd import EtcdSession, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
