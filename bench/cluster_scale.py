@@ -14,9 +14,10 @@ and every page a get returns is compared with them byte for byte.
    cut at its first page whose only copy was there) against what placement predicts, and how long the clients
    took to stop placing pages on it (its lease TTL, then the watch).
 3. The loop (`--loop-minutes`): clients put and get random chains while a random node is SIGKILLed every
-   `--kill-every-s` and restarted `--down-s` later, empty. Every miss is explained or counted: a page whose only
-   copies were on a node killed since it was put, a page whose place moved to a node that came back (it reads
-   there, empty, until written again), or neither ("unexplained", which should be 0); wrong bytes should be 0.
+   `--kill-every-s` and restarted `--down-s` later, empty. Every miss is explained or counted: a page whose
+   copies were all on nodes killed since it was put (or just before: a node still in the writer's view got a copy
+   that was never written), a page whose place moved to a node that came back (it reads there, empty, until
+   written again), or neither ("unexplained", which should be 0); wrong bytes should be 0.
 """
 
 from __future__ import annotations
@@ -226,7 +227,10 @@ def loop_client(url: str, index: int, args, stop, killed, out) -> None:
                 if loaded:
                     counts["wrong_bytes"] += int(np.count_nonzero(out_buf[:loaded] != expected))
                 if loaded < len(keys):
-                    gone = {node for node, times in killed.items() if any(t > put_at for t in times)}
+                    # Killed since the put, or so shortly before it that the writer still placed a copy there
+                    # (the node was in its view; that copy was never written, and the others may be gone since).
+                    since = put_at - args.down_s - 2 * TTL_S
+                    gone = {node for node, times in killed.items() if any(t > since for t in times)}
                     now_owners = place(keys[loaded:loaded + 1], placeable(pool.members(), time.time()), 1, 0,
                                        chain_start=False)[0]
                     if set(owners[loaded]) <= gone:
