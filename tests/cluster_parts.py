@@ -142,12 +142,9 @@ def cluster_pool(start_node, etcd, request) -> Pool:
 
 
 def only_on(pool: Pool, keys: list, node_id: str, chain_start: bool = True) -> list[bool]:
-    """Whether each key's page is stored on `node_id` alone (lost with it), as a put of these keys placed
-    them (chain_start: the put named no parent, so its leading pages have replicas)."""
-    from kvstore_client.keys import encode_keys
+    """held_only_on, as a client of the pool with the default replicas places the keys."""
     with KVStoreCluster(pool.address) as placer:
-        owners = placer._place(encode_keys(keys), chain_start=chain_start)
-    return [nodes == (node_id,) for nodes in owners]
+        return held_only_on(placer, keys, node_id, chain_start)
 
 
 def wait_members(cluster: KVStoreCluster, serving: set[str], timeout_s: float = 15.0) -> None:
@@ -162,14 +159,16 @@ def wait_members(cluster: KVStoreCluster, serving: set[str], timeout_s: float = 
         time.sleep(0.05)
 
 
-def first_page_on(cluster: KVStoreCluster, keys: list, node_id: str) -> int:
-    """Where a chain's leading run ends once `node_id` is lost: its first page held there alone
-    (each page on the node its key ranks best; replicas=1)."""
+def held_only_on(cluster: KVStoreCluster, keys: list, node_id: str, chain_start: bool = False) -> list[bool]:
+    """Whether each key's page is stored on `node_id` alone (lost with it), as a put of these keys through
+    `cluster` placed them (chain_start: the put named no parent, so its leading pages have replicas)."""
     from kvstore_client.keys import encode_keys
-    from kvstore_client.placement import place, placeable
-    weights = placeable(cluster.members(), time.time())
-    owners = place(encode_keys(keys), weights, 1, 0, chain_start=False)
-    return next((i for i, nodes in enumerate(owners) if nodes == (node_id,)), len(keys))
+    return [nodes == (node_id,) for nodes in cluster._place(encode_keys(keys), chain_start=chain_start)]
+
+
+def first_page_on(cluster: KVStoreCluster, keys: list, node_id: str) -> int:
+    """Where a chain's leading run ends once `node_id` is lost: its first page held there alone (replicas=1)."""
+    return next((i for i, alone in enumerate(held_only_on(cluster, keys, node_id)) if alone), len(keys))
 
 
 def server_args(*settings: str) -> list[str]:

@@ -190,8 +190,7 @@ class KVStoreCluster:
     @property
     def limits(self) -> pb.Limits:
         """The smallest of each limit over the serving members (a call of KVStoreCluster obeys them all)."""
-        answers = self._each_member(lambda client: client.limits, self._serving())
-        limits = [a for a in answers.values() if a is not None]
+        limits = [client.limits for client in self._serving_clients()]
         if not limits:
             raise errors.Unavailable(f"no member of cluster {self.cluster!r} answers")
         fields = [f.name for f in pb.Limits.DESCRIPTOR.fields]
@@ -199,8 +198,7 @@ class KVStoreCluster:
 
     @property
     def server_version(self) -> str:
-        versions = {a for a in self._each_member(lambda c: c.server_version, self._serving()).values() if a}
-        return ", ".join(sorted(versions))
+        return ", ".join(sorted({client.server_version for client in self._serving_clients()}))
 
     # -- the same methods as KVStoreClient --------------------------------------------
 
@@ -209,21 +207,16 @@ class KVStoreCluster:
             tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
         """KVStoreClient.put, each page on its nodes; the count is the chain's leading run stored anywhere."""
         raw, pages, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        before = parent if parent is not None else anchor
-        before_key = encode_key(before) if before is not None else None
-        owners = self._place(raw, chain_start=before_key is None)
-        pieces = _pieces(owners, every_owner=True)
+        pieces = self._write_pieces(raw, parent, anchor)
 
-        def put_piece(node_id: str, positions: list[int]) -> PutResult:
-            first = positions[0]
-            piece_anchor = raw[first - 1] if first else before_key
+        def put_piece(node_id: str, positions: list[int], piece_anchor: bytes | None) -> PutResult:
             return self._node(node_id).put(namespace, [raw[i] for i in positions], _picked(pages, positions),
                                            verify=verify, durable=durable, timeout_s=timeout_s, anchor=piece_anchor)
 
-        answers = fan_out(self._pool, [(lambda n=n, p=p: put_piece(n, p)) for n, p in pieces], miss=None)
+        answers = fan_out(self._pool, [(lambda piece=piece: put_piece(*piece)) for piece in pieces], miss=None)
         del keepalive
         stored, reasons = [False] * len(raw), {}
-        for (_, positions), answer in zip(pieces, answers):
+        for (_, positions, _), answer in zip(pieces, answers):
             count = int(answer) if answer is not None else 0
             for i in positions[:count]:
                 stored[i] = True
@@ -332,39 +325,30 @@ class KVStoreCluster:
               timeout_s: float | None = None) -> ClusterStaged:
         """KVStoreClient.stage on every node that will hold some of the pages."""
         raw, pages, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        before = parent if parent is not None else anchor
-        before_key = encode_key(before) if before is not None else None
-        pieces = _pieces(self._place(raw, chain_start=before_key is None), every_owner=True)
+        pieces = self._write_pieces(raw, parent, anchor)
 
-        def stage_piece(node_id: str, positions: list[int]) -> tuple[list[int], StagedPages]:
-            first = positions[0]
-            return positions, self._node(node_id).stage(
-                namespace, [raw[i] for i in positions], _picked(pages, positions), verify=verify,
-                anchor=raw[first - 1] if first else before_key, timeout_s=timeout_s)
+        def stage_piece(node_id: str, positions: list[int],
+                        piece_anchor: bytes | None) -> tuple[list[int], StagedPages]:
+            return positions, self._node(node_id).stage(namespace, [raw[i] for i in positions],
+                                                        _picked(pages, positions), verify=verify,
+                                                        anchor=piece_anchor, timeout_s=timeout_s)
 
         try:
-            staged = fan_out(self._pool, [(lambda n=n, p=p: stage_piece(n, p)) for n, p in pieces], miss=None)
+            staged = fan_out(self._pool, [(lambda piece=piece: stage_piece(*piece)) for piece in pieces], miss=None)
         finally:
             del keepalive
-        return ClusterStaged(namespace, raw, {node_id: answer for (node_id, _), answer in zip(pieces, staged)
+        return ClusterStaged(namespace, raw, {piece[0]: answer for piece, answer in zip(pieces, staged)
                                               if answer is not None})
 
     def commit_group(self, parts: Sequence[ClusterStaged], *, timeout_s: float | None = None) -> list[PutResult]:
         """Commit every part's staged pages, each node its own positions in one CommitGroup."""
-        by_node: dict[str, list[StagedPages]] = {}
-        for part in parts:
-            for node_id, (_, staged) in part.pieces.items():
-                by_node.setdefault(node_id, []).append(staged)
-        nodes = sorted(by_node)
+        by_node = _staged_by_node(parts)
         fan_out(self._pool, [(lambda n=n: self._node(n).commit_group(by_node[n], timeout_s=timeout_s))
-                             for n in nodes], miss=None)
+                             for n in sorted(by_node)], miss=None)
         return [PutResult(part.stored, len(part.keys)) for part in parts]
 
     def abort_staged(self, parts: Sequence[ClusterStaged], *, timeout_s: float | None = None) -> None:
-        by_node: dict[str, list[StagedPages]] = {}
-        for part in parts:
-            for node_id, (_, staged) in part.pieces.items():
-                by_node.setdefault(node_id, []).append(staged)
+        by_node = _staged_by_node(parts)
         fan_out(self._pool, [(lambda n=n: self._node(n).abort_staged(by_node[n], timeout_s=timeout_s))
                              for n in sorted(by_node)], miss=None)
 
@@ -485,8 +469,29 @@ class KVStoreCluster:
             pending = again
         return found
 
+    def _write_pieces(self, raw: list[bytes], parent: Key | None,
+                      anchor: Key | None) -> list[tuple[str, list[int], bytes | None]]:
+        """Where a write's pages go: (node id, positions, the key its piece is anchored at), each page to every
+        node it is placed on. A piece is anchored at the page before its first (for the call's first page, the
+        call's parent or anchor; none at a chain's start, whose leading pages get replicas)."""
+        before = parent if parent is not None else anchor
+        before_key = encode_key(before) if before is not None else None
+        owners = self._place(raw, chain_start=before_key is None)
+        return [(node_id, positions, raw[positions[0] - 1] if positions[0] else before_key)
+                for node_id, positions in _pieces(owners, every_owner=True)]
+
     def _serving(self) -> list[Member]:
         return [m for m in self.members() if m.state == "serving"]
+
+    def _serving_clients(self) -> list[KVStoreClient]:
+        """The clients of the serving members that can be opened (those opened already cost nothing)."""
+        clients = []
+        for member in self._serving():
+            try:
+                clients.append(self._node(member.node_id))
+            except NODE_LOST:
+                continue
+        return clients
 
     def _each_member(self, call: Callable[[KVStoreClient], T], members: Sequence[Member],
                      raise_errors: bool = False) -> dict[str, T | None]:
@@ -496,10 +501,7 @@ class KVStoreCluster:
         calls = [(lambda n=n: call(self._node(n))) for n in ids]
         if raise_errors:
             return dict(zip(ids, fan_out(self._pool, calls, miss=None)))
-        answers = {}
-        for node_id, answer in zip(ids, fan_out(self._pool, [_quiet(c) for c in calls], miss=None)):
-            answers[node_id] = answer
-        return answers
+        return dict(zip(ids, fan_out(self._pool, [_quiet(c) for c in calls], miss=None)))
 
     def _node(self, node_id: str) -> KVStoreClient:
         """The client of a member, opened on first use (and again when its record changed)."""
@@ -613,6 +615,14 @@ def _merge_entries(merged: Any, entries: Any) -> None:
             merged.add().CopyFrom(entry)
         else:
             _add_into(same, entry, name_field)
+
+
+def _staged_by_node(parts: Sequence[ClusterStaged]) -> dict[str, list[StagedPages]]:
+    by_node: dict[str, list[StagedPages]] = {}
+    for part in parts:
+        for node_id, (_, staged) in part.pieces.items():
+            by_node.setdefault(node_id, []).append(staged)
+    return by_node
 
 
 def _pieces(owners: Sequence[tuple[str, ...]], every_owner: bool) -> list[tuple[str, list[int]]]:
