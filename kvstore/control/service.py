@@ -180,7 +180,7 @@ class KVStoreService:
         return pb.CommitResponse(states=states, checksums=sums, durable_pages=durable)
 
     def abort(self, request: pb.AbortRequest, owner: object | None) -> pb.AbortResponse:
-        aborted, lease = self.store.abort(request.lease_id)
+        aborted, lease = self.store.abort(request.lease_id, owner)
         if aborted:
             self._fence_rdma(lease.rdma_qp_num)
         return pb.AbortResponse(aborted_pages=aborted)

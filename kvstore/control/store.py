@@ -183,6 +183,10 @@ class PageStore:
         # or the delete could erase the fresh copy. A count per id: deletes may overlap.
         self._nvme_deleting: dict[PageId, int] = {}
         self._nvme_admitted: set[PageRecord] = set()       # write-downs counted in ledger.nvme_writing_bytes
+        # Slots of write leases that ended while their writer may still be copying into them through
+        # shared memory (see _fence): lease id -> (owner, offsets). Never reused until the owner says
+        # its copies are over (its Abort of the lease) or its connection closes.
+        self._fenced: dict[int, tuple[object, list[int]]] = {}
         self.counters = Counters()
         self._promoting = 0   # slots claimed for promotion whose NVMe reads are not finished
         self.listener: StoreListener = _NoListener()
@@ -649,12 +653,21 @@ class PageStore:
             states.append(pb.COMMITTED)
         return states, published
 
-    def abort(self, lease_id: int) -> tuple[int, Lease]:
-        """End a write lease; (its uncommitted pages, the lease)."""
+    def abort(self, lease_id: int, owner: object | None = None) -> tuple[int, Lease | None]:
+        """End a write lease; (its uncommitted pages, the lease). Asked by the owner of a lease that was
+        fenced (it expired while the owner could write its slots), frees the fenced slots: the owner
+        aborts only once its copies into them have returned. (0, None) then."""
         with self._lock:
+            fenced = self._fenced.get(lease_id)
+            if fenced is not None and fenced[0] is owner:
+                self._unfence(lease_id)
+                return 0, None
             lease = self._lease(lease_id, WRITE)
             aborted = len(lease.slots)
-            self._end_lease(lease)
+            if owner is lease.owner:
+                self._end_lease(lease)
+            else:
+                self._fence(lease)
         return aborted, lease
 
     # -- reads: acquire, release ---------------------------------------------------------
@@ -772,15 +785,18 @@ class PageStore:
     # -- leases: expiry, connections, draining -----------------------------------------
 
     def owns_leases(self, owner: object) -> bool:
-        """Whether a lease ending with this connection is open."""
+        """Whether a lease, or fenced slots, ending with this connection are held."""
         with self._lock:
-            return self.leases.any_owned_by(owner)
+            return self.leases.any_owned_by(owner) or any(held is owner for held, _ in self._fenced.values())
 
     def end_owner(self, owner: object) -> int:
+        """A connection closed: its leases end and its fenced slots are free (its copies are over)."""
         with self._lock:
             leases = self.leases.owned_by(owner)
             for lease in leases:
                 self._end_lease(lease)
+            for lease_id in [i for i, (held, _) in self._fenced.items() if held is owner]:
+                self._unfence(lease_id)
         return len(leases)
 
     def reap_expired(self) -> list[tuple[Lease, int, int]]:
@@ -788,9 +804,13 @@ class PageStore:
         with self._lock:
             expired = [(lease, len(lease.slots), len(lease.pinned)) for lease in self.leases.expired(self.clock())]
             for lease, _, _ in expired:
-                self._end_lease(lease)
+                self._fence(lease)
             self.counters.leases_expired += len(expired)
         return expired
+
+    def fenced_slots(self) -> int:
+        with self._lock:
+            return sum(len(offsets) for _, offsets in self._fenced.values())
 
     def start_draining(self) -> None:
         with self._lock:
@@ -1175,6 +1195,7 @@ class PageStore:
             held = sum(r.slot_bytes for r in self.index.records() if r.offset != NO_SLOT)
             leased = sum(slot_bytes_for(self.namespaces[lease.namespace_id].page_bytes) * len(lease.slots)
                          for lease in self.leases.all())
+            leased += sum(self.allocator.slot_bytes_of(o) for _, offsets in self._fenced.values() for o in offsets)
             assert held + leased <= self.allocator.used_bytes, "a slot is used twice"
             assert sum(self.ledger.dram_bytes.values()) == self.allocator.used_bytes, "a slot has no tenant"
             for tenant, slabs in self.allocator.slabs_held.items():
@@ -1342,6 +1363,24 @@ class PageStore:
             self._free_lease_memory(lease)
         if self.leases.get(lease.lease_id) is lease:
             self.leases.close(lease)
+
+    def _fence(self, lease: Lease) -> None:
+        """End a lease its owner did not end. A write lease whose owner maps the arena (a local
+        connection) may still have a copy of the owner's running into its slots, past any deadline
+        the owner checked before it began: those slots are kept from reuse until the owner says it
+        is done (abort) or its connection closes, so a late copy lands in memory no page uses."""
+        if lease.slots and getattr(lease.owner, "arena", None) is not None:
+            claimed, keys = self._pending[lease.namespace_id], lease.keys
+            for index in lease.slots:
+                del claimed[keys[index]]
+            self._fenced[lease.lease_id] = (lease.owner, list(lease.slots.values()))
+            lease.slots.clear()
+        self._end_lease(lease)
+
+    def _unfence(self, lease_id: int) -> None:
+        _, offsets = self._fenced.pop(lease_id)
+        for offset in offsets:
+            self._free_slot(offset)
 
     def _free_lease_memory(self, lease: Lease) -> None:
         for offset in lease.slots.values():

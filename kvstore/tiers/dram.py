@@ -326,6 +326,9 @@ class SlabAllocator:
         self.used_bytes += len(offsets) * slot_bytes
         return offsets
 
+    def slot_bytes_of(self, offset: int) -> int:
+        return self._slabs[offset - offset % self.slab_bytes].slot_bytes
+
     def free(self, offset: int) -> int:
         """Take the slot back; returns its size."""
         slab = self._slabs[offset - offset % self.slab_bytes]

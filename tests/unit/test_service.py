@@ -323,3 +323,70 @@ def test_an_acquire_with_an_undefined_policy_is_refused(service, policy):
     with pytest.raises(errors.InvalidArgument, match=rf"parts\[0\].policy={policy}"):
         service.acquire_group(pb.AcquireGroupRequest(parts=[part]), None)
     assert len(service.store.leases) == 0
+
+
+def _local_writer(tenant_arena: str = "") -> object:
+    """A local connection's caller that mapped the arena: it copies into its slots itself."""
+    from kvstore.control.identity import TRUSTED, Caller
+
+    caller = Caller(TRUSTED)
+    caller.arena = tenant_arena
+    return caller
+
+
+def test_a_copy_landing_after_its_lease_expired_hits_no_page(service, clock):
+    """The slots of a write lease that expired while its shared-memory writer may still be copying are
+    not reused until the writer aborts it or its connection closes: a late copy lands on no page."""
+    ns = open_ns(service)
+    stalled = _local_writer()
+    late = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 4), page_bytes=PAGE), stalled)
+    clock.advance(0.15)
+    assert service.reap_expired() == 1
+    other = put(service, ns, keys("b", 4), fill=9)           # another writer, while the slots are fenced
+    assert set(other.offsets).isdisjoint(late.offsets)
+    for offset in late.offsets:                              # the stalled writer's copy lands now
+        service.store.arena.view[offset:offset + PAGE] = b"\xee" * PAGE
+    got = service.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys("b", 4)), None)
+    assert all(service.store.arena.view[o:o + PAGE] == bytes([9]) * PAGE for o in got.offsets)
+    service.release(pb.ReleaseRequest(lease_ids=[got.lease_id]), None)
+    used = service.store.allocator.used_bytes
+    assert used == 8 * PAGE and service.store.fenced_slots() == 4
+    # Its own Abort, sent once its copies returned, frees them; someone else's does not.
+    with pytest.raises(errors.LeaseNotFound):
+        service.abort(pb.AbortRequest(lease_id=late.lease_id), _local_writer())
+    assert service.store.fenced_slots() == 4
+    service.abort(pb.AbortRequest(lease_id=late.lease_id), stalled)
+    assert service.store.fenced_slots() == 0
+    assert service.store.allocator.used_bytes == used - 4 * PAGE   # the fenced slots freed, b's stay
+    service.store.check_invariants()
+
+
+def test_fenced_slots_are_freed_when_their_connection_closes(service, clock):
+    ns = open_ns(service)
+    stalled = _local_writer()
+    service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 4), page_bytes=PAGE), stalled)
+    clock.advance(0.15)
+    service.reap_expired()
+    assert service.store.owns_leases(stalled)                # an idle-connection sweep does not close it
+    service.end_owner(stalled)
+    assert service.store.fenced_slots() == 0 and service.store.allocator.used_bytes == 0
+
+
+def test_a_write_lease_aborted_by_another_connection_is_fenced_from_its_writer(service):
+    ns = open_ns(service)
+    writer = _local_writer()
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 2), page_bytes=PAGE), writer)
+    assert service.abort(pb.AbortRequest(lease_id=r.lease_id), _local_writer()).aborted_pages == 2
+    assert service.store.fenced_slots() == 2
+    service.end_owner(writer)
+    assert service.store.allocator.used_bytes == 0
+
+
+def test_a_writer_over_grpc_or_tcp_frees_its_slots_at_expiry(service, clock):
+    """Only a writer that maps the arena copies on its own; the node's own data-plane copies are fenced
+    by their transfer count, so an expired gRPC caller's slots are free at once."""
+    ns = open_ns(service)
+    service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("a", 4), page_bytes=PAGE), None)
+    clock.advance(0.15)
+    service.reap_expired()
+    assert service.store.fenced_slots() == 0 and service.store.allocator.used_bytes == 0
