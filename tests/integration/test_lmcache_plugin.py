@@ -224,19 +224,35 @@ def test_a_chunk_put_again_keeps_its_first_bytes_and_what_extends_it(server, loo
     assert engine.leading(keys) == 3, "the put again dropped the chunks after it"
 
 
-def test_engines_sharing_a_prefix_keep_every_continuation(server, loop, tmp_path):
-    """Four engines, one shared first chunk (each computed it: its bytes differ a little), each its own
-    continuation: through LMCache's own backend every continuation survives, as with its fs connector."""
-    control = [fs_control(loop, tmp_path) for _ in range(4)]
-    ours = [Engine(make_config(server), loop) for _ in range(4)]
+@pytest.mark.parametrize("engines", [2, 4, 16])
+def test_engines_sharing_a_prefix_keep_every_continuation(server, loop, tmp_path, engines):
+    """Engines with one shared first chunk (each computed it: its bytes differ a little), each its own
+    continuation: through LMCache's own backend every continuation survives byte for byte, read by another
+    engine, as with its fs connector; the shared chunk is one engine's."""
+    control = [fs_control(loop, tmp_path) for _ in range(engines)]
+    ours = [Engine(make_config(server), loop) for _ in range(engines)]
     for backends in (control, [engine.remote for engine in ours]):
-        engine = ours[0]
-        shared = engine.key(0x7000)
-        chains = [[shared] + [engine.key(0x7100 * (e + 1) + i) for i in range(2)] for e in range(4)]
+        shared = ours[0].key(0x7000)
+        chains = [[shared] + [ours[0].key(0x7100 * (e + 1) + i) for i in range(2)] for e in range(engines)]
+        put = []
         for e, (backend, keys) in enumerate(zip(backends, chains)):
-            put_through(backend, keys, [chunk_of(backend, seed=70 + 10 * e + i) for i in range(3)])
-        for backend, keys in zip(backends, chains):
-            assert leading_of(backend, loop, keys) == 3, backend.remote_url
+            objs = [chunk_of(backend, seed=70 + 10 * e + i) for i in range(3)]
+            put.append([raw(obj) for obj in objs])
+            put_through(backend, keys, objs)
+        for e, keys in enumerate(chains):
+            reader = backends[(e + 1) % engines]
+            assert leading_of(reader, loop, keys) == 3, (reader.remote_url, e)
+            loaded = [raw_of(reader, key) for key in keys]
+            assert loaded[1:] == put[e][1:], (reader.remote_url, e)
+            assert loaded[0] in [chain[0] for chain in put]
+
+
+def raw_of(backend, key):
+    obj = backend.get_blocking(key)
+    assert obj is not None, f"{backend.remote_url}: {key} is gone"
+    data = raw(obj)
+    obj.ref_count_down()
+    return data
 
 
 def put_through(backend, keys, objs):

@@ -1,7 +1,8 @@
 """vLLM 0.33's own tiering offload (TieringOffloadingSpec, SecondaryTierFactory, the tiering manager
 and its CPU primary tier in shared memory) stores chunks to and loads them from a real kvstore-server
 through KVStoreSecondaryTier, giving the same lookup answers and the same bytes as vLLM's built-in
-file-system tier ("fs") on the same inputs; refused stores and misses are reported, not hidden.
+file-system tier ("fs") on the same inputs, in a few calls per batch (counted by the node), not one per
+chunk; refused stores and misses are reported, not hidden.
 
 The test plays the GPU worker's part (it writes the chunk rows that a GPU->CPU copy would fill and
 reads the rows a CPU->GPU copy would read); everything from the primary tier down is vLLM's code.
@@ -9,13 +10,17 @@ reads the rows a CPU->GPU copy would read); everything from the primary tier dow
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import signal
 import time
+import urllib.request
 import uuid
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
@@ -43,13 +48,14 @@ def kvstore_tier(server, **more):
             "target": server.address, "timeout_s": 10, **more}
 
 
-def make_engine(tier_config):
-    """An engine's scheduler-side offloading manager, built by vLLM's own spec and tier factory."""
+def make_engine(tier_config, chunks=CHUNKS):
+    """An engine's scheduler-side offloading manager, built by vLLM's own spec and tier factory; its CPU
+    primary tier holds `chunks` chunks."""
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, layer_names=("layers.0", "layers.1"),
                                       group_id=0),),
         worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=False,
-        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CHUNK_BYTES * CHUNKS,
+        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CHUNK_BYTES * chunks,
                       "secondary_tiers": [dict(tier_config)], "tier_poll_interval_s": 0},
         engine_id=f"kvstore-test-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(name="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16"),
@@ -140,8 +146,8 @@ def vllm_hashing():
 def engines():
     made = []
 
-    def make(tier_config):
-        made.append(make_engine(tier_config))
+    def make(tier_config, chunks=CHUNKS):
+        made.append(make_engine(tier_config, chunks))
         return made[-1]
 
     yield make
@@ -294,6 +300,54 @@ def test_lookups_of_many_new_chunks_cost_one_lookup(server, engines):
     before = engine.tier.counters().get(Metric.LOOKUP_RPCS, 0)
     assert engine.tier.present(asked) == [True] + [False] * 500 + [True] + [False] * 500 + [True]
     assert engine.tier.counters()[Metric.LOOKUP_RPCS] - before == 1
+
+
+def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_batch(server, engines):
+    """Counted where the calls are served (the node's per-method RPC counts): storing 1,000 chunks the node
+    does not hold, looking up 1,000 it never held, and looking the stored ones up from another engine each
+    cost one Lookup, not one per chunk; the misses are misses and the hits come back with their bytes."""
+    fresh = chunk_keys(list(range(9000, 9000 + 1000 * BLOCK_TOKENS)))
+    pages = random_pages(len(fresh), seed=15)
+    writer = engines(kvstore_tier(server), chunks=1100)
+    before = served(server)
+    writer.offload("prefill", fresh, pages)
+    stored = served(server) - before
+    assert stored["Lookup"] == 1, stored
+    assert stored.total() <= RPCS_PER_BATCH_MAX, stored
+
+    reader = engines(kvstore_tier(server), chunks=1100)
+    unknown = chunk_keys(list(range(30_000, 30_000 + 1000 * BLOCK_TOKENS)))
+    before = served(server)
+    _, _, final = reader.lookup_all("never-stored", unknown)
+    looked_up = served(server) - before
+    assert final == [LookupResult.MISS] * len(unknown)
+    assert looked_up["Lookup"] == 1, looked_up
+
+    before = served(server)
+    context, _, final = reader.lookup_all("follow-up", fresh)
+    looked_up = served(server) - before
+    assert final == [LookupResult.HIT] * len(fresh)
+    assert looked_up["Lookup"] == 1, looked_up
+    assert reader.read(context, fresh) == [p.tobytes() for p in pages]
+    assert (served(server) - before).total() <= RPCS_PER_BATCH_MAX
+
+
+# A batch of any size up to the limits costs a handful of calls (hello, namespace, lookup, and a few
+# reserve/commit or acquire/release parts); one per chunk would be a thousand.
+RPCS_PER_BATCH_MAX = 16
+
+
+def served(server) -> collections.Counter:
+    """Calls the node has served, by method, read from its Prometheus endpoint."""
+    port = json.loads(server.ready_file.read_text())["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    calls: collections.Counter = collections.Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvstore_rpc_duration_seconds_count":
+                calls[sample.labels["method"]] += int(sample.value)
+    return calls
 
 
 def test_vllms_tier_factory_takes_a_cluster_and_a_lost_node_costs_only_its_chunks(cluster_pool, engines):
