@@ -1355,10 +1355,7 @@ class PageStore:
         if lease.ended:
             return
         lease.ended = True
-        if lease.slots:   # a write lease's uncommitted pages are claimed no more
-            claimed, keys = self._pending[lease.namespace_id], lease.keys
-            for index in lease.slots:
-                del claimed[keys[index]]
+        self._unclaim(lease)
         if not lease.transfers:  # else bytes still move through its slots: the last transfer frees them
             self._free_lease_memory(lease)
         if self.leases.get(lease.lease_id) is lease:
@@ -1370,12 +1367,18 @@ class PageStore:
         the owner checked before it began: those slots are kept from reuse until the owner says it
         is done (abort) or its connection closes, so a late copy lands in memory no page uses."""
         if lease.slots and getattr(lease.owner, "arena", None) is not None:
-            claimed, keys = self._pending[lease.namespace_id], lease.keys
-            for index in lease.slots:
-                del claimed[keys[index]]
+            self._unclaim(lease)
             self._fenced[lease.lease_id] = (lease.owner, list(lease.slots.values()))
             lease.slots.clear()
         self._end_lease(lease)
+
+    def _unclaim(self, lease: Lease) -> None:
+        """A write lease's uncommitted pages are claimed no more."""
+        if not lease.slots:
+            return
+        claimed, keys = self._pending[lease.namespace_id], lease.keys
+        for index in lease.slots:
+            del claimed[keys[index]]
 
     def _unfence(self, lease_id: int) -> None:
         _, offsets = self._fenced.pop(lease_id)
