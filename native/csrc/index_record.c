@@ -11,7 +11,7 @@ PyObject *record_of(index_t *self, uint32_t page) {
         Py_INCREF(proxy);
         return proxy;
     }
-    record_t *r = PyObject_New(record_t, &RecordType);
+    record_t *r = PyObject_GC_New(record_t, &RecordType);
     if (!r)
         return NULL;
     Py_INCREF(self);
@@ -23,6 +23,7 @@ PyObject *record_of(index_t *self, uint32_t page) {
         return NULL;
     }
     p->flags |= F_PROXY;
+    PyObject_GC_Track(r);
     return (PyObject *)r;
 }
 
@@ -64,7 +65,16 @@ PyObject *page_id_of(index_t *self, uint32_t page) {
 
 /* ---------------------------------------------------------------- the record proxy */
 
+/* A record holds its index, and the index (its anchors' sets) may hold the record: the collector must
+ * see the edge. No tp_clear: the index's clear drops the sets, which breaks any such cycle, and a
+ * record without its index could not be read. */
+static int record_traverse(record_t *self, visitproc visit, void *arg) {
+    Py_VISIT(self->index);
+    return 0;
+}
+
 static void record_dealloc(record_t *self) {
+    PyObject_GC_UnTrack(self);
     index_t *index = self->index;
     if (self->page != NONE) {
         proxy_drop(index, self->page);
@@ -74,7 +84,7 @@ static void record_dealloc(record_t *self) {
             page_free(index, self->page);
     }
     Py_DECREF(index);
-    PyObject_Free(self);
+    PyObject_GC_Del(self);
 }
 
 #define PAGE(self) (&(self)->index->pages[(self)->page])
@@ -285,7 +295,8 @@ static PyMethodDef record_methods[] = {
 PyTypeObject RecordType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstore_native.IndexRecord",
     .tp_basicsize = sizeof(record_t),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)record_traverse,
     .tp_doc = "A page of a native PageIndex: a view of its slot (the same object while anyone holds it).",
     .tp_dealloc = (destructor)record_dealloc,
     .tp_repr = (reprfunc)record_repr,

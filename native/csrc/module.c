@@ -168,9 +168,15 @@ static PyObject *py_pack_keys(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Nn)", packed, key_bytes);
 }
 
-/* Segments of one page from a list of (address, nbytes) pairs; *total gets their sum. */
+/* Segments of one page from a list of (address, nbytes) pairs; *total gets their sum. The list is read
+ * through a tuple of our own: a number's __index__ may run Python code that changes the list. */
 static segment_t *parse_segments(PyObject *list, segment_t *on_stack, size_t *count, size_t *total) {
-    PyObject *seq = PySequence_Fast(list, "segments must be a list of (address, nbytes) pairs");
+    if (!PyList_Check(list) && !PyTuple_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "segments must be a list of (address, nbytes) pairs, not %.100s",
+                     Py_TYPE(list)->tp_name);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Tuple(list);
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -184,7 +190,10 @@ static segment_t *parse_segments(PyObject *list, segment_t *on_stack, size_t *co
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long address;
         Py_ssize_t nbytes;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Kn", &address, &nbytes) || nbytes < 0) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(pair))
+            PyErr_Format(PyExc_TypeError, "a segment is an (address, nbytes) tuple, not %.100s", Py_TYPE(pair)->tp_name);
+        if (PyErr_Occurred() || !PyArg_ParseTuple(pair, "Kn", &address, &nbytes) || nbytes < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "a segment's nbytes is negative");
             if (segments != on_stack)
@@ -227,6 +236,7 @@ static PyObject *py_copy_hash_pages(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KO", &base, &pages))
         return NULL;
     PyObject *seq = PySequence_Fast(pages, "pages must be a list of (offset, segments)");
+    Py_XSETREF(seq, seq ? PySequence_Tuple(seq) : NULL);   /* our own: an offset's __index__ may change the list */
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -234,7 +244,13 @@ static PyObject *py_copy_hash_pages(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; sums && i < n; i++) {
         unsigned long long offset;
         PyObject *list;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KO", &offset, &list)) {
+        PyObject *page = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(page)) {
+            PyErr_Format(PyExc_TypeError, "a page is an (offset, segments) tuple, not %.100s", Py_TYPE(page)->tp_name);
+            Py_CLEAR(sums);
+            break;
+        }
+        if (!PyArg_ParseTuple(page, "KO", &offset, &list)) {
             Py_CLEAR(sums);
             break;
         }
@@ -303,7 +319,9 @@ static int parse_pair(PyObject *pair, segment_t *segment) {
     return 1;
 }
 
-/* offsets: a sequence of arena offsets; pages: as many lists of (address, nbytes) segments. */
+/* offsets: a sequence of arena offsets; pages: as many lists of (address, nbytes) segments. The lists are
+ * read in place: PyLong_AsUnsignedLongLong and PyLong_AsSsize_t take ints only (no __index__), so no
+ * Python code runs while they are read. */
 static int parse_batch(unsigned long long base, PyObject *offsets, PyObject *pages, batch_t *b) {
     memset(b, 0, sizeof(*b));
     int ok = 0;
@@ -548,6 +566,7 @@ static PyObject *py_xxh3_64_kernel(PyObject *self, PyObject *args) {
         goto done;
     }
     seq = PySequence_Fast(cuts, "cuts must be a list of offsets");
+    Py_XSETREF(seq, seq ? PySequence_Tuple(seq) : NULL);   /* our own: a cut's __index__ may change the list */
     if (!seq)
         goto done;
     xxh3_state_t state;

@@ -466,6 +466,11 @@ static int64_t tenant_of_namespace(index_t *self, PyObject *ns_id) {
 static int64_t add_page(index_t *self, PyObject *ns_id, int64_t ns, const uint8_t *data, size_t len, uint32_t parent,
                         int64_t offset, uint32_t slot_bytes, uint64_t checksum, int on_nvme, PyObject *anchor,
                         int64_t tenant) {
+    if (len > KEY_BYTES_MAX) {
+        PyErr_Format(PyExc_ValueError, "a key of the native page index is at most %d bytes, got %zu", KEY_BYTES_MAX,
+                     len);
+        return -1;
+    }
     pkey_t k;
     key_encode(&k, data, len);
     size_t position;   /* where the page goes in the key table: found before anything changes the table */
@@ -547,6 +552,25 @@ static int64_t add_page(index_t *self, PyObject *ns_id, int64_t ns, const uint8_
     return page;
 }
 
+/* An int argument in 0..max: *out, or -1 with an error naming it (nothing is truncated). */
+static int uint_arg(PyObject *obj, const char *name, unsigned long long max, unsigned long long *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+    } else if (v <= max) {
+        *out = v;
+        return 0;
+    }
+    PyErr_Format(PyExc_OverflowError, "%s must be in 0..%llu, got %R", name, max, obj);
+    return -1;
+}
+
 static int64_t parent_arg(index_t *self, PyObject *parent) {
     if (parent == Py_None)
         return NONE;
@@ -555,13 +579,15 @@ static int64_t parent_arg(index_t *self, PyObject *parent) {
 
 static PyObject *index_add(index_t *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"page_id", "parent", "offset", "slot_bytes", "checksum", "on_nvme", "anchor", NULL};
-    PyObject *page_id, *parent, *anchor = NULL;
+    PyObject *page_id, *parent, *anchor = NULL, *slot_bytes_obj, *checksum_obj;
     long long offset;
-    unsigned long slot_bytes;
-    unsigned long long checksum;
+    unsigned long long slot_bytes, checksum;
     int on_nvme = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLkK|pS", names, &page_id, &parent, &offset, &slot_bytes,
-                                     &checksum, &on_nvme, &anchor))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLOO|pS", names, &page_id, &parent, &offset, &slot_bytes_obj,
+                                     &checksum_obj, &on_nvme, &anchor))
+        return NULL;
+    if (uint_arg(slot_bytes_obj, "slot_bytes", UINT32_MAX, &slot_bytes) < 0
+        || uint_arg(checksum_obj, "checksum", UINT64_MAX, &checksum) < 0)
         return NULL;
     PyObject *ns_id;
     const uint8_t *data;
@@ -583,13 +609,16 @@ static PyObject *index_add(index_t *self, PyObject *args, PyObject *kwargs) {
  * tick) in one call. Returns their records, or with records=False their number: no object per page. */
 static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"namespace_id", "keys", "parent", "offsets", "slot_bytes", "checksums", "records", NULL};
-    PyObject *ns_id, *keys, *parent, *offsets, *checksums;
-    unsigned long slot_bytes;
+    PyObject *ns_id, *key_list, *parent, *offsets, *checksums, *slot_bytes_obj;
+    unsigned long long slot_bytes;
     int want_records = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!kO!|p", names, &ns_id, &PyList_Type, &keys, &parent,
-                                     &PyList_Type, &offsets, &slot_bytes, &PyList_Type, &checksums, &want_records))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OO!|p", names, &ns_id, &PyList_Type, &key_list, &parent,
+                                     &PyList_Type, &offsets, &slot_bytes_obj, &PyList_Type, &checksums,
+                                     &want_records))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (uint_arg(slot_bytes_obj, "slot_bytes", UINT32_MAX, &slot_bytes) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(key_list);
     if (PyList_GET_SIZE(offsets) != n || PyList_GET_SIZE(checksums) != n) {
         PyErr_SetString(PyExc_ValueError, "keys, offsets and checksums have one entry per page");
         return NULL;
@@ -597,31 +626,56 @@ static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs
     int64_t previous = parent_arg(self, parent);
     if (previous < 0)
         return NULL;
+    /* Every argument is read before the first page is added: an offset's __index__ or the namespace id's
+     * __hash__ may run Python code that changes the caller's lists, so the keys are held in a tuple of
+     * our own and the numbers copied out, each list's length checked again after each conversion. */
+    PyObject *keys = PySequence_Tuple(key_list);
+    int64_t *page_offsets = PyMem_Malloc((n ? n : 1) * sizeof *page_offsets);
+    uint64_t *page_checksums = PyMem_Malloc((n ? n : 1) * sizeof *page_checksums);
+    uint32_t *pages = PyMem_Malloc((n ? n : 1) * sizeof *pages);
+    PyObject *records = NULL, *out = NULL;
+    if (!keys || !page_offsets || !page_checksums || !pages) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_SIZE(offsets) != n || PyList_GET_SIZE(checksums) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "add_chain's lists changed while it read them");
+            goto done;
+        }
+        if (!PyBytes_Check(PyTuple_GET_ITEM(keys, i))) {
+            PyErr_SetString(PyExc_TypeError, "keys are bytes");
+            goto done;
+        }
+        PyObject *offset = PyList_GET_ITEM(offsets, i);
+        Py_INCREF(offset);
+        page_offsets[i] = PyLong_AsLongLong(offset);
+        Py_DECREF(offset);
+        if (page_offsets[i] == -1 && PyErr_Occurred())
+            goto done;
+        if (PyList_GET_SIZE(checksums) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "add_chain's lists changed while it read them");
+            goto done;
+        }
+        unsigned long long checksum;
+        if (uint_arg(PyList_GET_ITEM(checksums, i), "checksum", UINT64_MAX, &checksum) < 0)
+            goto done;
+        page_checksums[i] = checksum;
+    }
     int64_t ns = n ? ns_lookup(self, ns_id, 1) : 0;
     int64_t tenant = n && ns >= 0 ? tenant_of_namespace(self, ns_id) : 0;
     if (ns < 0 || tenant < 0)
-        return NULL;
-    PyObject *records = want_records ? PyList_New(n) : NULL;
+        goto done;
+    records = want_records ? PyList_New(n) : NULL;
     if (want_records && !records)
-        return NULL;
-    uint32_t *pages = PyMem_Malloc((n ? n : 1) * sizeof *pages);
-    if (!pages) {
-        Py_XDECREF(records);
-        return PyErr_NoMemory();
-    }
+        goto done;
     Py_ssize_t added = 0;
     for (; added < n; added++) {
-        PyObject *key = PyList_GET_ITEM(keys, added);
-        if (!PyBytes_Check(key)) {
-            PyErr_SetString(PyExc_TypeError, "keys are bytes");
-            break;
-        }
-        long long offset = PyLong_AsLongLong(PyList_GET_ITEM(offsets, added));
-        unsigned long long checksum = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(checksums, added));
-        if (PyErr_Occurred())
-            break;
+        PyObject *key = PyTuple_GET_ITEM(keys, added);
         int64_t page = add_page(self, ns_id, ns, (const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
-                                (uint32_t)previous, offset, (uint32_t)slot_bytes, checksum, 0, NULL, tenant);
+                                (uint32_t)previous, page_offsets[added], (uint32_t)slot_bytes, page_checksums[added],
+                                0, NULL, tenant);
         if (page < 0)
             break;
         pages[added] = (uint32_t)page;
@@ -645,12 +699,17 @@ static PyObject *index_add_chain(index_t *self, PyObject *args, PyObject *kwargs
             PyList_SET_ITEM(records, i, record);
         }
     }
-    PyMem_Free(pages);
-    if (failed) {
-        Py_XDECREF(records);
-        return NULL;
+    if (!failed) {
+        out = records ? records : PyLong_FromSsize_t(n);
+        records = NULL;
     }
-    return records ? records : PyLong_FromSsize_t(n);
+done:
+    Py_XDECREF(records);
+    Py_XDECREF(keys);
+    PyMem_Free(page_offsets);
+    PyMem_Free(page_checksums);
+    PyMem_Free(pages);
+    return out;
 }
 
 /* The keys argument of leading: a list of bytes, or one bytes-like of keys `key_bytes` long each. */
@@ -690,6 +749,10 @@ static int keys_get(keys_arg_t *keys, Py_ssize_t i, const uint8_t **data, size_t
         *len = (size_t)keys->key_bytes;
         return 0;
     }
+    if (i >= PySequence_Fast_GET_SIZE(keys->list)) {
+        PyErr_SetString(PyExc_RuntimeError, "the keys list changed during the call");
+        return -1;
+    }
     PyObject *key = PySequence_Fast_GET_ITEM(keys->list, i);
     if (!PyBytes_Check(key)) {
         PyErr_SetString(PyExc_TypeError, "keys are bytes");
@@ -705,11 +768,11 @@ static void keys_close(keys_arg_t *keys) {
         PyBuffer_Release(&keys->packed);
 }
 
-/* How many leading keys are present; their pages into `found` (room for keys->count). */
-static Py_ssize_t leading_pages(index_t *self, PyObject *ns_id, keys_arg_t *keys, uint32_t *found) {
-    int64_t ns = ns_lookup(self, ns_id, 0);
+/* How many leading keys are present; their pages into `found` (room for keys->count). `ns`: the
+ * namespace's slot, -1 when it has none. No Python code runs here, so a list's items stay valid. */
+static Py_ssize_t leading_pages(index_t *self, int64_t ns, keys_arg_t *keys, uint32_t *found) {
     if (ns < 0)
-        return PyErr_Occurred() ? -1 : 0;
+        return 0;
     Py_ssize_t n = 0;
     for (; n < keys->count; n++) {
         const uint8_t *data;
@@ -733,6 +796,11 @@ static PyObject *leading_common(index_t *self, PyObject *args, PyObject *kwargs,
     Py_ssize_t key_bytes = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n", names, &ns_id, &obj, &key_bytes))
         return NULL;
+    /* the namespace first: its id's __hash__ and __eq__ may run Python code, which must not run while
+     * the keys' list is read */
+    int64_t ns = ns_lookup(self, ns_id, 0);
+    if (ns < 0 && PyErr_Occurred())
+        return NULL;
     keys_arg_t keys;
     if (keys_open(&keys, obj, key_bytes) < 0)
         return NULL;
@@ -742,7 +810,7 @@ static PyObject *leading_common(index_t *self, PyObject *args, PyObject *kwargs,
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t n = leading_pages(self, ns_id, &keys, found);
+    Py_ssize_t n = leading_pages(self, ns, &keys, found);
     if (n < 0 || !(out = PyList_New(n)))
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -773,14 +841,14 @@ static PyObject *index_positions_held(index_t *self, PyObject *args, PyObject *k
     PyObject *ns_id, *obj;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", names, &ns_id, &obj))
         return NULL;
+    int64_t ns = ns_lookup(self, ns_id, 0);   /* before the keys are read, as in leading_common */
+    if (ns < 0 && PyErr_Occurred())
+        return NULL;
     keys_arg_t keys;
     if (keys_open(&keys, obj, 0) < 0)
         return NULL;
     PyObject *out = PyList_New(0);
-    int64_t ns = out ? ns_lookup(self, ns_id, 0) : -1;
-    if (ns < 0) {
-        if (out && PyErr_Occurred())
-            Py_CLEAR(out);
+    if (!out || ns < 0) {
         keys_close(&keys);
         return out;
     }
@@ -813,8 +881,8 @@ static PyObject *index_positions_held(index_t *self, PyObject *args, PyObject *k
         PyObject *fast_ = PySequence_Fast((seq_obj), "expected a sequence of records");            \
         if (!fast_)                                                                                 \
             return NULL;                                                                            \
-        Py_ssize_t n_ = PySequence_Fast_GET_SIZE(fast_);                                            \
-        for (Py_ssize_t i_ = 0; i_ < n_; i_++) {                                                    \
+        /* the size is read each step: a callback (unpin_all's on_removed) may change the list */     \
+        for (Py_ssize_t i_ = 0; i_ < PySequence_Fast_GET_SIZE(fast_); i_++) {                       \
             int64_t page_var = page_of(self, PySequence_Fast_GET_ITEM(fast_, i_));                  \
             if (page_var < 0) {                                                                     \
                 Py_DECREF(fast_);                                                                   \
@@ -1459,47 +1527,112 @@ static PyObject *index_get_nvme_pages(index_t *self, void *unused) {
     return PyLong_FromLongLong(self->nvme_pages);
 }
 
+/* ---------------------------------------------------------------- the guard every method passes
+
+   A method may call Python code midway (the namespace id's __hash__ and __eq__, tenant_of, shard_of,
+   on_removed, on_dram_dropped, an argument's __index__) while the index is half-way through a change;
+   a call back into the index from there would find it so, so it is refused. */
+
+static int index_enter(index_t *self) {
+    if (!self->ns_slot || !self->on_removed) {   /* __new__ without __init__, or cleared by the collector */
+        PyErr_SetString(PyExc_RuntimeError, "PageIndex is not initialised");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "PageIndex called from within one of its own calls (a callback or "
+                                            "an argument's __hash__, __eq__ or __index__): call it afterwards");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
+
+#define GUARDED(name, ...)                      \
+    {                                           \
+        if (index_enter(self) < 0)              \
+            return NULL;                        \
+        PyObject *out_ = name(self, __VA_ARGS__); \
+        self->busy = 0;                         \
+        return out_;                            \
+    }
+
+static PyObject *guarded_index_get(index_t *self, PyObject *arg) GUARDED(index_get, arg)
+static PyObject *guarded_index_add(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_add, args, kwargs)
+static PyObject *guarded_index_add_chain(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_add_chain, args, kwargs)
+static PyObject *guarded_index_positions_held(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_positions_held, args, kwargs)
+static PyObject *guarded_index_leading(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_leading, args, kwargs)
+static PyObject *guarded_index_leading_offsets(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_leading_offsets, args, kwargs)
+static PyObject *guarded_index_touch_all(index_t *self, PyObject *arg) GUARDED(index_touch_all, arg)
+static PyObject *guarded_index_pin(index_t *self, PyObject *arg) GUARDED(index_pin, arg)
+static PyObject *guarded_index_pin_all(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_pin_all, args, kwargs)
+static PyObject *guarded_index_unpin_all(index_t *self, PyObject *arg) GUARDED(index_unpin_all, arg)
+static PyObject *guarded_index_set_dram(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_set_dram, args, kwargs)
+static PyObject *guarded_index_set_on_nvme(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_set_on_nvme, args, kwargs)
+static PyObject *guarded_index_release_busy(index_t *self, PyObject *arg) GUARDED(index_release_busy, arg)
+static PyObject *guarded_index_evict_dram(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_evict_dram, args, kwargs)
+static PyObject *guarded_index_evict_dram_many(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_evict_dram_many, args, kwargs)
+static PyObject *guarded_index_evict_nvme(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_evict_nvme, args, kwargs)
+static PyObject *guarded_index_dram_only_lru(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_dram_only_lru, args, kwargs)
+static PyObject *guarded_index_remove_subtree(index_t *self, PyObject *arg) GUARDED(index_remove_subtree, arg)
+static PyObject *guarded_index_roots(index_t *self, PyObject *arg) GUARDED(index_roots, arg)
+static PyObject *guarded_index_keys(index_t *self, PyObject *arg) GUARDED(index_keys, arg)
+static PyObject *guarded_index_all(index_t *self, PyObject *arg) GUARDED(index_all, arg)
+static PyObject *guarded_index_offer_recovered(index_t *self, PyObject *arg) GUARDED(index_offer_recovered, arg)
+static PyObject *guarded_index_check_prefix_closed(index_t *self, PyObject *arg) GUARDED(index_check_prefix_closed, arg)
+static PyObject *guarded_index_anchored(index_t *self, PyObject *arg) GUARDED(index_anchored, arg)
+static PyObject *guarded_index_usage_rows(index_t *self, PyObject *arg) GUARDED(index_usage_rows, arg)
+static PyObject *guarded_index_namespace_rows(index_t *self, PyObject *arg) GUARDED(index_namespace_rows, arg)
+static PyObject *guarded_index_memory_bytes(index_t *self, PyObject *arg) GUARDED(index_memory_bytes, arg)
+
+static int guarded_index_contains(index_t *self, PyObject *page_id) {
+    if (index_enter(self) < 0)
+        return -1;
+    int found = index_contains(self, page_id);
+    self->busy = 0;
+    return found;
+}
+
 static PyMethodDef index_methods[] = {
-    {"get", (PyCFunction)index_get, METH_O, "get(page_id) -> record | None"},
-    {"add", (PyCFunction)(void (*)(void))index_add, METH_VARARGS | METH_KEYWORDS,
+    {"get", (PyCFunction)guarded_index_get, METH_O, "get(page_id) -> record | None"},
+    {"add", (PyCFunction)(void (*)(void))guarded_index_add, METH_VARARGS | METH_KEYWORDS,
      "add(page_id, parent, offset, slot_bytes, checksum, on_nvme=False, anchor=b'') -> record"},
-    {"add_chain", (PyCFunction)(void (*)(void))index_add_chain, METH_VARARGS | METH_KEYWORDS,
+    {"add_chain", (PyCFunction)(void (*)(void))guarded_index_add_chain, METH_VARARGS | METH_KEYWORDS,
      "add_chain(namespace_id, keys, parent, offsets, slot_bytes, checksums, records=True) -> records (or, with "
      "records=False, their number), each the next's parent, added and touched together"},
-    {"positions_held", (PyCFunction)(void (*)(void))index_positions_held, METH_VARARGS | METH_KEYWORDS,
+    {"positions_held", (PyCFunction)(void (*)(void))guarded_index_positions_held, METH_VARARGS | METH_KEYWORDS,
      "positions_held(namespace_id, keys) -> positions of the keys whose pages are held, in order"},
-    {"leading", (PyCFunction)(void (*)(void))index_leading, METH_VARARGS | METH_KEYWORDS,
+    {"leading", (PyCFunction)(void (*)(void))guarded_index_leading, METH_VARARGS | METH_KEYWORDS,
      "leading(namespace_id, keys, key_bytes=0) -> records of the leading keys present; keys may be one "
      "bytes-like of key_bytes-long keys"},
-    {"leading_offsets", (PyCFunction)(void (*)(void))index_leading_offsets, METH_VARARGS | METH_KEYWORDS,
+    {"leading_offsets", (PyCFunction)(void (*)(void))guarded_index_leading_offsets, METH_VARARGS | METH_KEYWORDS,
      "leading_offsets(namespace_id, keys, key_bytes=0) -> the DRAM offsets of leading(...)"},
-    {"touch_all", (PyCFunction)index_touch_all, METH_O, "touch_all(records): one access tick"},
-    {"pin", (PyCFunction)index_pin, METH_O, "pin(record)"},
-    {"pin_all", (PyCFunction)(void (*)(void))index_pin_all, METH_VARARGS | METH_KEYWORDS, "pin_all(records, hit)"},
-    {"unpin_all", (PyCFunction)index_unpin_all, METH_O, "unpin_all(records)"},
-    {"set_dram", (PyCFunction)(void (*)(void))index_set_dram, METH_VARARGS | METH_KEYWORDS, "set_dram(record, offset)"},
-    {"set_on_nvme", (PyCFunction)(void (*)(void))index_set_on_nvme, METH_VARARGS | METH_KEYWORDS,
+    {"touch_all", (PyCFunction)guarded_index_touch_all, METH_O, "touch_all(records): one access tick"},
+    {"pin", (PyCFunction)guarded_index_pin, METH_O, "pin(record)"},
+    {"pin_all", (PyCFunction)(void (*)(void))guarded_index_pin_all, METH_VARARGS | METH_KEYWORDS, "pin_all(records, hit)"},
+    {"unpin_all", (PyCFunction)guarded_index_unpin_all, METH_O, "unpin_all(records)"},
+    {"set_dram", (PyCFunction)(void (*)(void))guarded_index_set_dram, METH_VARARGS | METH_KEYWORDS, "set_dram(record, offset)"},
+    {"set_on_nvme", (PyCFunction)(void (*)(void))guarded_index_set_on_nvme, METH_VARARGS | METH_KEYWORDS,
      "set_on_nvme(record, on_nvme)"},
-    {"release_busy", (PyCFunction)index_release_busy, METH_O, "release_busy(record)"},
-    {"evict_dram", (PyCFunction)(void (*)(void))index_evict_dram, METH_VARARGS | METH_KEYWORDS,
+    {"release_busy", (PyCFunction)guarded_index_release_busy, METH_O, "release_busy(record)"},
+    {"evict_dram", (PyCFunction)(void (*)(void))guarded_index_evict_dram, METH_VARARGS | METH_KEYWORDS,
      "evict_dram(slot_bytes, clean_only, tenant=None) -> record | None"},
-    {"evict_dram_many", (PyCFunction)(void (*)(void))index_evict_dram_many, METH_VARARGS | METH_KEYWORDS,
+    {"evict_dram_many", (PyCFunction)(void (*)(void))guarded_index_evict_dram_many, METH_VARARGS | METH_KEYWORDS,
      "evict_dram_many(slot_bytes, clean_only, count, tenant=None, until_bytes=0)"
      " -> (offsets, tenants)"},
-    {"evict_nvme", (PyCFunction)(void (*)(void))index_evict_nvme, METH_VARARGS | METH_KEYWORDS,
+    {"evict_nvme", (PyCFunction)(void (*)(void))guarded_index_evict_nvme, METH_VARARGS | METH_KEYWORDS,
      "evict_nvme(shard_of, shard, count, tenant=None) -> records"},
-    {"dram_only_lru", (PyCFunction)(void (*)(void))index_dram_only_lru, METH_VARARGS | METH_KEYWORDS,
+    {"dram_only_lru", (PyCFunction)(void (*)(void))guarded_index_dram_only_lru, METH_VARARGS | METH_KEYWORDS,
      "dram_only_lru(count, tenant=None) -> records"},
-    {"remove_subtree", (PyCFunction)index_remove_subtree, METH_O, "remove_subtree(record) -> records removed"},
-    {"roots", (PyCFunction)index_roots, METH_O, "roots(namespace_id) -> records"},
-    {"keys", (PyCFunction)index_keys, METH_O, "keys(namespace_id) -> keys"},
-    {"_all", (PyCFunction)index_all, METH_O, "_all(ids) -> every page's record, or page id"},
-    {"_offer_recovered", (PyCFunction)index_offer_recovered, METH_O, "_offer_recovered(records)"},
-    {"check_prefix_closed", (PyCFunction)index_check_prefix_closed, METH_NOARGS, "assert the invariants"},
-    {"anchored", (PyCFunction)index_anchored, METH_O, "anchored(parent_id) -> set of records"},
-    {"_usage_rows", (PyCFunction)index_usage_rows, METH_NOARGS, "[(tenant, dram, nvme, nvme_bytes)]"},
-    {"_namespace_rows", (PyCFunction)index_namespace_rows, METH_NOARGS, "[(namespace id, pages)]"},
-    {"memory_bytes", (PyCFunction)index_memory_bytes, METH_NOARGS, "bytes held in C"},
+    {"remove_subtree", (PyCFunction)guarded_index_remove_subtree, METH_O, "remove_subtree(record) -> records removed"},
+    {"roots", (PyCFunction)guarded_index_roots, METH_O, "roots(namespace_id) -> records"},
+    {"keys", (PyCFunction)guarded_index_keys, METH_O, "keys(namespace_id) -> keys"},
+    {"_all", (PyCFunction)guarded_index_all, METH_O, "_all(ids) -> every page's record, or page id"},
+    {"_offer_recovered", (PyCFunction)guarded_index_offer_recovered, METH_O, "_offer_recovered(records)"},
+    {"check_prefix_closed", (PyCFunction)guarded_index_check_prefix_closed, METH_NOARGS, "assert the invariants"},
+    {"anchored", (PyCFunction)guarded_index_anchored, METH_O, "anchored(parent_id) -> set of records"},
+    {"_usage_rows", (PyCFunction)guarded_index_usage_rows, METH_NOARGS, "[(tenant, dram, nvme, nvme_bytes)]"},
+    {"_namespace_rows", (PyCFunction)guarded_index_namespace_rows, METH_NOARGS, "[(namespace id, pages)]"},
+    {"memory_bytes", (PyCFunction)guarded_index_memory_bytes, METH_NOARGS, "bytes held in C"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1511,7 +1644,7 @@ static PyGetSetDef index_getset[] = {
 
 static PySequenceMethods index_sequence = {
     .sq_length = (lenfunc)index_len,
-    .sq_contains = (objobjproc)index_contains,
+    .sq_contains = (objobjproc)guarded_index_contains,
 };
 
 static PyTypeObject IndexType = {

@@ -14,6 +14,7 @@
 #define UNTOUCHED (UINT64_C(1) << 63)
 #define NO_SLOT (-1)
 #define INLINE_KEY 32
+#define KEY_BYTES_MAX 255   /* page_t.key_len is one byte */
 
 enum {
     F_ALIVE = 1, F_NVME = 2, F_BUSY = 4, F_QUEUED = 8, F_ANCHORED = 16, F_HEX = 32, F_LONG = 64,
@@ -89,6 +90,7 @@ typedef struct {
     PyObject *anchored;         /* (namespace id, absent parent key) -> set of records */
     PyObject *refused;          /* page slot -> nvme_refused_bytes */
     int64_t dram_pages, nvme_pages;
+    int busy;                   /* a method is running: a callback it makes may not call the index again */
 } index_t;
 
 typedef struct {
