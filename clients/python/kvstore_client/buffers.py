@@ -10,6 +10,7 @@ that is also what SGLang's zero-copy path hands a backend: host pointers and len
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from itertools import repeat
 from typing import Any, Iterator, Union
@@ -65,7 +66,10 @@ def page_segments(buffers: Any, pages: int, page_bytes: int, writable: bool) -> 
     if isinstance(buffers, PageRows) and buffers.page_bytes == page_bytes and len(buffers) == pages:
         return buffers, keepalive   # already checked, by the call that made them (a cluster's per-node piece)
     if _is_array_like(buffers):
-        base, nbytes = _address(buffers, writable, keepalive)
+        try:
+            base, nbytes = _address(buffers, writable, keepalive)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"the pages' buffer: {exc}") from None
         if nbytes != pages * page_bytes:
             raise PageSizeMismatch(
                 f"buffer holds {nbytes} bytes, expected {pages} pages x {page_bytes} bytes")
@@ -74,7 +78,10 @@ def page_segments(buffers: Any, pages: int, page_bytes: int, writable: bool) -> 
         raise InvalidArgument(f"got {len(buffers)} page buffers for {pages} keys")
     result = []
     for index, page in enumerate(buffers):
-        segments = [_segment(s, writable, keepalive) for s in _as_segment_list(page)]
+        try:
+            segments = [_segment(s, writable, keepalive) for s in _as_segment_list(page)]
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"page {index}: {exc}") from None
         total = sum(n for _, n in segments)
         if total != page_bytes:
             raise PageSizeMismatch(f"page {index} has {total} bytes, the namespace's pages have {page_bytes}")
@@ -113,11 +120,21 @@ def _address(obj: Any, writable: bool, keepalive: list[Any]) -> Segment:
             raise InvalidArgument("tensor is not contiguous")
         keepalive.append(obj)
         return obj.data_ptr(), obj.numel() * obj.element_size()
-    try:
-        array = obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, dtype=np.uint8)
-    except (TypeError, ValueError, BufferError) as exc:
-        raise InvalidArgument(f"a page is a numpy array, CPU tensor, contiguous bytes-like buffer or (pointer, "
-                              f"nbytes) pair, got {type(obj).__name__} ({exc})") from None
+    if isinstance(obj, np.ndarray):
+        array = obj
+    else:
+        try:
+            view = memoryview(obj)
+        except TypeError as exc:
+            raise InvalidArgument(f"a page is a numpy array, CPU tensor, contiguous bytes-like buffer or (pointer, "
+                                  f"nbytes) pair, got {type(obj).__name__} ({exc})") from None
+        if _format_holds_objects(view.format):   # as an object array below; frombuffer would see bytes
+            raise InvalidArgument(f"a {type(obj).__name__} of format {view.format!r} holds Python objects, not page "
+                                  "bytes: use a buffer of a numeric format (bytes, bytearray, uint8, float16, ...)")
+        if not view.c_contiguous:
+            raise InvalidArgument(f"a {type(obj).__name__} that is not C-contiguous (a strided view): a page is a "
+                                  "contiguous bytes-like buffer; pass a contiguous copy")
+        array = np.frombuffer(view, dtype=np.uint8)
     if array.dtype.hasobject:   # its bytes are pointers to Python objects: a get would overwrite them
         raise InvalidArgument(f"an array of dtype {array.dtype} holds Python objects, not page bytes: "
                               "use a numeric dtype (uint8, float16, ...)")
@@ -127,3 +144,9 @@ def _address(obj: Any, writable: bool, keepalive: list[Any]) -> Segment:
         raise InvalidArgument("output buffer is read-only")
     keepalive.append(array)
     return array.ctypes.data, array.nbytes
+
+
+def _format_holds_objects(fmt: str) -> bool:
+    """Whether a buffer's struct format has an 'O' (a Python object pointer) field; field names, written
+    between colons in a structured format ('T{d:a:O:b:}'), are not codes."""
+    return "O" in re.sub(r":[^:]*:", "", fmt)
