@@ -60,6 +60,7 @@ from kvstore_client import errors, groups, lookup, placement
 from kvstore_client.arguments import engine_id_list, get_pages, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
+from kvstore_client.etcd import parse_endpoint
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
@@ -79,12 +80,20 @@ NODE_LOST = (errors.Unavailable, errors.DeadlineExceeded, errors.Draining, error
 
 
 def parse_cluster_url(url: str) -> tuple[list[str], str]:
-    """'etcd://h1:2379,h2:2379/prod' -> (['h1:2379', 'h2:2379'], 'prod')."""
-    parts = urlsplit(url)
+    """'etcd://h1:2379,h2:2379/prod' -> (['h1:2379', 'h2:2379'], 'prod'). Each endpoint is checked here,
+    so a bad port or host is refused before any connection is tried."""
+    shape = f"cluster URL {url!r} must look like etcd://host:2379[,host:2379]/<cluster>"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:   # urlsplit's own refusals (an unclosed IPv6 bracket) are bad input too
+        raise errors.InvalidArgument(f"{shape} ({exc})") from None
     cluster = parts.path.strip("/")
     if parts.scheme != "etcd" or not parts.netloc or not cluster or "/" in cluster:
-        raise errors.InvalidArgument(f"cluster URL {url!r} must look like etcd://host:2379[,host:2379]/<cluster>")
-    return parts.netloc.split(","), cluster
+        raise errors.InvalidArgument(shape)
+    endpoints = parts.netloc.split(",")
+    for endpoint in endpoints:
+        parse_endpoint(endpoint)
+    return endpoints, cluster
 
 
 @dataclasses.dataclass(eq=False)

@@ -49,10 +49,15 @@ class EtcdUnavailable(Exception):
 def parse_endpoint(text: str) -> tuple[str, int, str]:
     """'https://10.0.0.1:2379', 'http://10.0.0.1:2379', '10.0.0.1:2379' or '10.0.0.1' -> (host, port, scheme),
     scheme "" when none is written."""
-    parts = urlsplit(text if "://" in text else f"//{text}")
+    shape = f"etcd endpoint {text!r} must look like host:port, http://host:port or https://host:port"
+    try:
+        parts = urlsplit(text if "://" in text else f"//{text}")
+        port = parts.port   # parsed on first read: a port that is no number, or past 65535, raises here
+    except ValueError as exc:
+        raise InvalidArgument(f"{shape} ({exc})") from None
     if not parts.hostname or parts.scheme not in ("", "http", "https"):
-        raise InvalidArgument(f"etcd endpoint {text!r} must look like host:port, http://host:port or https://host:port")
-    return parts.hostname, parts.port or 2379, parts.scheme
+        raise InvalidArgument(shape)
+    return parts.hostname, port or 2379, parts.scheme
 
 
 class EtcdSession:
