@@ -192,7 +192,8 @@ static segment_t *parse_segments(PyObject *list, segment_t *on_stack, size_t *co
         Py_ssize_t nbytes;
         PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyTuple_Check(pair))
-            PyErr_Format(PyExc_TypeError, "a segment is an (address, nbytes) tuple, not %.100s", Py_TYPE(pair)->tp_name);
+            PyErr_Format(PyExc_TypeError, "a segment is an (address, nbytes) tuple, not %.100s",
+                         Py_TYPE(pair)->tp_name);
         if (PyErr_Occurred() || !PyArg_ParseTuple(pair, "Kn", &address, &nbytes) || nbytes < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "a segment's nbytes is negative");

@@ -1547,42 +1547,44 @@ static int index_enter(index_t *self) {
     return 0;
 }
 
-#define GUARDED(name, ...)                      \
-    {                                           \
-        if (index_enter(self) < 0)              \
-            return NULL;                        \
-        PyObject *out_ = name(self, __VA_ARGS__); \
-        self->busy = 0;                         \
-        return out_;                            \
+#define GUARDED(name, params, ...)                   \
+    static PyObject *guarded_##name params {         \
+        if (index_enter(self) < 0)                   \
+            return NULL;                             \
+        PyObject *out_ = name(self, __VA_ARGS__);    \
+        self->busy = 0;                              \
+        return out_;                                 \
     }
+#define GUARDED_O(name) GUARDED(name, (index_t *self, PyObject *arg), arg)
+#define GUARDED_KW(name) GUARDED(name, (index_t *self, PyObject *args, PyObject *kwargs), args, kwargs)
 
-static PyObject *guarded_index_get(index_t *self, PyObject *arg) GUARDED(index_get, arg)
-static PyObject *guarded_index_add(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_add, args, kwargs)
-static PyObject *guarded_index_add_chain(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_add_chain, args, kwargs)
-static PyObject *guarded_index_positions_held(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_positions_held, args, kwargs)
-static PyObject *guarded_index_leading(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_leading, args, kwargs)
-static PyObject *guarded_index_leading_offsets(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_leading_offsets, args, kwargs)
-static PyObject *guarded_index_touch_all(index_t *self, PyObject *arg) GUARDED(index_touch_all, arg)
-static PyObject *guarded_index_pin(index_t *self, PyObject *arg) GUARDED(index_pin, arg)
-static PyObject *guarded_index_pin_all(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_pin_all, args, kwargs)
-static PyObject *guarded_index_unpin_all(index_t *self, PyObject *arg) GUARDED(index_unpin_all, arg)
-static PyObject *guarded_index_set_dram(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_set_dram, args, kwargs)
-static PyObject *guarded_index_set_on_nvme(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_set_on_nvme, args, kwargs)
-static PyObject *guarded_index_release_busy(index_t *self, PyObject *arg) GUARDED(index_release_busy, arg)
-static PyObject *guarded_index_evict_dram(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_evict_dram, args, kwargs)
-static PyObject *guarded_index_evict_dram_many(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_evict_dram_many, args, kwargs)
-static PyObject *guarded_index_evict_nvme(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_evict_nvme, args, kwargs)
-static PyObject *guarded_index_dram_only_lru(index_t *self, PyObject *args, PyObject *kwargs) GUARDED(index_dram_only_lru, args, kwargs)
-static PyObject *guarded_index_remove_subtree(index_t *self, PyObject *arg) GUARDED(index_remove_subtree, arg)
-static PyObject *guarded_index_roots(index_t *self, PyObject *arg) GUARDED(index_roots, arg)
-static PyObject *guarded_index_keys(index_t *self, PyObject *arg) GUARDED(index_keys, arg)
-static PyObject *guarded_index_all(index_t *self, PyObject *arg) GUARDED(index_all, arg)
-static PyObject *guarded_index_offer_recovered(index_t *self, PyObject *arg) GUARDED(index_offer_recovered, arg)
-static PyObject *guarded_index_check_prefix_closed(index_t *self, PyObject *arg) GUARDED(index_check_prefix_closed, arg)
-static PyObject *guarded_index_anchored(index_t *self, PyObject *arg) GUARDED(index_anchored, arg)
-static PyObject *guarded_index_usage_rows(index_t *self, PyObject *arg) GUARDED(index_usage_rows, arg)
-static PyObject *guarded_index_namespace_rows(index_t *self, PyObject *arg) GUARDED(index_namespace_rows, arg)
-static PyObject *guarded_index_memory_bytes(index_t *self, PyObject *arg) GUARDED(index_memory_bytes, arg)
+GUARDED_O(index_get)
+GUARDED_KW(index_add)
+GUARDED_KW(index_add_chain)
+GUARDED_KW(index_positions_held)
+GUARDED_KW(index_leading)
+GUARDED_KW(index_leading_offsets)
+GUARDED_O(index_touch_all)
+GUARDED_O(index_pin)
+GUARDED_KW(index_pin_all)
+GUARDED_O(index_unpin_all)
+GUARDED_KW(index_set_dram)
+GUARDED_KW(index_set_on_nvme)
+GUARDED_O(index_release_busy)
+GUARDED_KW(index_evict_dram)
+GUARDED_KW(index_evict_dram_many)
+GUARDED_KW(index_evict_nvme)
+GUARDED_KW(index_dram_only_lru)
+GUARDED_O(index_remove_subtree)
+GUARDED_O(index_roots)
+GUARDED_O(index_keys)
+GUARDED_O(index_all)
+GUARDED_O(index_offer_recovered)
+GUARDED_O(index_check_prefix_closed)
+GUARDED_O(index_anchored)
+GUARDED_O(index_usage_rows)
+GUARDED_O(index_namespace_rows)
+GUARDED_O(index_memory_bytes)
 
 static int guarded_index_contains(index_t *self, PyObject *page_id) {
     if (index_enter(self) < 0)
@@ -1608,9 +1610,11 @@ static PyMethodDef index_methods[] = {
      "leading_offsets(namespace_id, keys, key_bytes=0) -> the DRAM offsets of leading(...)"},
     {"touch_all", (PyCFunction)guarded_index_touch_all, METH_O, "touch_all(records): one access tick"},
     {"pin", (PyCFunction)guarded_index_pin, METH_O, "pin(record)"},
-    {"pin_all", (PyCFunction)(void (*)(void))guarded_index_pin_all, METH_VARARGS | METH_KEYWORDS, "pin_all(records, hit)"},
+    {"pin_all", (PyCFunction)(void (*)(void))guarded_index_pin_all, METH_VARARGS | METH_KEYWORDS,
+     "pin_all(records, hit)"},
     {"unpin_all", (PyCFunction)guarded_index_unpin_all, METH_O, "unpin_all(records)"},
-    {"set_dram", (PyCFunction)(void (*)(void))guarded_index_set_dram, METH_VARARGS | METH_KEYWORDS, "set_dram(record, offset)"},
+    {"set_dram", (PyCFunction)(void (*)(void))guarded_index_set_dram, METH_VARARGS | METH_KEYWORDS,
+     "set_dram(record, offset)"},
     {"set_on_nvme", (PyCFunction)(void (*)(void))guarded_index_set_on_nvme, METH_VARARGS | METH_KEYWORDS,
      "set_on_nvme(record, on_nvme)"},
     {"release_busy", (PyCFunction)guarded_index_release_busy, METH_O, "release_busy(record)"},
