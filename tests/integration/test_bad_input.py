@@ -93,6 +93,19 @@ def test_client_raises_typed_errors(client, stored):
     still_serving(client, stored)
 
 
+def test_a_get_into_buffers_of_python_objects_is_refused_before_any_copy(client, stored):
+    """Their bytes are object pointers: a page copied over them would crash this process."""
+    import ctypes
+
+    objects = np.empty(PAGE // 8, dtype=object)
+    structured = np.zeros(PAGE // 16, dtype=[("value", "<f8"), ("owner", "O")])
+    for out in (memoryview(objects), (ctypes.py_object * (PAGE // 8))(), memoryview(structured), structured):
+        with pytest.raises(errors.InvalidArgument, match="page 0: .*holds Python objects"):
+            client.get(NS, stored[0][:1], [out])
+    assert all(item is None for item in objects)
+    still_serving(client, stored)
+
+
 def test_checksum_mismatch_over_the_wire_makes_nothing_visible(server, client, stored):
     ns_id = client._namespace_id(NS)
     channel = LocalChannel(server.socket_path, 5)
