@@ -21,6 +21,9 @@ ENV_PREFIX = "KVSTORE_"
 # The client SDK's own variables (kvstore_client/credentials.py): a shell may export them for the
 # `kvstore` CLI next to a node's, so the node's loader passes over them.
 CLIENT_ENV = frozenset({"KVSTORE_TOKEN", "KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY"})
+# A page's hit count saturates here in both page indexes (the C one keeps it in 32 bits): a
+# controller.selective_hits above it would never be reached.
+PAGE_HITS_MAX = 0xFFFFFFFF
 
 
 class ConfigError(ValueError):
@@ -469,7 +472,8 @@ def _validate(config: Config) -> None:
         ("controller.write_policy", config.controller.write_policy in
          ("write_through", "write_through_selective", "write_back"),
          "must be write_through, write_through_selective or write_back"),
-        ("controller.selective_hits", config.controller.selective_hits >= 1, "must be at least 1"),
+        ("controller.selective_hits", 1 <= config.controller.selective_hits <= PAGE_HITS_MAX,
+         f"must be 1 to {PAGE_HITS_MAX} (a page's hits saturate there)"),
         ("controller.high_watermark", 0 < config.controller.high_watermark <= 1, "must be in (0, 1]"),
         ("controller.queue_pages_max", config.controller.queue_pages_max > 0, "must be positive"),
         ("controller.write_batch_pages", config.controller.write_batch_pages > 0, "must be positive"),

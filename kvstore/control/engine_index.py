@@ -39,6 +39,7 @@ import threading
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from kvstore_client.keys import encode_key, page_hash
+from kvstore_client.tokens import TOKEN_ID_MAX   # past it (or below 0) the engine's hash is not SGLang's chain
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class EngineIndex:
             counters.refused += count
             return
         if (not event.plain or event.block_size != counters.block_tokens
-                or not all(isinstance(token, int) for token in event.token_ids)):
+                or not all(isinstance(token, int) and 0 <= token <= TOKEN_ID_MAX for token in event.token_ids)):
             counters.unattributable += count
             return
         blocks = self._blocks.setdefault(engine_id, {}).setdefault(place, {})

@@ -37,13 +37,15 @@ import itertools
 import struct
 from typing import Callable, Iterator
 
+from kvstore.config import PAGE_HITS_MAX   # a page's hits saturate there, as the C index's 32-bit count does
+
 PageId = tuple[int, bytes]  # (namespace_id, key)
 NO_SLOT = -1
 
 
 class PageRecord:
     __slots__ = ("page_id", "parent", "children", "offset", "slot_bytes", "checksum",
-                 "pins", "hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor", "tenant",
+                 "pins", "_hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor", "tenant",
                  "nvme_refused_bytes")
 
     def __init__(self, page_id: PageId, parent: "PageRecord | None", offset: int, slot_bytes: int, checksum: int):
@@ -54,7 +56,7 @@ class PageRecord:
         self.slot_bytes = slot_bytes
         self.checksum = checksum
         self.pins = 0              # leases and moves holding this page; a pinned page is never evicted
-        self.hits = 0
+        self._hits = 0
         self.tick = 0              # logical time of the last access
         self.alive = True          # False once removed from the index
         self.on_nvme = False
@@ -63,6 +65,14 @@ class PageRecord:
         self.anchor = b""          # the absent parent's key this root waits for (see the module docstring)
         self.tenant = ""           # its namespace's tenant (set as the index takes the page)
         self.nvme_refused_bytes = -1  # its tenant's NVMe bytes when that quota last refused it; -1: never
+
+    @property
+    def hits(self) -> int:
+        return self._hits
+
+    @hits.setter
+    def hits(self, value: int) -> None:
+        self._hits = min(value, PAGE_HITS_MAX)   # `hits += 1` past the bound stays at it
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -220,7 +230,8 @@ class PageIndex:
         tick = next(self._clock)
         for record in records:
             record.pins += 1
-            record.hits += hit
+            if hit and record._hits < PAGE_HITS_MAX:
+                record._hits += 1
             record.tick = tick
 
     def unpin_all(self, records: list[PageRecord]) -> None:

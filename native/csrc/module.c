@@ -81,7 +81,7 @@ static PyObject *prefix_chain(PyObject *args, int packed) {
                                prior.buf, (size_t)prior.len, digests);
     Py_END_ALLOW_THREADS
     if (failed) {
-        PyErr_SetString(PyExc_ValueError, "token ids must fit in uint32");
+        PyErr_SetString(PyExc_ValueError, "token ids must be 0 to 2**63-1 (int64's maximum, the widest SGLang hashes)");
         goto done;
     }
     if (packed) {

@@ -1,10 +1,12 @@
-/* The prefix-hash chain: key_i = SHA-256(key_{i-1} || page_i's tokens as uint32 LE), as hex.
+/* The prefix-hash chain: key_i = SHA-256(key_{i-1} || page_i's tokens as uint32 LE), as hex; a page
+ * with a token past uint32 is SHA-256(key_{i-1} || 0xff || its tokens as uint64 LE), as SGLang's
+ * hash_binding.cpp hashes it. Tokens past INT64_MAX, or negative, are refused, as SGLang refuses them.
  *
  * OpenSSL's low-level SHA256 (libcrypto, the one Python's hashlib loads; declared in
  * libcrypto_sha256.h) compresses with SHA-NI where the CPU has it; the one-shot EVP interface
  * would look its algorithm up again for every page, which costs more than hashing a 64-token
- * page. Tokens are packed into a small stack buffer per page, checked to fit uint32 on the way,
- * so the caller's array is never copied whole.
+ * page. Tokens are packed into a small stack buffer per page, checked for range first, so the
+ * caller's array is never copied whole.
  */
 #include <stdint.h>
 #include <string.h>
@@ -12,7 +14,7 @@
 #include "libcrypto_sha256.h"
 #include "prefix_hash.h"
 
-enum { PACK_TOKENS = 1024 };   /* tokens packed per SHA256_Update: 4 KiB of stack */
+enum { PACK_BYTES = 4096 };   /* tokens packed per SHA256_Update: 4 KiB of stack */
 
 static const char HEX[] = "0123456789abcdef";
 
@@ -23,8 +25,8 @@ void to_hex(const uint8_t digest[32], char out[64]) {
     }
 }
 
-/* Little-endian uint32 of token t of a buffer whose elements are `itemsize` bytes, signed or
- * not; -1 when it does not fit in uint32. */
+/* Token t of a buffer whose elements are `itemsize` bytes, signed or not; -1 when it is outside
+ * 0..INT64_MAX, which SGLang refuses too (a negative int64 reads past INT64_MAX as uint64). */
 static inline int64_t token_at(const uint8_t *tokens, size_t t, int itemsize, int is_signed) {
     if (itemsize == 4) {
         uint32_t v;
@@ -33,9 +35,39 @@ static inline int64_t token_at(const uint8_t *tokens, size_t t, int itemsize, in
     }
     uint64_t v;
     memcpy(&v, tokens + 8 * t, 8);
-    if (is_signed ? ((int64_t)v < 0 || (int64_t)v > 0xFFFFFFFFLL) : v > 0xFFFFFFFFULL)
-        return -1;
-    return (int64_t)v;
+    return v > (uint64_t)INT64_MAX ? -1 : (int64_t)v;
+}
+
+/* 1 if a token of the page is past uint32 (the page is hashed wide), 0 if none, -1 if one is out of range. */
+static int page_is_wide(const uint8_t *tokens, size_t first, size_t n, int itemsize, int is_signed) {
+    int wide = 0;
+    for (size_t i = 0; i < n; i++) {
+        int64_t v = token_at(tokens, first + i, itemsize, is_signed);
+        if (v < 0)
+            return -1;
+        wide |= v > 0xFFFFFFFFLL;
+    }
+    return wide;
+}
+
+/* Feeds tokens [first, first + n) as uint32 (wide = 0) or uint64 LE, packed a stack buffer at a time
+ * (the machine is little-endian: setup.py checks). Every token is in range (page_is_wide said so). */
+static void update_tokens(SHA256_CTX *ctx, const uint8_t *tokens, size_t first, size_t n, int itemsize,
+                          int is_signed, int wide) {
+    union { uint32_t narrow[PACK_BYTES / 4]; uint64_t wide[PACK_BYTES / 8]; } packed;
+    size_t per_pack = PACK_BYTES / (wide ? 8 : 4);
+    for (size_t done = 0; done < n;) {
+        size_t k = n - done < per_pack ? n - done : per_pack;
+        for (size_t i = 0; i < k; i++) {
+            int64_t v = token_at(tokens, first + done + i, itemsize, is_signed);
+            if (wide)
+                packed.wide[i] = (uint64_t)v;
+            else
+                packed.narrow[i] = (uint32_t)v;
+        }
+        SHA256_Update(ctx, &packed, k * (wide ? 8 : 4));
+        done += k;
+    }
 }
 
 int prefix_hash_chain(const uint8_t *tokens, size_t count, int itemsize, int is_signed,
@@ -44,29 +76,24 @@ int prefix_hash_chain(const uint8_t *tokens, size_t count, int itemsize, int is_
     size_t pages = count / page_tokens;
     /* A uint32 array in this machine's order is hashed straight from the caller's memory. */
     int direct = itemsize == 4 && !is_signed && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
-    uint32_t packed[PACK_TOKENS];
+    static const uint8_t wide_tag = 0xff;   /* SGLang's mark of a page hashed as uint64s */
     for (size_t p = 0; p < pages; p++) {
+        size_t first = p * page_tokens;
+        int wide = direct ? 0 : page_is_wide(tokens, first, page_tokens, itemsize, is_signed);
+        if (wide < 0)
+            return -1;
         SHA256_CTX ctx;
         SHA256_Init(&ctx);
         if (p > 0)
             SHA256_Update(&ctx, digests[p - 1], 32);
         else if (prior_bytes)
             SHA256_Update(&ctx, prior, prior_bytes);
-        size_t first = p * page_tokens;
         if (direct) {
             SHA256_Update(&ctx, tokens + 4 * first, 4 * page_tokens);
         } else {
-            for (size_t done = 0; done < page_tokens;) {
-                size_t n = page_tokens - done < PACK_TOKENS ? page_tokens - done : PACK_TOKENS;
-                for (size_t i = 0; i < n; i++) {
-                    int64_t v = token_at(tokens, first + done + i, itemsize, is_signed);
-                    if (v < 0)
-                        return -1;
-                    packed[i] = (uint32_t)v;   /* the machine is little-endian (setup.py checks) */
-                }
-                SHA256_Update(&ctx, packed, 4 * n);
-                done += n;
-            }
+            if (wide)
+                SHA256_Update(&ctx, &wide_tag, 1);
+            update_tokens(&ctx, tokens, first, page_tokens, itemsize, is_signed, wide);
         }
         SHA256_Final(digests[p], &ctx);
     }

@@ -4,8 +4,8 @@
 #include <stdint.h>
 
 /* Digests of every full page of `count` tokens (elements of `itemsize` 4 or 8 bytes, signed or
- * not), chained from `prior` (prior_bytes may be 0). Returns 0, or -1 if a token id does not fit
- * in uint32 (digests are then partly written). */
+ * not), chained from `prior` (prior_bytes may be 0). Returns 0, or -1 if a token id is outside
+ * 0..INT64_MAX (digests are then partly written). */
 int prefix_hash_chain(const uint8_t *tokens, size_t count, int itemsize, int is_signed,
                       size_t page_tokens, const uint8_t *prior, size_t prior_bytes,
                       uint8_t (*digests)[32]);

@@ -54,7 +54,7 @@ def test_token_ids_in_every_form(client, ns, form):
     assert client.get(ns, tokens=tokens, out=out) == 5 and np.array_equal(out, data)
 
 
-@pytest.mark.parametrize("bad_tokens", [[1.5, 2.5], np.ones((2, 16), np.int64), [-1, 3], [2 ** 32], "hello", 7])
+@pytest.mark.parametrize("bad_tokens", [[1.5, 2.5], np.ones((2, 16), np.int64), [-1, 3], [2 ** 63], [1, 2 ** 64], "hello", 7])
 def test_bad_token_ids_are_invalid_argument(client, ns, bad_tokens):
     with pytest.raises(InvalidArgument):
         client.lookup(ns, tokens=bad_tokens)

@@ -109,3 +109,16 @@ def test_blocks_of_another_size_than_the_subscription_declares_are_refused():
     counters = index.counters["e1"]
     assert (counters.seen, counters.refused, counters.stored, counters.block_tokens) == (2, 2, 0, BLOCK)
     assert index.holders(KEYS[:2], ["e1", "e2"]) == {"e1": [None, None], "e2": [GPU, GPU]}
+
+
+def test_blocks_of_wide_token_ids_get_sglangs_keys_and_ids_no_chain_hashes_are_unattributable():
+    """A multimodal pad value past uint32 is keyed as SGLang keys it; a negative id or one past
+    int64 names no page of the chain, so its block is counted, never indexed, and nothing raises."""
+    wide = [2**40 + 5, 1, 2**62 - 1, 3]
+    index = EngineIndex(blocks_max=100)
+    index.apply("e1", [Stored(block_hashes=[11], parent_block_hash=None, token_ids=wide, block_size=BLOCK),
+                       Stored(block_hashes=[12], parent_block_hash=None, token_ids=[-1, 2, 3, 4], block_size=BLOCK),
+                       Stored(block_hashes=[13], parent_block_hash=None, token_ids=[2**63, 2, 3, 4],
+                              block_size=BLOCK)])
+    assert index.holders([encode_key(prefix_hashes(wide, BLOCK)[0])], ["e1"])["e1"] == [GPU]
+    assert index.counters["e1"].unattributable == 2 and len(index) == 1

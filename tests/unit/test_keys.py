@@ -5,16 +5,24 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvstore_client.keys import Namespace, encode_key, encode_keys, namespace_id, page_hash, prefix_hashes, salt_seed
+from kvstore_client import native
+from kvstore_client.arguments import keys_or_tokens
+from kvstore_client.errors import InvalidArgument
+from kvstore_client.keys import (Namespace, encode_key, encode_keys, namespace_id, page_hash, prefix_hashes,
+                                 prefix_hashes_packed, prefix_hashes_python, salt_seed)
 
 
 def reference_get_hash_str(token_ids, prior_hash=None):
-    """The published algorithm (sglang/srt/mem_cache/hicache_storage.py), written out."""
+    """SGLang's algorithm (sglang/srt/mem_cache/cpp_utils/hash_binding.cpp, behind get_hash_str), written
+    out: uint32 LE per token, or, where a token is past uint32, 0xff and uint64 LE per token."""
     hasher = hashlib.sha256()
     if prior_hash:
         hasher.update(bytes.fromhex(prior_hash))
+    wide = any(t > 0xFFFFFFFF for t in token_ids)
+    if wide:
+        hasher.update(b"\xff")
     for t in token_ids:
-        hasher.update(t.to_bytes(4, byteorder="little", signed=False))
+        hasher.update(t.to_bytes(8 if wide else 4, byteorder="little", signed=False))
     return hasher.hexdigest()
 
 
@@ -57,14 +65,62 @@ def test_partial_trailing_page_gets_no_key():
     assert len(prefix_hashes(list(range(17)), 8)) == 2
 
 
-@pytest.mark.parametrize("ids", [[2**32], np.array([2**40 + 5], np.int64), np.array([-1], np.int64)])
-def test_token_ids_outside_uint32_are_refused(ids):
-    """Never cut to 32 bits: 2**40 + 5 would hash as 5, another prompt's page."""
-    with pytest.raises(ValueError, match="uint32"):
-        prefix_hashes(ids, 1)
-    with pytest.raises(ValueError, match="uint32"):
-        page_hash(ids)
-    assert page_hash(np.array([5], np.int64)) == reference_get_hash_str([5])
+# Digests SGLang 0.5.23's own get_hash_str gave (tests/integration/test_sglang_keys.py checks the rest live).
+SGLANG_VECTORS = [
+    ([1, 2, 3, 4], "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"),
+    ([2**32], "51e2a39324194d5161469fa264a9384235bfab266722e69a80a15cd932185a33"),
+    ([2**40 + 5, 3], "1b0298d277e5f4bb1dca0748055ae2a238279f0d8747fbe12bc6d87b69d539c0"),
+    ([2**63 - 1], "dabcf736814b4d5bbc4d2ad596423df000c507308a6c57ce351f33e8d7ecf23a"),
+]
+
+WIDE = [3, 2**32, 7, 2**40 + 5, 11, 2**62 - 1, 2**63 - 1, 0xFFFFFFFF, 5, 6, 7, 8]   # pages of 2: narrow ones too
+
+
+@pytest.mark.parametrize("tokens, digest", SGLANG_VECTORS)
+def test_a_page_hashes_as_sglang_hashes_it_narrow_or_wide(tokens, digest):
+    """2**40 + 5 is hashed whole, never as 5: SGLang's multimodal pad values are up to 62 bits."""
+    assert page_hash(tokens) == digest == reference_get_hash_str(tokens)
+    assert page_hash(np.array(tokens, np.int64)) == page_hash(np.array(tokens, np.uint64)) == digest
+    assert prefix_hashes(tokens, len(tokens)) == [digest]
+    assert prefix_hashes(np.array(tokens, np.int64), len(tokens)) == [digest]
+    assert page_hash([5]) != page_hash([2**40 + 5])
+
+
+@pytest.mark.parametrize("page", [1, 2, 3, 12])
+def test_a_chain_with_wide_ids_matches_sglangs_from_every_form(page):
+    want = reference_chain(WIDE, page)
+    assert prefix_hashes(WIDE, page) == prefix_hashes_python(WIDE, page) == want
+    for dtype in (np.int64, np.uint64):
+        assert prefix_hashes(np.array(WIDE, dtype), page) == want
+    assert prefix_hashes_packed(np.array(WIDE, np.int64), page) == "".join(want).encode()
+    seed = hashlib.sha256(b"salt").hexdigest()
+    assert prefix_hashes(WIDE, page, seed) == prefix_hashes_python(WIDE, page, seed) == reference_chain(WIDE, page, seed)
+
+
+@pytest.mark.parametrize("ids", [[-1], np.array([-1], np.int64), np.array([-1], np.int32), [2**63],
+                                 np.array([2**63], np.uint64), [2**64], [-1, 2**63], [1, 2**70]])
+def test_token_ids_sglang_cannot_hash_are_refused(ids):
+    """Negative ids and ids past int64's maximum: SGLang refuses them too."""
+    for hash_them in (lambda: prefix_hashes(ids, 1), lambda: prefix_hashes_python(ids, 1),
+                      lambda: prefix_hashes_packed(ids, 1), lambda: page_hash(ids)):
+        with pytest.raises(InvalidArgument, match="0 to 9223372036854775807"):
+            hash_them()
+
+
+@pytest.mark.skipif(not native.available(), reason="kvstore_native is not built")
+def test_the_native_chain_refuses_what_sglang_refuses_even_unchecked():
+    """The C chain's own range check, under token_array's."""
+    for ids in (np.array([1, -1], np.int64), np.array([2**63], np.uint64), np.array([-2], np.int32)):
+        with pytest.raises(ValueError, match="2\\*\\*63-1"):
+            native.module.prefix_hashes(ids, 1, b"")
+
+
+def test_ids_past_uint32_never_travel_in_a_uint32_tokens_field():
+    """A Route by tokens sends them for the node to hash in a uint32 field: a wide id is refused
+    there with what to pass instead, never cut to 32 bits."""
+    assert keys_or_tokens(None, [1, 0xFFFFFFFF]) == {"tokens": [1, 0xFFFFFFFF]}
+    with pytest.raises(InvalidArgument, match="keys=prefix_hashes"):
+        keys_or_tokens(None, np.array([1, 2**40 + 5], np.int64))
 
 
 def test_keys_are_sent_as_they_are():

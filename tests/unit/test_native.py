@@ -19,6 +19,9 @@ def test_prefix_hashes_equal_the_reference_chain(dtype, page):
     rng = np.random.default_rng(page)
     high = 2**31 - 1 if dtype == "<i4" else 2**32 - 1
     tokens = rng.integers(0, high, size=int(rng.integers(0, page * 20)), dtype=np.int64, endpoint=True)
+    if dtype in ("<u8", "<i8") and len(tokens):   # some ids past uint32, so some pages hash wide, some not
+        at = rng.integers(0, len(tokens), size=max(1, len(tokens) // (3 * page)))
+        tokens[at] = rng.integers(2**32, 2**63 - 1, size=len(at), dtype=np.int64, endpoint=True)
     seed = hashlib.sha256(rng.bytes(8)).hexdigest() if page % 2 else ""
     expected = keys.prefix_hashes_python(tokens.tolist(), page, seed)
     assert keys.prefix_hashes(tokens.astype(dtype), page, seed) == expected
@@ -34,17 +37,18 @@ def test_prefix_hashes_take_torch_and_strided_input():
     assert keys.prefix_hashes(wide, 16) == expected
 
 
-@pytest.mark.parametrize("bad", [[-1], [2**32], np.array([0, 2**32], dtype=np.uint64), np.array([-5], dtype=np.int32)])
-def test_token_ids_outside_uint32_are_refused_on_both_paths(bad):
+@pytest.mark.parametrize("bad", [[-1], [2**63], np.array([0, 2**63], dtype=np.uint64), np.array([-5], dtype=np.int32)])
+def test_token_ids_sglang_cannot_hash_are_refused_on_both_paths(bad):
     for chain in (keys.prefix_hashes, keys.prefix_hashes_python):
-        with pytest.raises(ValueError, match="uint32"):
+        with pytest.raises(ValueError, match="0 to 9223372036854775807"):
             chain(bad, 1)
 
 
-def test_a_refused_token_in_the_last_page_refuses_the_call():
-    tokens = np.zeros(64, dtype=np.int64)
-    tokens[-1] = -1
-    with pytest.raises(ValueError, match="uint32"):
+@pytest.mark.parametrize("bad", [-1, 2**63])
+def test_a_refused_token_in_the_last_page_refuses_the_call(bad):
+    tokens = np.zeros(64, dtype=np.int64 if bad < 0 else np.uint64)
+    tokens[-1] = bad
+    with pytest.raises(ValueError, match="2\\*\\*63-1"):
         kvstore_native.prefix_hashes(tokens, 16, b"")
 
 

@@ -11,7 +11,7 @@ from kvstore_client import errors
 from kvstore_client.buffers import PageSegments, page_segments
 from kvstore_client.keys import Key, Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
-from kvstore_client.tokens import token_array
+from kvstore_client.tokens import wire_tokens
 
 _PREFETCH_POLICIES = {"wait_complete": pb.WAIT_COMPLETE, "best_effort": pb.BEST_EFFORT, "timeout": pb.TIMEOUT}
 
@@ -37,7 +37,7 @@ def keys_or_tokens(keys: Sequence[Key] | None, tokens: Any) -> dict[str, list]:
         raise errors.InvalidArgument("pass exactly one of keys= or tokens=")
     if keys is not None:
         return {"keys": encode_keys(keys)}
-    return {"tokens": token_array(tokens).tolist()}
+    return {"tokens": wire_tokens(tokens)}
 
 
 def page_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> list[bytes]:

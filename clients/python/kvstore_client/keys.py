@@ -2,7 +2,9 @@
 
 A page's key names its whole prefix: key_i = SHA-256(key_{i-1} || tokens_i as uint32 LE),
 byte-identical to SGLang's `get_hash_str`, so an engine and this SDK agree on the key of
-the same prefix. Engines that bring their own keys pass them as they are: `str` keys
+the same prefix. A page holding an id past uint32 (a multimodal pad value) is hashed as SGLang
+hashes it: SHA-256(key_{i-1} || 0xff || tokens_i as uint64 LE), the odd byte count keeping it
+apart from every uint32 page; ids up to 2**63 - 1, as SGLang takes. Engines that bring their own keys pass them as they are: `str` keys
 travel as their UTF-8 bytes (SGLang's 64-character hex digests fit exactly), `bytes`
 keys travel unchanged; either way at most KEY_BYTES_MAX bytes.
 """
@@ -19,9 +21,10 @@ import numpy as np
 from kvstore_client import native
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.proto import pb
-from kvstore_client.tokens import token_array
+from kvstore_client.tokens import NARROW_TOKEN_ID_MAX, token_array
 
 KEY_BYTES_MAX = 64
+WIDE_PAGE_TAG = b"\xff"   # leads the tokens of a page with an id past uint32 (SGLang's hash_binding.cpp)
 
 Key = Union[str, bytes]
 
@@ -71,12 +74,17 @@ def salt_seed(*salts: str) -> str:
 
 
 def page_hash(page_tokens: Sequence[int] | np.ndarray, prior_hash: str | None = None) -> str:
-    """SGLang's get_hash_str: SHA-256 over the prior digest, then each token as uint32 LE. Ids outside
-    uint32 are refused (InvalidArgument), never cut to 32 bits."""
+    """SGLang's get_hash_str: SHA-256 over the prior digest, then each token as uint32 LE, or where one
+    is past uint32, 0xff and each as uint64 LE. Ids outside 0..2**63-1 are refused (InvalidArgument),
+    as SGLang refuses them; none is ever cut short."""
+    array = token_array(page_tokens)
     hasher = hashlib.sha256()
     if prior_hash:
         hasher.update(bytes.fromhex(prior_hash))
-    hasher.update(token_array(page_tokens).astype("<u4").tobytes())
+    if array.size and array.max() > NARROW_TOKEN_ID_MAX:
+        hasher.update(WIDE_PAGE_TAG + array.astype("<u8").tobytes())
+    else:
+        hasher.update(array.astype("<u4").tobytes())
     return hasher.hexdigest()
 
 
