@@ -29,8 +29,6 @@ from __future__ import annotations
 import array
 import dataclasses
 
-from kvstore.tiers.dram import SLOT_ALIGN
-
 
 @dataclasses.dataclass
 class TenantCounters:
@@ -71,11 +69,14 @@ class SlabShares:
 
 
 class TenantLedger:
-    def __init__(self, limits: dict[str, tuple[int, int]], arena_bytes: int):
+    def __init__(self, limits: dict[str, tuple[int, int]], slab_bytes: int):
         self._limits = limits                              # tenant -> (dram_bytes, nvme_bytes); 0 = none
-        # The owner of each slot, by the arena page the slot starts at: two bytes per 4 KiB of arena,
-        # where a dict entry per slot cost a hundred bytes of every indexed page. 0: no owner.
-        self._owners = array.array("H", bytes(2 * (arena_bytes // SLOT_ALIGN + 1)))
+        # The owner of each slot of each slab in use, two bytes a slot (where a dict entry per slot
+        # cost a hundred bytes of every indexed page); 0: no owner. A slab's table goes when its last
+        # slot is freed, as the allocator's slab does, so a slab reused for another size gets a new one.
+        self._slab_bytes = slab_bytes
+        self._owners: dict[int, array.array] = {}          # slab base -> owner id of each slot
+        self._owned: dict[int, int] = {}                   # slab base -> slots with an owner
         self._owner_names: list[str] = [""]
         self._owner_ids: dict[str, int] = {}
         self.dram_bytes: dict[str, int] = {}
@@ -98,41 +99,86 @@ class TenantLedger:
             assert len(self._owner_names) < 1 << 16, "at most 65535 tenants hold DRAM slots"
             owner = self._owner_ids[tenant] = len(self._owner_names)
             self._owner_names.append(tenant)
-        owners, count = self._owners, len(offsets)
-        start, stride = offsets[0] // SLOT_ALIGN if offsets else 0, slot_bytes // SLOT_ALIGN
-        run = slice(start, start + stride * count, stride)
-        if count > 1 and offsets == list(range(offsets[0], offsets[0] + slot_bytes * count, slot_bytes)):
-            # Slots one after another in a slab (the allocator's usual answer): one slice, no step per slot.
-            assert owners[run].count(0) == count, f"a slot of {offsets[0]}..{offsets[-1]} is taken twice"
-            owners[run] = array.array("H", [owner]) * count
+        runs = self._runs(offsets, slot_bytes)
+        if runs is not None:
+            # Slots one after another (the allocator's usual answer): one slice a slab, no step per slot.
+            for base, first, count in runs:
+                owners = self._table(base, slot_bytes)
+                assert owners[first:first + count].count(0) == count, \
+                    f"a slot of {offsets[0]}..{offsets[-1]} is taken twice"
+                owners[first:first + count] = array.array("H", [owner]) * count
+                self._owned[base] += count
         else:
             for offset in offsets:
-                assert not owners[offset // SLOT_ALIGN], f"slot {offset} is taken twice"
-                owners[offset // SLOT_ALIGN] = owner
+                base, slot = self._slot(offset, slot_bytes)
+                owners = self._table(base, slot_bytes)
+                assert not owners[slot], f"slot {offset} is taken twice"
+                owners[slot] = owner
+                self._owned[base] += 1
         self.dram_bytes[tenant] = self.dram_bytes.get(tenant, 0) + slot_bytes * len(offsets)
 
     def freed(self, offset: int, slot_bytes: int) -> None:
-        owner = self._owners[offset // SLOT_ALIGN]
+        base, slot = self._slot(offset, slot_bytes)
+        owners = self._owners.get(base)
+        owner = owners[slot] if owners is not None and slot < len(owners) else 0
         assert owner, f"slot {offset} is freed but was not taken"
-        self._owners[offset // SLOT_ALIGN] = 0
+        owners[slot] = 0
+        self._drop(base, 1)
         self.dram_bytes[self._owner_names[owner]] -= slot_bytes
 
     def freed_many(self, offsets: list[int], slot_bytes: int) -> None:
         """freed() of each of these slots, all of size `slot_bytes`."""
-        owners, count = self._owners, len(offsets)
-        step = offsets[1] - offsets[0] if count > 1 else 0
-        if abs(step) == slot_bytes and offsets == list(range(offsets[0], offsets[0] + step * count, step)):
+        runs = self._runs(offsets, slot_bytes)
+        if runs is not None:
             # Slots one after another, up or down, of one owner (eviction's usual victims: a commit's pages,
-            # leaf first): one slice, no step per slot.
-            start, stride = min(offsets[0], offsets[-1]) // SLOT_ALIGN, slot_bytes // SLOT_ALIGN
-            run = slice(start, start + stride * count, stride)
-            owner = owners[start]
-            if owner and owners[run].count(owner) == count:
-                owners[run] = array.array("H", bytes(2 * count))
-                self.dram_bytes[self._owner_names[owner]] -= slot_bytes * count
+            # leaf first): one slice a slab, no step per slot.
+            tables = [self._owners.get(base) for base, _, _ in runs]
+            owner = tables[0][runs[0][1]] if tables[0] is not None else 0
+            if owner and all(owners is not None and owners[first:first + count].count(owner) == count
+                             for owners, (_, first, count) in zip(tables, runs)):
+                for owners, (base, first, count) in zip(tables, runs):
+                    owners[first:first + count] = array.array("H", bytes(2 * count))
+                    self._drop(base, count)
+                self.dram_bytes[self._owner_names[owner]] -= slot_bytes * len(offsets)
                 return
         for offset in offsets:
             self.freed(offset, slot_bytes)
+
+    def _slot(self, offset: int, slot_bytes: int) -> tuple[int, int]:
+        """(slab base, slot number in it) of the slot starting at `offset`."""
+        base = offset - offset % self._slab_bytes
+        assert (offset - base) % slot_bytes == 0, f"offset {offset} is not the start of a {slot_bytes}-byte slot"
+        return base, (offset - base) // slot_bytes
+
+    def _table(self, base: int, slot_bytes: int) -> array.array:
+        owners = self._owners.get(base)
+        if owners is None:
+            owners = self._owners[base] = array.array("H", bytes(2 * (self._slab_bytes // slot_bytes)))
+            self._owned[base] = 0
+        assert len(owners) == self._slab_bytes // slot_bytes, f"the slab at {base} holds slots of another size"
+        return owners
+
+    def _drop(self, base: int, count: int) -> None:
+        self._owned[base] -= count
+        if not self._owned[base]:
+            del self._owners[base], self._owned[base]
+
+    def _runs(self, offsets: list[int], slot_bytes: int) -> list[tuple[int, int, int]] | None:
+        """(slab base, first slot number, slots) of each slab's part of these slots when they are more than
+        one and follow one another, up or down; None otherwise."""
+        count = len(offsets)
+        step = offsets[1] - offsets[0] if count > 1 else 0
+        if abs(step) != slot_bytes or offsets != list(range(offsets[0], offsets[0] + step * count, step)):
+            return None
+        low = min(offsets[0], offsets[-1])
+        high = low + slot_bytes * count
+        runs = []
+        while low < high:
+            base, first = self._slot(low, slot_bytes)
+            end = min(high, base + self._slab_bytes)
+            runs.append((base, first, (end - low) // slot_bytes))
+            low = end
+        return runs
 
     def of(self, tenant: str) -> TenantCounters:
         counters = self.counters.get(tenant)

@@ -38,7 +38,7 @@ from kvstore.control.native_index import make_page_index
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
 from kvstore.control.quotas import SlabShares, TenantLedger
 from kvstore.limits import Limits
-from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
+from kvstore.tiers.dram import SLOT_ALIGN, Arena, SlabAllocator, slot_bytes_for
 from kvstore_client import errors
 from kvstore_client.keys import Namespace, namespace_id
 from kvstore_client.proto import pb
@@ -166,7 +166,7 @@ class PageStore:
         self._settled = threading.Condition(self._lock)   # a busy page stopped moving
         assert arena.slab_bytes == config.dram.slab_bytes, "the arena moves slabs of the allocator's size"
         self.allocator = SlabAllocator(arena.nbytes, config.dram.slab_bytes, place=arena.place)
-        self.ledger = TenantLedger(config.tenants.quota_table(), arena.nbytes)
+        self.ledger = TenantLedger(config.tenants.quota_table(), config.dram.slab_bytes)
         # Slabs are a tenant's own only with its own memfd; sharing one, tenants share slabs too.
         self.shares = SlabShares(config.tenants.quota_table() if arena.tenants_apart else {},
                                  config.dram.slab_bytes, arena.nbytes // config.dram.slab_bytes)
@@ -1284,7 +1284,7 @@ class PageStore:
     def _evict_for_slab(self, keep_unsaved: bool, tenant: str) -> bool:
         """Evict the oldest pages of the tenants _slab_donors names, in its order, until `tenant` may take a
         whole free slab (bounded)."""
-        budget = self.config.dram.slab_bytes // 4096
+        budget = self.config.dram.slab_bytes // SLOT_ALIGN   # a slab's worth of the smallest slots
         while not self._slab_takeable(tenant) and budget > 0:
             for donor in self._slab_donors(tenant):
                 victim = self.index.evict_dram(None, keep_unsaved, donor)

@@ -1,4 +1,4 @@
-"""The slab allocator hands out aligned slots per size and returns empty slabs to the pool."""
+"""The slab allocator hands out cache-line-aligned slots of each page's own size and returns empty slabs to the pool."""
 
 import pytest
 
@@ -10,11 +10,27 @@ SLAB = 64 * 1024
 def test_slots_are_aligned_and_distinct():
     alloc = SlabAllocator(4 * SLAB, SLAB)
     size = slot_bytes_for(5000)
-    assert size == 8192
+    assert size == 5056 and SLOT_ALIGN == 64
     offsets = alloc.allocate_many(size, 20)
     assert len(set(offsets)) == 20
     assert all(o % SLOT_ALIGN == 0 for o in offsets)
     assert alloc.used_bytes == 20 * size
+
+
+@pytest.mark.parametrize("page_bytes", [448, 1024, 1000, 4096 + 64])
+def test_a_page_takes_its_own_size_rounded_to_a_cache_line(page_bytes):
+    """A 448-byte Mamba state or a 1 KiB indexer page fits an arena at its own size: a slab of 64 KiB holds
+    64 KiB // slot of them, not 16 as it did with slots of 4 KiB."""
+    size = slot_bytes_for(page_bytes)
+    assert page_bytes <= size < page_bytes + 64 and size % 64 == 0
+    alloc = SlabAllocator(4 * SLAB, SLAB)
+    offsets = alloc.allocate_many(size, 10**6)
+    assert len(offsets) == 4 * (SLAB // size) and len(set(offsets)) == len(offsets)
+    assert all(o % 64 == 0 and o % SLAB + size <= SLAB for o in offsets)   # no slot crosses its slab
+    assert alloc.used_bytes == len(offsets) * size >= alloc.capacity_bytes - 4 * size
+    for offset in offsets:
+        assert alloc.free(offset) == size
+    assert alloc.used_bytes == 0 and alloc.free_slabs() == 4
 
 
 def test_full_means_fewer_slots_not_an_error():

@@ -224,10 +224,11 @@ def test_after_a_restart_each_tenant_owns_its_recovered_nvme_pages_and_its_quota
         close_node(svc)
 
 
-@pytest.mark.parametrize("offsets", [[4096 * i for i in range(8)], [8192 * i for i in range(4)], [0, 12288, 4096]])
+@pytest.mark.parametrize("offsets", [[4096 * i for i in range(8)], [8192 * i for i in range(4)], [24576, 0, 12288],
+                                     [448 * i for i in range(8)], [1024 * i for i in range(1020, 1028)]])
 def test_the_ledger_records_each_slot_taken_and_refuses_a_slot_taken_twice(offsets):
     """Slots one after another are recorded with one slice, others one by one: the same ledger either way."""
-    slot_bytes = offsets[1] - offsets[0] if offsets[1] > offsets[0] else 4096
+    slot_bytes = offsets[1] - offsets[0] if offsets[1] > offsets[0] else 12288
     ledger = TenantLedger({}, 1 << 20)
     ledger.took("alice", slot_bytes, offsets)
     assert ledger.dram_bytes["alice"] == slot_bytes * len(offsets)
