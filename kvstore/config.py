@@ -468,6 +468,7 @@ def _validate(config: Config) -> None:
          "must be DEBUG, INFO, WARNING or ERROR"),
         ("server.grpc_address", ":" in config.server.grpc_address, "must look like host:port"),
         ("nvme.map_bytes", config.nvme.map_bytes >= 1 << 20, "must be at least 1MiB"),
+        ("nvme.paths", len(config.nvme.paths) <= 256, "at most 256 shards (the page index numbers them in a byte)"),
         ("nvme.io_threads", 0 < config.nvme.io_threads <= 256, "must be 1 to 256"),
         ("controller.write_policy", config.controller.write_policy in
          ("write_through", "write_through_selective", "write_back"),

@@ -161,8 +161,16 @@ def keys_max(asked: int, limits: Limits) -> int:
     """How many keys one ListKeys answers: as asked, at most limits.lookup_pages_max."""
     if asked > limits.lookup_pages_max:
         raise errors.InvalidArgument(f"keys_max={asked} exceeds limits.lookup_pages_max={limits.lookup_pages_max}: "
-                                     "page through with after_key")
+                                     "page through with the answer's cursor")
     return asked or limits.lookup_pages_max
+
+
+def list_cursor(cursor: int) -> int:
+    """A ListKeys cursor: a position in the page index, which has fewer than 2**32."""
+    if cursor >= 1 << 32:
+        raise errors.InvalidArgument(f"cursor={cursor} is not one a ListKeys answer gave: start from 0 and "
+                                     "pass each answer's cursor to the next call")
+    return cursor
 
 
 def stats_page(request: pb.StatsRequest, config: Config) -> tuple[int, int]:

@@ -246,13 +246,13 @@ class CacheController:
         log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
         return written
 
-    def _write_pages(self, batch: list[PageRecord]) -> set[PageRecord]:
-        """One transaction per shard; returns the pages that reached disk (the store decides which
-        count as on NVMe: those whose parent does)."""
+    def _write_pages(self, batch: list[PageRecord]) -> dict[PageRecord, int]:
+        """One transaction per shard; returns the pages that reached disk, each with its shard (the
+        store decides which count as on NVMe: those whose parent does)."""
         by_shard: dict[int, list[PageRecord]] = {}
         for record in batch:
             by_shard.setdefault(self._nvme.shard_of(*record.page_id), []).append(record)
-        on_disk: set[PageRecord] = set()
+        on_disk: dict[PageRecord, int] = {}
         txn_bytes = self.config.write_txn_bytes
         for shard, group in (item for pair in by_shard.items() for item in _by_bytes(*pair, txn_bytes)):
             stored = [(record, page) for record in group if (page := self._stored(record)) is not None]
@@ -272,7 +272,7 @@ class CacheController:
                 self._store.count(nvme_write_errors=1)
                 log.error("write-down failed shard=%d pages=%d (they stay in DRAM only): %s", shard, len(group), exc)
                 continue
-            on_disk.update(group)
+            on_disk.update(dict.fromkeys(group, shard))
         return on_disk
 
     def _delete_from_nvme(self, page_ids: list[PageId]) -> None:
@@ -297,7 +297,7 @@ class CacheController:
             self._saved_namespaces.add(ns_id)
 
     def _make_room(self, shard: int, pages: int) -> None:
-        victims = self._store.nvme_victims(lambda r: self._nvme.shard_of(*r.page_id), shard, 2 * pages)
+        victims = self._store.nvme_victims(shard, 2 * pages)
         self._delete_from_nvme([r.page_id for r in victims])
         self._full_evicted += len(victims)
         now = time.monotonic()

@@ -46,7 +46,7 @@ NO_SLOT = -1
 class PageRecord:
     __slots__ = ("page_id", "parent", "children", "offset", "slot_bytes", "checksum",
                  "pins", "_hits", "tick", "alive", "on_nvme", "busy", "queued", "anchor", "tenant",
-                 "nvme_refused_bytes")
+                 "nvme_refused_bytes", "position", "shard")
 
     def __init__(self, page_id: PageId, parent: "PageRecord | None", offset: int, slot_bytes: int, checksum: int):
         self.page_id = page_id
@@ -65,6 +65,8 @@ class PageRecord:
         self.anchor = b""          # the absent parent's key this root waits for (see the module docstring)
         self.tenant = ""           # its namespace's tenant (set as the index takes the page)
         self.nvme_refused_bytes = -1  # its tenant's NVMe bytes when that quota last refused it; -1: never
+        self.position = -1         # its place in the index's scan order (PageIndex.scan), while it is in it
+        self.shard = 0             # the NVMe shard its copy is on (while on_nvme)
 
     @property
     def hits(self) -> int:
@@ -104,7 +106,7 @@ class PageIndex:
         # changes state, and are skipped when popped. DRAM ones are per (tenant, slot size, clean),
         # NVMe ones per tenant.
         self._dram: dict[tuple[str, int, bool], list[_Entry]] = {}
-        self._nvme: dict[str, list[_Entry]] = {}
+        self._nvme: dict[tuple[str, int], list[_Entry]] = {}   # (tenant, shard) -> LRU heap
         self._tenant_of = tenant_of
         self.usage: dict[str, TenantUsage] = {}
         self._clock = itertools.count(1)
@@ -114,6 +116,10 @@ class PageIndex:
         self.pages_by_namespace: dict[int, int] = {}
         self._roots: dict[int, set[PageRecord]] = {}   # pages with no parent, per namespace (Delete all)
         self._anchored: dict[PageId, set[PageRecord]] = {}   # absent parent -> roots anchored at it
+        # Every page at a position that stays its own while it is in the index (freed positions are
+        # reused, last freed first, as the C index reuses page slots): what scan() walks in bounded steps.
+        self._positions: list[PageRecord | None] = []
+        self._free_positions: list[int] = []
         self.dram_pages = 0
         self.nvme_pages = 0
 
@@ -127,7 +133,7 @@ class PageIndex:
         return self._pages.get(page_id)
 
     def add(self, page_id: PageId, parent: PageRecord | None, offset: int, slot_bytes: int,
-            checksum: int, on_nvme: bool = False, anchor: bytes = b"") -> PageRecord:
+            checksum: int, on_nvme: bool = False, anchor: bytes = b"", shard: int = 0) -> PageRecord:
         """Insert without an access tick; the caller touches the new pages (see touch_all).
 
         `anchor`: with no parent, the key of the absent parent this page extends."""
@@ -136,6 +142,7 @@ class PageIndex:
         assert not (parent is not None and anchor), "a page is anchored only when its parent is absent"
         record = PageRecord(page_id, parent, offset, slot_bytes, checksum)
         record.on_nvme = on_nvme
+        record.shard = shard
         record.tenant = self._tenant_of(page_id[0])
         if parent is not None:
             if parent.children is None:
@@ -147,6 +154,7 @@ class PageIndex:
                 record.anchor = anchor
                 self._anchored.setdefault((page_id[0], anchor), set()).add(record)
         self._pages[page_id] = record
+        self._place(record)
         waiting = self._anchored.pop(page_id, None)
         if waiting:
             self._adopt(record, waiting)
@@ -205,6 +213,34 @@ class PageIndex:
         """Pages of a namespace that have no parent (removing their subtrees empties it)."""
         return list(self._roots.get(namespace_id, ()))
 
+    def scan(self, start: int, positions_max: int, namespace_id: int | None = None, keys: bool = False,
+             found_max: int = -1) -> tuple[list, int | None]:
+        """The pages at positions [start, start + positions_max) (of one namespace, or all), as
+        records or (keys=True) their keys, at most `found_max` of them (-1: no limit), and the position
+        to go on from (None: the end). A page in the index for the whole of a scan keeps its position,
+        so a scan meets it exactly once; one added or removed meanwhile may be met or not. Work is
+        bounded by `positions_max`."""
+        if start < 0 or positions_max < 0:
+            raise ValueError("scan: start and positions_max must not be negative")
+        stop = min(start + positions_max, len(self._positions))
+        found = []
+        for position in range(start, stop):
+            if len(found) == found_max:
+                stop = position
+                break
+            record = self._positions[position]
+            if record is not None and (namespace_id is None or record.page_id[0] == namespace_id):
+                found.append(record.page_id[1] if keys else record)
+        return found, (stop if stop < len(self._positions) else None)
+
+    def _place(self, record: PageRecord) -> None:
+        if self._free_positions:
+            record.position = self._free_positions.pop()
+            self._positions[record.position] = record
+        else:
+            record.position = len(self._positions)
+            self._positions.append(record)
+
     def keys(self, namespace_id: int) -> list[bytes]:
         """Keys of every page of a namespace, in no order: its roots' subtrees, one visit per page."""
         found, stack = [], list(self._roots.get(namespace_id, ()))
@@ -252,9 +288,11 @@ class PageIndex:
         self._usage(record.tenant).dram_pages += 1
         self._offer(record)
 
-    def set_on_nvme(self, record: PageRecord, on_nvme: bool) -> None:
+    def set_on_nvme(self, record: PageRecord, on_nvme: bool, shard: int = 0) -> None:
+        """The page's copy reached NVMe shard `shard` (or left NVMe)."""
         if record.on_nvme != on_nvme:
             record.on_nvme = on_nvme
+            record.shard = shard
             step = 1 if on_nvme else -1
             self.nvme_pages += step
             usage = self._usage(record.tenant)
@@ -267,6 +305,8 @@ class PageIndex:
     def add_recovered(self, records: list[PageRecord]) -> None:
         """Adopt pages rebuilt from NVMe, already linked and prefix-closed (start-up path)."""
         self._pages.update(zip((record.page_id for record in records), records))
+        for record in records:
+            self._place(record)
         for ns_id, count in collections.Counter(record.page_id[0] for record in records).items():
             self.pages_by_namespace[ns_id] = self.pages_by_namespace.get(ns_id, 0) + count
         for record in records:
@@ -280,7 +320,7 @@ class PageIndex:
         # All share tick 0 and get increasing sequence numbers: appended in order, still a heap.
         assert not self._nvme, "recovery runs before anything else reaches the index"
         for seq, record in enumerate(records, next(self._seq)):
-            self._nvme.setdefault(record.tenant, []).append((0, seq, record))
+            self._nvme.setdefault((record.tenant, record.shard), []).append((0, seq, record))
         self._seq = itertools.count(next(self._seq) + len(records))
 
     def release_busy(self, record: PageRecord) -> None:
@@ -352,27 +392,22 @@ class PageIndex:
     def page_ids(self) -> list[PageId]:
         return list(self._pages)
 
-    def evict_nvme(self, shard_of: Callable[[PageRecord], int], shard: int | None, count: int,
-                   tenant: str | None = None) -> list[PageRecord]:
+    def evict_nvme(self, shard: int | None, count: int, tenant: str | None = None) -> list[PageRecord]:
         """Take up to `count` pages off NVMe shard `shard` (None: any shard), of this tenant (None:
-        any), least recently used first."""
-        heaps = [heap for owner, heap in self._nvme.items() if tenant in (None, owner)]
-        taken, passed = [], []
+        any), least recently used first. Each (tenant, shard) has its own order, so no other shard's
+        page is looked at."""
+        heaps = [heap for (owner, on), heap in self._nvme.items()
+                 if tenant in (None, owner) and shard in (None, on)]
+        taken = []
         while len(taken) < count:
             best = _oldest_heap(heaps, self._nvme_evictable)
             if best is None:
                 break
-            entry = heapq.heappop(best)
-            record = entry[2]
-            if shard is not None and shard_of(record) != shard:
-                passed.append((entry, best))
-                continue
+            record = heapq.heappop(best)[2]
             self.set_on_nvme(record, False)
             if not record.in_dram:
                 self._remove(record)
             taken.append(record)
-        for entry, heap in passed:
-            heapq.heappush(heap, entry)
         return taken
 
     def dram_only_lru(self, count: int, tenant: str | None = None) -> list[PageRecord]:
@@ -400,9 +435,10 @@ class PageIndex:
         refused_bytes = record.nvme_refused_bytes
         return refused_bytes >= 0 and self._usage(record.tenant).nvme_bytes >= refused_bytes
 
-    def remove_subtree(self, record: PageRecord) -> list[PageRecord]:
-        """Remove a page and every page that extends it; returns them."""
-        removed = list(_post_order(record))
+    def remove_subtree(self, record: PageRecord, limit: int = -1) -> list[PageRecord]:
+        """Remove a page and every page that extends it, descendants first, or only the first `limit`
+        of them in that order (a prefix of a post-order leaves the rest a tree); returns them."""
+        removed = list(_post_order(record) if limit < 0 else itertools.islice(_post_order(record), limit))
         for node in removed:
             self._remove(node)
         return removed
@@ -453,6 +489,8 @@ class PageIndex:
         """Take a leaf out of the index; with `notify`, an unpinned one goes to on_removed."""
         assert record.is_leaf(), "only leaves leave the index"
         del self._pages[record.page_id]
+        self._positions[record.position] = None
+        self._free_positions.append(record.position)
         if record.anchor:
             anchor_id = (record.page_id[0], record.anchor)
             waiting = self._anchored[anchor_id]
@@ -513,7 +551,7 @@ class PageIndex:
                 heap[:] = [e for e in heap if self._dram_evictable(e, clean)]
                 heapq.heapify(heap)
         if record.on_nvme:
-            heap = self._nvme.setdefault(record.tenant, [])
+            heap = self._nvme.setdefault((record.tenant, record.shard), [])
             heapq.heappush(heap, entry)
             if len(heap) > 64 and len(heap) > 4 * len(self._pages):
                 heap[:] = [e for e in heap if self._nvme_evictable(e)]

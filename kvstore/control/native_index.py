@@ -91,7 +91,7 @@ if _NativeIndex is not None:
             for record in _parents_first(records):
                 parent = added[record.parent.page_id] if record.parent is not None else None
                 added[record.page_id] = self.add(record.page_id, parent, record.offset, record.slot_bytes,
-                                                 record.checksum, on_nvme=True)
+                                                 record.checksum, on_nvme=True, shard=record.shard)
             self._offer_recovered([added[record.page_id] for record in records])
 
 

@@ -79,6 +79,7 @@ def _rebuild(nvme: NvmeTier) -> Recovered:
         page_id = (ns_id, rkey[8:])
         record = records[page_id] = PageRecord(page_id, None, NO_SLOT, slot_bytes, checksum)
         record.on_nvme = True
+        record.shard = shard
         if parent_key:
             parents.append((record, parent_key))
     failpoints.hit("recovery.after_scan")

@@ -49,15 +49,16 @@ class Scrubber:
         return not self._bytes_per_s or self._thread.is_alive()
 
     def run_pass(self, bytes_per_s: int = 0) -> tuple[int, int]:
-        """Check every page held now; returns (pages checked, pages found bad)."""
+        """Check every page held from the pass's start to its end (in steps of BATCH_PAGES, so the store's
+        lock is never held for the whole index); returns (pages checked, pages found bad)."""
         started = time.monotonic()
         checked = bad_total = 0
         with self._pass_lock:
-            page_ids = self._store.page_ids()
-            for start in range(0, len(page_ids), BATCH_PAGES):
+            cursor: int | None = 0
+            while cursor is not None:
                 if self._stop.is_set():
                     break
-                batch = self._store.scrub_batch(page_ids[start:start + BATCH_PAGES])
+                batch, cursor = self._store.scrub_batch(cursor, BATCH_PAGES)
                 bad, nbytes = [], 0
                 try:
                     for record in batch:

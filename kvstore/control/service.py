@@ -12,7 +12,6 @@ carriers turn them into statuses.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import secrets
@@ -308,9 +307,8 @@ class KVStoreService:
     def list_keys(self, request: pb.ListKeysRequest, owner: object | None) -> pb.ListKeysResponse:
         self.store.namespace(request.namespace_id)
         most = checks.keys_max(request.keys_max, self.limits)
-        keys = sorted(self.store.keys(request.namespace_id))   # sorted here, outside the store's lock
-        start = bisect.bisect_right(keys, request.after_key) if request.after_key else 0
-        return pb.ListKeysResponse(keys=keys[start:start + most], more=start + most < len(keys))
+        keys, cursor = self.store.keys_page(request.namespace_id, checks.list_cursor(request.cursor), most)
+        return pb.ListKeysResponse(keys=keys, more=cursor is not None, cursor=cursor or 0)
 
     def stats(self, request: pb.StatsRequest, owner: object | None) -> pb.StatsResponse:
         offset, count = checks.stats_page(request, self.config)

@@ -50,6 +50,10 @@ _DRAM_BYTE = bytes([pb.DRAM])
 # Namespaces over all tenants; beyond it (and a tenant's own limit) idle ones are reclaimed, and a
 # tenant past limits.namespaces_per_tenant_floor is refused: at most this plus each tenant's floor.
 NAMESPACES_MAX = 4096
+# Work under the lock for whole-index walks (ListKeys, the scrubber, Delete of a namespace): index
+# positions scanned, or pages removed, per lock section; a call takes at most SCAN_SECTIONS of them.
+SCAN_POSITIONS = 16384
+SCAN_SECTIONS = 16
 Clock = Callable[[], float]
 PageId = tuple[int, bytes]
 
@@ -183,6 +187,7 @@ class PageStore:
         # or the delete could erase the fresh copy. A count per id: deletes may overlap.
         self._nvme_deleting: dict[PageId, int] = {}
         self._nvme_admitted: set[PageRecord] = set()       # write-downs counted in ledger.nvme_writing_bytes
+        self._unsaved_resume: PageRecord | None = None     # where claim_unsaved's walk up a long chain goes on
         # Slots of write leases that ended while their writer may still be copying into them through
         # shared memory (see _fence): lease id -> (owner, offsets). Never reused until the owner says
         # its copies are over (its Abort of the lease) or its connection closes.
@@ -295,10 +300,19 @@ class PageStore:
             present = [[get((ns_id, key)) is not None for key in keys[:leading]] for ns_id in ns_ids[1:]]
         return leading, present
 
-    def keys(self, ns_id: int) -> list[bytes]:
-        """Keys of the namespace's pages, in no order (copied under the lock; the caller sorts them)."""
-        with self._lock:
-            return self.index.keys(ns_id)
+    def keys_page(self, ns_id: int, cursor: int, keys_max: int) -> tuple[list[bytes], int | None]:
+        """Up to `keys_max` keys of the namespace's pages, from index position `cursor` on, and the
+        position to go on from (None: the end). A page held for the whole of a listing is listed once;
+        the lock is held for SCAN_POSITIONS positions at a time (see PageIndex.scan)."""
+        found: list[bytes] = []
+        for _ in range(SCAN_SECTIONS):
+            with self._lock:
+                keys, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, keys=True,
+                                               found_max=keys_max - len(found))
+            found += keys
+            if cursor is None or len(found) >= keys_max:
+                break
+        return found, cursor
 
     # -- writes: reserve, commit, abort -------------------------------------------------
 
@@ -764,23 +778,46 @@ class PageStore:
 
     def delete(self, ns_id: int, keys: list[bytes] | None) -> tuple[list[PageRecord], list[PageRecord]]:
         """Remove pages (None: every page of the namespace) with everything that extends them: their
-        subtrees, and the pages anchored at each key (the key itself held or not).
+        subtrees, and the pages anchored at each key (the key itself held or not). Leaves first, in
+        lock sections of SCAN_POSITIONS pages: a page stored meanwhile may stay (as with a Delete just
+        before that put); a page held throughout is removed.
 
         Returns (pages removed, those that are or may soon be on disk: on NVMe, or moving now,
         as a write-down in flight may still put them there; wait_settled before deleting them)."""
         removed: list[PageRecord] = []
-        with self._lock:
+        on_disk: list[PageRecord] = []
+        with self._lock:   # what to remove: a few roots, the keys' own pages, or a scan of the index
             if keys is None:
-                records = self.index.roots(ns_id)
+                scan = self.index.pages_by_namespace.get(ns_id, 0) > SCAN_POSITIONS
+                todo = [] if scan else self.index.roots(ns_id)
             else:
-                records = [self.index.get((ns_id, k)) for k in keys]
-                records += [r for k in keys for r in self.index.anchored((ns_id, k))]
-            for record in records:
-                if record is not None and record.alive:
-                    removed += self.index.remove_subtree(record)
-            on_disk = [r for r in removed if r.on_nvme or r.busy]
-            self._deleting([r.page_id for r in on_disk])
-            return removed, on_disk
+                scan = False
+                todo = [self.index.get((ns_id, k)) for k in keys]
+                todo += [r for k in keys for r in self.index.anchored((ns_id, k))]
+        cursor: int | None = 0 if scan else None
+        while True:   # SCAN_POSITIONS pages removed (and as many positions scanned) per lock section
+            with self._lock:
+                if not todo and cursor is not None:
+                    todo, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id)
+                section = self._remove_subtrees(todo, SCAN_POSITIONS)
+                moving = [r for r in section if r.on_nvme or r.busy]
+                self._deleting([r.page_id for r in moving])
+            removed += section
+            on_disk += moving
+            if not todo and cursor is None:
+                return removed, on_disk
+
+    def _remove_subtrees(self, todo: list[PageRecord | None], budget: int) -> list[PageRecord]:
+        """Remove up to `budget` pages of the subtrees of `todo`, leaves first; a record leaves `todo`
+        once its subtree is gone (so the next section goes on where this one stopped)."""
+        removed: list[PageRecord] = []
+        while todo and len(removed) < budget:
+            record = todo[-1]
+            if record is not None and record.alive:
+                removed += self.index.remove_subtree(record, budget - len(removed))
+            if record is None or not record.alive:
+                todo.pop()
+        return removed
 
     # -- leases: expiry, connections, draining -----------------------------------------
 
@@ -879,17 +916,22 @@ class PageStore:
     # -- for the controller: write-down ---------------------------------------------------
 
     def claim_unsaved(self, records: Iterable[PageRecord], pages_max: int) -> list[PageRecord]:
-        """Pages to write down with their unsaved ancestors first, pinned and marked busy."""
+        """Pages to write down with their unsaved ancestors first, pinned and marked busy: at most
+        `pages_max`. A page whose unsaved ancestors are more than that is passed over, and the next
+        call walks on from the highest one reached, so a long unsaved chain is written from its
+        saved end in batches while no call walks more than `pages_max` pages under the lock."""
         batch: list[PageRecord] = []
         seen: set[PageRecord] = set()
         with self._lock:
-            for record in records:
+            resume, self._unsaved_resume = self._unsaved_resume, None
+            for record in itertools.chain([resume] if resume is not None else [], records):
                 if len(batch) >= pages_max:
                     break
-                for node in _unsaved_chain(record, self._nvme_deleting):
-                    if node not in seen:
-                        seen.add(node)
-                        batch.append(node)
+                chain, stopped_at = _unsaved_chain(record, self._nvme_deleting, seen, pages_max - len(batch))
+                if stopped_at is not None and self._unsaved_resume is None:
+                    self._unsaved_resume = stopped_at
+                seen.update(chain)
+                batch += chain
             for record in batch:
                 record.busy = True
                 record.pins += 1
@@ -945,9 +987,9 @@ class PageStore:
         with self._lock:
             return self.allocator.used_bytes / max(self.allocator.capacity_bytes, 1)
 
-    def finish_writedown(self, batch: list[PageRecord], on_disk: set[PageRecord]) -> tuple[list[PageRecord],
-                                                                                         list[PageId]]:
-        """The batch (chain order) is no longer moving; `on_disk` reached NVMe. A page is marked on
+    def finish_writedown(self, batch: list[PageRecord], on_disk: dict[PageRecord, int]) -> tuple[
+            list[PageRecord], list[PageId]]:
+        """The batch (chain order) is no longer moving; `on_disk` reached NVMe, each on its shard. A page is marked on
         NVMe only when its parent is, so the NVMe tier stays prefix-closed even when another
         shard's write failed. Returns (pages now on NVMe, ids deleted meanwhile: the caller
         deletes those from NVMe too)."""
@@ -957,7 +999,7 @@ class PageStore:
                 if record not in on_disk:
                     continue
                 if record.alive and (record.parent is None or record.parent.on_nvme):
-                    self.index.set_on_nvme(record, True)
+                    self.index.set_on_nvme(record, True, on_disk[record])
                     written.append(record)
                 else:  # deleted meanwhile, or its parent is not on NVMe: its bytes must not stay there
                     garbage.append(record.page_id)
@@ -989,10 +1031,10 @@ class PageStore:
             durable = sum(1 for _ in itertools.takewhile(lambda r: r.alive and r.on_nvme, records))
             return durable, durable < len(records) and not records[durable].alive
 
-    def nvme_victims(self, shard_of: Callable[[PageRecord], int], shard: int, count: int) -> list[PageRecord]:
+    def nvme_victims(self, shard: int, count: int) -> list[PageRecord]:
         """Take up to `count` least recently used pages off one NVMe shard (the caller deletes them)."""
         with self._lock:
-            victims = self.index.evict_nvme(shard_of, shard, count)
+            victims = self.index.evict_nvme(shard, count)
             self.counters.nvme_evictions += len(victims)
             for record in victims:
                 self.ledger.of(record.tenant).nvme_evictions += 1
@@ -1090,17 +1132,15 @@ class PageStore:
 
     # -- for the scrubber ---------------------------------------------------------------
 
-    def page_ids(self) -> list[PageId]:
+    def scrub_batch(self, cursor: int, count: int) -> tuple[list[PageRecord], int | None]:
+        """Up to `count` pages held and not moving, from index position `cursor` on, pinned (so a DRAM
+        slot stays put), and the position to go on from (None: the pass is over)."""
         with self._lock:
-            return self.index.page_ids()
-
-    def scrub_batch(self, page_ids: list[PageId]) -> list[PageRecord]:
-        """The pages of these ids still held and not moving, pinned (so a DRAM slot stays put)."""
-        with self._lock:
-            batch = [r for r in map(self.index.get, page_ids) if r is not None and not r.busy]
+            found, cursor = self.index.scan(cursor, SCAN_POSITIONS, found_max=count)
+            batch = [r for r in found if not r.busy]
             for record in batch:
                 record.pins += 1
-            return batch
+            return batch, cursor
 
     def scrub_done(self, batch: list[PageRecord], bad: list[PageRecord]) -> list[PageId]:
         """Unpin a scrubbed batch; drop the bad pages with their descendants. NVMe ids to delete."""
@@ -1264,7 +1304,7 @@ class PageStore:
             held = (usage.nvme_bytes if usage else 0) + self.ledger.nvme_writing_bytes.get(tenant, 0)
             if held + slot_bytes <= limit:
                 return True
-            taken = self.index.evict_nvme(_any_shard, None, 1, tenant)
+            taken = self.index.evict_nvme(None, 1, tenant)
             if not taken:
                 return False
             victims += taken
@@ -1421,10 +1461,6 @@ class PageStore:
         self.ledger.freed(offset, self.allocator.free(offset))
 
 
-def _any_shard(record: PageRecord) -> int:
-    return 0
-
-
 def _nvme_ancestors(records: list[PageRecord]) -> list[PageRecord]:
     """The alive ancestors on NVMe of these pages, each once."""
     found: dict[PageRecord, None] = {}
@@ -1437,15 +1473,19 @@ def _nvme_ancestors(records: list[PageRecord]) -> list[PageRecord]:
     return list(found)
 
 
-def _unsaved_chain(record: PageRecord, deleting: dict[PageId, int]) -> list[PageRecord]:
-    """The page and its ancestors not yet on NVMe, root first; [] if one is gone, moving, or
-    its NVMe copy is being deleted."""
+def _unsaved_chain(record: PageRecord, deleting: dict[PageId, int], batched: set[PageRecord],
+                   room: int) -> tuple[list[PageRecord], PageRecord | None]:
+    """The page and its ancestors not yet on NVMe nor in this batch, root first, and None; ([], None)
+    if one is gone, moving, or its NVMe copy is being deleted; ([], the highest one reached) if there
+    are more than `room` of them."""
     chain = []
     node: PageRecord | None = record
-    while node is not None and not node.on_nvme:
+    while node is not None and not node.on_nvme and node not in batched:
         if not node.alive or node.offset == NO_SLOT or node.busy or node.page_id in deleting:
-            return []
+            return [], None
+        if len(chain) == room:
+            return [], node
         chain.append(node)
         node = node.parent
     chain.reverse()
-    return chain
+    return chain, None

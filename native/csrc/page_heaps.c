@@ -140,7 +140,7 @@ int entry_evictable(const index_t *self, const heap_t *h, const entry_t *e) {
 heap_t *heap_for(index_t *self, int nvme, uint16_t tenant, uint32_t slot_bytes, int clean) {
     for (size_t i = 0; i < self->heap_count; i++) {
         heap_t *h = &self->heaps[i];
-        if (h->nvme == nvme && h->tenant == tenant && (nvme || (h->slot_bytes == slot_bytes && h->clean == clean)))
+        if (h->nvme == nvme && h->tenant == tenant && h->slot_bytes == slot_bytes && (nvme || h->clean == clean))
             return h;
     }
     heap_t *heaps = realloc(self->heaps, (self->heap_count + 1) * sizeof *heaps);
@@ -153,7 +153,7 @@ heap_t *heap_for(index_t *self, int nvme, uint16_t tenant, uint32_t slot_bytes, 
     memset(h, 0, sizeof *h);
     h->nvme = (uint8_t)nvme;
     h->tenant = tenant;
-    h->slot_bytes = nvme ? 0 : slot_bytes;
+    h->slot_bytes = slot_bytes;
     h->clean = (uint8_t)(nvme ? 0 : clean);
     return h;
 }
@@ -194,7 +194,7 @@ int offer(index_t *self, uint32_t page) {
             return -1;
     }
     if (nvme) {
-        heap_t *h = heap_for(self, 1, p->tenant, 0, 0);
+        heap_t *h = heap_for(self, 1, p->tenant, p->shard, 0);
         if (!h || heap_offer(self, h, entry) < 0)
             return -1;
     }

@@ -232,12 +232,13 @@ static int drop_dram(index_t *self, uint32_t page, int notify) {
     return 0;
 }
 
-static int set_on_nvme(index_t *self, uint32_t page, int on) {
+static int set_on_nvme(index_t *self, uint32_t page, int on, int shard) {
     page_t *p = &self->pages[page];
     if (((p->flags & F_NVME) != 0) == on)
         return 0;
     usage_count(self, p, -1);
     p->flags = on ? (p->flags | F_NVME) : (p->flags & ~F_NVME);
+    p->shard = (uint8_t)shard;
     usage_count(self, p, 1);
     if (offer(self, page) < 0)
         return -1;
@@ -571,6 +572,15 @@ static int uint_arg(PyObject *obj, const char *name, unsigned long long max, uns
     return -1;
 }
 
+/* NVMe shards are numbered 0..255 (config: at most 256 nvme.paths). */
+static int shard_arg(int shard) {
+    if (shard < 0 || shard > UINT8_MAX) {
+        PyErr_Format(PyExc_ValueError, "NVMe shard %d is not in 0..255", shard);
+        return -1;
+    }
+    return 0;
+}
+
 static int64_t parent_arg(index_t *self, PyObject *parent) {
     if (parent == Py_None)
         return NONE;
@@ -578,16 +588,17 @@ static int64_t parent_arg(index_t *self, PyObject *parent) {
 }
 
 static PyObject *index_add(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"page_id", "parent", "offset", "slot_bytes", "checksum", "on_nvme", "anchor", NULL};
+    static char *names[] = {"page_id", "parent", "offset", "slot_bytes", "checksum", "on_nvme", "anchor", "shard",
+                            NULL};
     PyObject *page_id, *parent, *anchor = NULL, *slot_bytes_obj, *checksum_obj;
     long long offset;
     unsigned long long slot_bytes, checksum;
-    int on_nvme = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLOO|pS", names, &page_id, &parent, &offset, &slot_bytes_obj,
-                                     &checksum_obj, &on_nvme, &anchor))
+    int on_nvme = 0, shard = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLOO|pSi", names, &page_id, &parent, &offset, &slot_bytes_obj,
+                                     &checksum_obj, &on_nvme, &anchor, &shard))
         return NULL;
     if (uint_arg(slot_bytes_obj, "slot_bytes", UINT32_MAX, &slot_bytes) < 0
-        || uint_arg(checksum_obj, "checksum", UINT64_MAX, &checksum) < 0)
+        || uint_arg(checksum_obj, "checksum", UINT64_MAX, &checksum) < 0 || shard_arg(shard) < 0)
         return NULL;
     PyObject *ns_id;
     const uint8_t *data;
@@ -601,7 +612,10 @@ static PyObject *index_add(index_t *self, PyObject *args, PyObject *kwargs) {
         return NULL;
     int64_t page = add_page(self, ns_id, ns, data, (size_t)len, (uint32_t)parent_page, offset, (uint32_t)slot_bytes,
                             checksum, on_nvme, anchor, tenant);
-    return page < 0 ? NULL : record_of(self, (uint32_t)page);
+    if (page < 0)
+        return NULL;
+    self->pages[page].shard = (uint8_t)shard;
+    return record_of(self, (uint32_t)page);
 }
 
 /* add_chain(ns_id, keys, parent, offsets, slot_bytes, checksums, records=True): a commit's pages, each the
@@ -975,13 +989,13 @@ static PyObject *index_set_dram(index_t *self, PyObject *args, PyObject *kwargs)
 }
 
 static PyObject *index_set_on_nvme(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"record", "on_nvme", NULL};
+    static char *names[] = {"record", "on_nvme", "shard", NULL};
     PyObject *record;
-    int on;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Op", names, &record, &on))
+    int on, shard = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Op|i", names, &record, &on, &shard) || shard_arg(shard) < 0)
         return NULL;
     int64_t page = page_of(self, record);
-    if (page < 0 || set_on_nvme(self, (uint32_t)page, on) < 0)
+    if (page < 0 || set_on_nvme(self, (uint32_t)page, on, shard) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1115,92 +1129,68 @@ static int push_back(held_t *held, size_t count) {
     return 0;
 }
 
+/* evict_nvme(shard, count, tenant=None): take up to `count` pages off NVMe shard `shard` (None: any), of
+ * this tenant (None: any), least recently used first. Each (tenant, shard) has its own order, so no
+ * other shard's page is looked at. */
 static PyObject *index_evict_nvme(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"shard_of", "shard", "count", "tenant", NULL};
-    PyObject *shard_of, *shard_obj, *tenant_obj = Py_None;
+    static char *names[] = {"shard", "count", "tenant", NULL};
+    PyObject *shard_obj, *tenant_obj = Py_None;
     Py_ssize_t count;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOn|O", names, &shard_of, &shard_obj, &count, &tenant_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|O", names, &shard_obj, &count, &tenant_obj))
         return NULL;
     int64_t tenant;
     if (tenant_arg(self, tenant_obj, &tenant) < 0)
         return NULL;
+    int shard = -1;
+    if (shard_obj != Py_None) {
+        int overflow;
+        long asked = PyLong_AsLongAndOverflow(shard_obj, &overflow);
+        if ((asked == -1 && PyErr_Occurred()) || shard_arg(overflow || asked < 0 || asked > UINT8_MAX ? -1 : (int)asked) < 0)
+            return NULL;
+        shard = (int)asked;
+    }
     heap_t **selected = PyMem_Malloc((self->heap_count + 1) * sizeof *selected);
-    size_t n_selected = 0, n_passed = 0, passed_capacity = 16;
-    held_t *passed = PyMem_Malloc(passed_capacity * sizeof *passed);
     PyObject *taken = PyList_New(0);
-    if (!selected || !passed || !taken) {
+    if (!selected || !taken) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         goto fail;
     }
-    for (size_t i = 0; i < self->heap_count; i++)
-        if (self->heaps[i].nvme && (tenant == -1 || self->heaps[i].tenant == tenant))
-            selected[n_selected++] = &self->heaps[i];
-    /* heaps may move (realloc) only when a new one is made: offer() below makes none for NVMe pages
-     * already offered before, but a DRAM heap may be new; keep indices, not pointers */
-    size_t *which = PyMem_Malloc((n_selected + 1) * sizeof *which);
+    size_t *which = PyMem_Malloc((self->heap_count + 1) * sizeof *which);
     if (!which) {
         PyErr_NoMemory();
         goto fail;
     }
-    for (size_t i = 0; i < n_selected; i++)
-        which[i] = (size_t)(selected[i] - self->heaps);
+    size_t n_selected = 0;
+    for (size_t i = 0; i < self->heap_count; i++)
+        if (self->heaps[i].nvme && (tenant == -1 || self->heaps[i].tenant == tenant)
+            && (shard == -1 || self->heaps[i].slot_bytes == (uint32_t)shard))
+            which[n_selected++] = i;
     while (PyList_GET_SIZE(taken) < count) {
+        /* heaps may move (realloc) when set_on_nvme offers a page to a DRAM heap not made yet */
         for (size_t i = 0; i < n_selected; i++)
             selected[i] = &self->heaps[which[i]];
         heap_t *best = oldest_heap(self, selected, n_selected);
         if (!best)
             break;
-        size_t best_index = (size_t)(best - self->heaps);
         entry_t entry = heap_pop(best);
         PyObject *record = record_of(self, entry.page);
         if (!record)
             goto fail_which;
-        if (shard_obj != Py_None) {
-            PyObject *shard = PyObject_CallOneArg(shard_of, record);
-            int same = shard ? PyObject_RichCompareBool(shard, shard_obj, Py_EQ) : -1;
-            Py_XDECREF(shard);
-            if (same < 0) {
-                Py_DECREF(record);
-                goto fail_which;
-            }
-            if (!same) {
-                Py_DECREF(record);
-                if (n_passed == passed_capacity) {
-                    passed_capacity *= 2;
-                    held_t *grown = PyMem_Realloc(passed, passed_capacity * sizeof *passed);
-                    if (!grown) {
-                        PyErr_NoMemory();
-                        goto fail_which;
-                    }
-                    passed = grown;
-                }
-                passed[n_passed].entry = entry;
-                passed[n_passed].heap = (heap_t *)(uintptr_t)best_index;
-                n_passed++;
-                continue;
-            }
-        }
-        int failed = set_on_nvme(self, entry.page, 0) < 0
+        int failed = set_on_nvme(self, entry.page, 0, 0) < 0
                      || (!in_dram(&self->pages[entry.page]) && remove_page(self, entry.page) < 0)
                      || PyList_Append(taken, record) < 0;
         Py_DECREF(record);
         if (failed)
             goto fail_which;
     }
-    for (size_t i = 0; i < n_passed; i++)
-        passed[i].heap = &self->heaps[(size_t)(uintptr_t)passed[i].heap];
-    if (push_back(passed, n_passed) < 0)
-        goto fail_which;
     PyMem_Free(which);
     PyMem_Free(selected);
-    PyMem_Free(passed);
     return taken;
 fail_which:
     PyMem_Free(which);
 fail:
     PyMem_Free(selected);
-    PyMem_Free(passed);
     Py_XDECREF(taken);
     return NULL;
 }
@@ -1288,13 +1278,20 @@ done:
 }
 
 /* Descendants before ancestors, without recursion; the records, in that order. */
-static PyObject *index_remove_subtree(index_t *self, PyObject *record) {
+/* remove_subtree(record, limit=-1): remove the page and every page that extends it, descendants first,
+ * or only the first `limit` of them in that order (a prefix of a post-order leaves the rest a tree). */
+static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"record", "limit", NULL};
+    PyObject *record;
+    Py_ssize_t limit = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", names, &record, &limit))
+        return NULL;
     int64_t top = page_of(self, record);
     if (top < 0)
         return NULL;
     PyObject *removed = PyList_New(0);
-    if (!removed)
-        return NULL;
+    if (!removed || limit == 0)
+        return removed;
     /* Walk down to a leaf, remove it, continue from its parent; stop after the top. */
     uint32_t node = (uint32_t)top;
     for (;;) {
@@ -1308,7 +1305,7 @@ static PyObject *index_remove_subtree(index_t *self, PyObject *record) {
             return NULL;
         }
         Py_DECREF(item);
-        if (node == (uint32_t)top)
+        if (node == (uint32_t)top || PyList_GET_SIZE(removed) == limit)
             break;
         node = parent;
     }
@@ -1387,6 +1384,55 @@ static PyObject *index_all(index_t *self, PyObject *arg) {
     return out;
 }
 
+/* scan(start, positions_max, namespace_id=None, keys=False, found_max=-1) -> (list, next): the pages
+ * in slots [start, start + positions_max) (of one namespace, or all), as records or (keys=True) their
+ * keys, at most found_max of them (-1: no limit), and the slot to go on from (None: the end). A page keeps its slot while it is in the index, so a
+ * scan meets it exactly once; one added or removed meanwhile may be met or not. */
+static PyObject *index_scan(index_t *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"start", "positions_max", "namespace_id", "keys", "found_max", NULL};
+    Py_ssize_t start, most, found_max = -1;
+    PyObject *ns_id = Py_None;
+    int keys = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn|Opn", names, &start, &most, &ns_id, &keys, &found_max))
+        return NULL;
+    if (start < 0 || most < 0) {
+        PyErr_SetString(PyExc_ValueError, "scan: start and positions_max must not be negative");
+        return NULL;
+    }
+    int64_t ns = -1;
+    if (ns_id != Py_None) {
+        ns = ns_lookup(self, ns_id, 0);
+        if (ns < 0 && PyErr_Occurred())
+            return NULL;
+    }
+    size_t stop = (size_t)start + (size_t)most;
+    if (stop > self->used)
+        stop = self->used;
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    if (ns_id == Py_None || ns >= 0)
+        for (size_t i = (size_t)start; i < stop; i++) {
+            if (found_max >= 0 && PyList_GET_SIZE(out) >= found_max) {
+                stop = i;
+                break;
+            }
+            const page_t *p = &self->pages[i];
+            if (!(p->flags & F_ALIVE) || (ns >= 0 && p->ns != (uint32_t)ns))
+                continue;
+            PyObject *item = keys ? page_key_object(p) : record_of(self, (uint32_t)i);
+            if (!item || PyList_Append(out, item) < 0) {
+                Py_XDECREF(item);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(item);
+        }
+    if (stop >= self->used)
+        return Py_BuildValue("(NO)", out, Py_None);
+    return Py_BuildValue("(Nn)", out, (Py_ssize_t)stop);
+}
+
 /* _recovered(records): offer pages adopted from NVMe at start-up, all at tick 0, in this order. */
 static PyObject *index_offer_recovered(index_t *self, PyObject *records) {
     for (size_t i = 0; i < self->heap_count; i++)
@@ -1396,7 +1442,7 @@ static PyObject *index_offer_recovered(index_t *self, PyObject *records) {
         }
     FOR_RECORDS(records, page, {
         page_t *p = &self->pages[page];
-        heap_t *h = heap_for(self, 1, p->tenant, 0, 0);
+        heap_t *h = heap_for(self, 1, p->tenant, p->shard, 0);
         entry_t entry = {p->tick, self->seq++, (uint32_t)page};
         if (!h || heap_push(h, entry) < 0)
             FAIL_IN_LOOP
@@ -1565,6 +1611,7 @@ GUARDED_KW(index_positions_held)
 GUARDED_KW(index_leading)
 GUARDED_KW(index_leading_offsets)
 GUARDED_O(index_touch_all)
+GUARDED_KW(index_scan)
 GUARDED_O(index_pin)
 GUARDED_KW(index_pin_all)
 GUARDED_O(index_unpin_all)
@@ -1575,7 +1622,7 @@ GUARDED_KW(index_evict_dram)
 GUARDED_KW(index_evict_dram_many)
 GUARDED_KW(index_evict_nvme)
 GUARDED_KW(index_dram_only_lru)
-GUARDED_O(index_remove_subtree)
+GUARDED_KW(index_remove_subtree)
 GUARDED_O(index_roots)
 GUARDED_O(index_keys)
 GUARDED_O(index_all)
@@ -1609,6 +1656,8 @@ static PyMethodDef index_methods[] = {
     {"leading_offsets", (PyCFunction)(void (*)(void))guarded_index_leading_offsets, METH_VARARGS | METH_KEYWORDS,
      "leading_offsets(namespace_id, keys, key_bytes=0) -> the DRAM offsets of leading(...)"},
     {"touch_all", (PyCFunction)guarded_index_touch_all, METH_O, "touch_all(records): one access tick"},
+    {"scan", (PyCFunction)(void (*)(void))guarded_index_scan, METH_VARARGS | METH_KEYWORDS,
+     "scan(start, positions_max, namespace_id=None, keys=False, found_max=-1) -> (pages, next position or None)"},
     {"pin", (PyCFunction)guarded_index_pin, METH_O, "pin(record)"},
     {"pin_all", (PyCFunction)(void (*)(void))guarded_index_pin_all, METH_VARARGS | METH_KEYWORDS,
      "pin_all(records, hit)"},
@@ -1624,10 +1673,11 @@ static PyMethodDef index_methods[] = {
      "evict_dram_many(slot_bytes, clean_only, count, tenant=None, until_bytes=0)"
      " -> (offsets, tenants)"},
     {"evict_nvme", (PyCFunction)(void (*)(void))guarded_index_evict_nvme, METH_VARARGS | METH_KEYWORDS,
-     "evict_nvme(shard_of, shard, count, tenant=None) -> records"},
+     "evict_nvme(shard, count, tenant=None) -> records"},
     {"dram_only_lru", (PyCFunction)(void (*)(void))guarded_index_dram_only_lru, METH_VARARGS | METH_KEYWORDS,
      "dram_only_lru(count, tenant=None) -> records"},
-    {"remove_subtree", (PyCFunction)guarded_index_remove_subtree, METH_O, "remove_subtree(record) -> records removed"},
+    {"remove_subtree", (PyCFunction)(void (*)(void))guarded_index_remove_subtree, METH_VARARGS | METH_KEYWORDS,
+     "remove_subtree(record, limit=-1) -> records removed, descendants first"},
     {"roots", (PyCFunction)guarded_index_roots, METH_O, "roots(namespace_id) -> records"},
     {"keys", (PyCFunction)guarded_index_keys, METH_O, "keys(namespace_id) -> keys"},
     {"_all", (PyCFunction)guarded_index_all, METH_O, "_all(ids) -> every page's record, or page id"},

@@ -30,6 +30,7 @@ typedef struct {
     uint32_t slot_bytes, pins, hits;
     uint16_t tenant, flags;
     uint8_t key_len;
+    uint8_t shard;             /* the NVMe shard its copy is on, while F_NVME */
 } page_t;
 
 typedef struct __attribute__((packed)) {
@@ -45,7 +46,7 @@ typedef struct {
     size_t count, capacity;
     entry_t *run;                   /* the queue: run[run_head .. run_end) */
     size_t run_head, run_end, run_capacity;
-    uint32_t slot_bytes;
+    uint32_t slot_bytes;            /* a DRAM order's slot size; an NVMe order's shard */
     uint16_t tenant;
     uint8_t nvme, clean;
 } heap_t;

@@ -106,10 +106,10 @@ def test_nvme_eviction_keeps_what_is_on_disk_prefix_closed(index):
     a = chain(index, "a", 3)
     for record in a:
         index.set_on_nvme(record, True)
-    taken = index.evict_nvme(lambda r: 0, 0, 1)
+    taken = index.evict_nvme(0, 1)
     assert taken == [a[2]]  # the deepest page on NVMe goes first, though a0 is older
     assert a[2].alive and not a[2].on_nvme  # still in DRAM
-    assert index.evict_nvme(lambda r: 1, 0, 5) == []  # other shards' pages are not taken
+    assert index.evict_nvme(1, 5) == []  # other shards' pages are not taken
 
 
 def test_roots_are_kept_per_namespace_not_found_by_a_scan(index, freed):

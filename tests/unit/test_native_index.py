@@ -168,14 +168,13 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         shard = rng.choice((0, 1, None))
         tenant = rng.choice(("a", "b", None))
         count = rng.randrange(1, 4)
-        taken = (py.evict_nvme(lambda r: r.page_id[1][0] % 2, shard, count, tenant),
-                 c.evict_nvme(lambda r: r.page_id[1][0] % 2, shard, count, tenant))
+        taken = (py.evict_nvme(shard, count, tenant), c.evict_nvme(shard, count, tenant))
         assert ids(taken[0]) == ids(taken[1])
     elif op < 0.84:
         page_id = rng.choice(alive)
         on = rng.random() < 0.7 or not py.get(page_id).in_dram   # a page is held somewhere
         for index in (py, c):
-            index.set_on_nvme(index.get(page_id), on)
+            index.set_on_nvme(index.get(page_id), on, page_id[1][0] % 2)
     elif op < 0.88:
         page_id = rng.choice(alive)
         records = pair.both(page_id)

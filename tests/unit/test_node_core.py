@@ -391,7 +391,7 @@ def test_pages_written_to_disk_whose_parent_is_not_on_nvme_are_deleted_from_it(n
     parent, child = (node.store.index.get((ns, k)) for k in keys)
     batch = node.store.claim_unsaved([child], 10)
     assert batch == [parent, child]
-    written, garbage = node.store.finish_writedown(batch, {child})    # the parent's shard write failed
+    written, garbage = node.store.finish_writedown(batch, {child: 0})    # the parent's shard write failed
     assert written == [] and garbage == [child.page_id] and not child.on_nvme
     node.store.nvme_deleted(garbage)
 

@@ -279,22 +279,29 @@ def test_delete_takes_the_pages_anchored_at_a_key_it_does_not_hold_and_can_name_
     assert not service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"c0"]), None).removed_keys   # not asked
 
 
-def test_list_keys_pages_through_a_namespace_in_byte_order(service):
+def list_all(service, ns, keys_max=3) -> list[bytes]:
+    listed, cursor = [], 0
+    while True:
+        answer = service.list_keys(pb.ListKeysRequest(namespace_id=ns, cursor=cursor, keys_max=keys_max), None)
+        assert len(answer.keys) <= (keys_max or service.limits.lookup_pages_max)
+        listed += answer.keys
+        if not answer.more:
+            return listed
+        cursor = answer.cursor
+
+
+def test_list_keys_pages_through_a_namespace_by_its_cursor_each_key_once(service):
     ns, other = open_ns(service), open_ns(service, layout="x")
     put(service, ns, keys("a", 5))
     put(service, ns, keys("b", 3), parent=b"a4")       # one chain: a0..a4 b0..b2
     put(service, other, keys("z", 2))
-    listed, after = [], b""
-    while True:
-        answer = service.list_keys(pb.ListKeysRequest(namespace_id=ns, after_key=after, keys_max=3), None)
-        listed += answer.keys
-        if not answer.more:
-            break
-        after = answer.keys[-1]
-    assert listed == sorted(keys("a", 5) + keys("b", 3))
-    assert service.list_keys(pb.ListKeysRequest(namespace_id=other), None).keys == keys("z", 2)
+    listed = list_all(service, ns)
+    assert sorted(listed) == sorted(keys("a", 5) + keys("b", 3)) and len(set(listed)) == len(listed)
+    assert list_all(service, other, keys_max=0) == keys("z", 2)
     with pytest.raises(errors.InvalidArgument, match="lookup_pages_max"):
         service.list_keys(pb.ListKeysRequest(namespace_id=ns, keys_max=service.limits.lookup_pages_max + 1), None)
+    with pytest.raises(errors.InvalidArgument, match="cursor"):
+        service.list_keys(pb.ListKeysRequest(namespace_id=ns, cursor=1 << 40), None)
     with pytest.raises(errors.NamespaceNotFound):
         service.list_keys(pb.ListKeysRequest(namespace_id=12345), None)
 

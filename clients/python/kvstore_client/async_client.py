@@ -426,13 +426,15 @@ class AsyncKVStoreClient:
     async def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
         async def list_all(conn: _Connection) -> list[bytes]:
             async def in_namespace(ns_id: int) -> list[bytes]:
-                found: list[bytes] = []
+                found: set[bytes] = set()
+                cursor = 0
                 while True:
                     answer = await conn.control.call("ListKeys", pb.ListKeysRequest(
-                        namespace_id=ns_id, after_key=found[-1] if found else b""), self._timeout_s)
-                    found += answer.keys
+                        namespace_id=ns_id, cursor=cursor), self._timeout_s)
+                    found.update(answer.keys)
                     if not answer.more:
-                        return found
+                        return sorted(found)
+                    cursor = answer.cursor
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(list_all, timeout_s)
 

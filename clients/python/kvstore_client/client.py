@@ -239,15 +239,17 @@ class KVStoreClient:
                              timeout_s=timeout_s).deleted_pages
 
     def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
-        """Keys of every page of the namespace, in byte order (several ListKeys calls for a large one)."""
+        """Keys of every page of the namespace, in byte order, each once (several ListKeys calls for a
+        large one: a page held throughout is listed; one stored or removed meanwhile may be or not)."""
         def in_namespace(conn: NodeConnection, ns_id: int) -> list[bytes]:
-            found: list[bytes] = []
+            found: set[bytes] = set()
+            cursor = 0
             while True:
-                answer = conn.control.call("ListKeys", pb.ListKeysRequest(namespace_id=ns_id,
-                                                                          after_key=found[-1] if found else b""))
-                found += answer.keys
+                answer = conn.control.call("ListKeys", pb.ListKeysRequest(namespace_id=ns_id, cursor=cursor))
+                found.update(answer.keys)
                 if not answer.more:
-                    return found
+                    return sorted(found)
+                cursor = answer.cursor
         return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
                              _always, timeout_s=timeout_s)
 

@@ -540,22 +540,24 @@ class ScrubResponse(_message.Message):
     def __init__(self, pages_checked: _Optional[int] = ..., pages_bad: _Optional[int] = ...) -> None: ...
 
 class ListKeysRequest(_message.Message):
-    __slots__ = ("namespace_id", "after_key", "keys_max")
+    __slots__ = ("namespace_id", "keys_max", "cursor")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
-    AFTER_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_MAX_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
-    after_key: bytes
     keys_max: int
-    def __init__(self, namespace_id: _Optional[int] = ..., after_key: _Optional[bytes] = ..., keys_max: _Optional[int] = ...) -> None: ...
+    cursor: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys_max: _Optional[int] = ..., cursor: _Optional[int] = ...) -> None: ...
 
 class ListKeysResponse(_message.Message):
-    __slots__ = ("keys", "more")
+    __slots__ = ("keys", "more", "cursor")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     more: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., more: _Optional[bool] = ...) -> None: ...
+    cursor: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., more: _Optional[bool] = ..., cursor: _Optional[int] = ...) -> None: ...
 
 class RdmaQueuePair(_message.Message):
     __slots__ = ("lid", "gid", "qp_num", "psn", "mtu", "gid_type")
