@@ -1575,7 +1575,7 @@ static PyObject *index_get_nvme_pages(index_t *self, void *unused) {
 
 /* ---------------------------------------------------------------- the guard every method passes
 
-   A method may call Python code midway (the namespace id's __hash__ and __eq__, tenant_of, shard_of,
+   A method may call Python code midway (the namespace id's __hash__ and __eq__, tenant_of,
    on_removed, on_dram_dropped, an argument's __index__) while the index is half-way through a change;
    a call back into the index from there would find it so, so it is refused. */
 

@@ -170,7 +170,7 @@ print("unpinned")
 
 
 @needs_native
-@pytest.mark.parametrize("where", ["tenant_of", "namespace __hash__", "shard_of", "on_removed"])
+@pytest.mark.parametrize("where", ["tenant_of", "namespace __hash__", "on_removed"])
 def test_a_callback_that_calls_back_into_the_index_is_refused(where):
     out = run_child(f"""
 import kvstore_native
@@ -188,11 +188,7 @@ class Namespace:
 index = kvstore_native.PageIndex(reenter if where == "on_removed" else (lambda record: None), lambda record: None,
                                  reenter if where == "tenant_of" else None)
 try:
-    if where == "shard_of":
-        record = index.add((1, b"a"), None, -1, 4096, 0, on_nvme=True)
-        index._offer_recovered([record])
-        index.evict_nvme(reenter, 5, 1)
-    elif where == "on_removed":
+    if where == "on_removed":
         index.remove_subtree(index.add((1, b"a"), None, 0, 4096, 0))
     else:
         index.add((Namespace(), b"a"), None, 0, 4096, 0)
