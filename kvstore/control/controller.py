@@ -161,6 +161,10 @@ class CacheController:
             if not batch:
                 time.sleep(0.005)  # an ancestor outside `records` is still moving
 
+    def nvme_quarantined(self) -> list:
+        """The NVMe shards found damaged since start-up (tiers.nvme.Quarantine)."""
+        return self._nvme.quarantined()
+
     def nvme_usage(self) -> tuple[int, int]:
         """(capacity, used) bytes of the NVMe tier."""
         return self._nvme.capacity_bytes, self._nvme.used_bytes()
