@@ -182,7 +182,8 @@ class Node:
         stats = self.service.handle("Stats", pb.StatsRequest())
         pages = sum(t.pages for t in stats.tiers)
         used = sum(t.used_bytes for t in stats.tiers)
-        return f"serving pages={pages} used_bytes={used} leases_open={stats.leases_open}"
+        degraded = "".join(f" nvme_shard_quarantined={q.path}" for q in stats.nvme_quarantined)
+        return f"serving pages={pages} used_bytes={used} leases_open={stats.leases_open}{degraded}"
 
     def drain_and_stop(self) -> None:
         started = time.monotonic()

@@ -111,12 +111,17 @@ def cmd_status(node: RemoteNode, args: argparse.Namespace) -> None:
         render.emit_json({
             "target": node.target, "server_version": hello.server_version, "health": health,
             "shm_socket": hello.shm_socket, "arena_bytes": hello.arena_bytes, "tiers": tiers,
-            "namespaces": stats.namespaces_total, **_scalars(stats)})
+            "namespaces": stats.namespaces_total, **_scalars(stats),
+            "nvme_quarantined": [{"shard": q.shard, "path": q.path, "moved_to": q.moved_to, "cause": q.cause,
+                                  "at_start": q.at_start} for q in stats.nvme_quarantined]})
         return
     render.emit(f"kvstore {hello.server_version} at {node.target}  health {health}  "
                 f"namespaces {stats.namespaces_total}  leases open {stats.leases_open}  "
                 f"expired {stats.leases_expired}  pages committed {stats.pages_committed}  "
                 f"checksum failures {stats.checksum_failures}")
+    for shard in stats.nvme_quarantined:
+        render.emit(f"NVMe shard {shard.shard} quarantined ({shard.path}): {shard.cause}; "
+                    f"file moved to {shard.moved_to or '(not moved)'}")
     render.emit(render.table(
         ["TIER", "CAPACITY", "USED", "FILL", "PAGES", "HITS", "MISSES", "HIT RATE", "EVICTIONS", "PROMOTED",
          "DEMOTED"],

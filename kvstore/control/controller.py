@@ -34,7 +34,7 @@ from kvstore.config import ControllerConfig
 from kvstore.control.index import PageRecord
 from kvstore.control.store import Claim, Evict, PageId, PageStore
 from kvstore.invariants import stop_node
-from kvstore.tiers.nvme import NvmeError, NvmeFull, NvmeTier, StoredPage
+from kvstore.tiers.nvme import MISSING, NvmeError, NvmeFull, NvmeShardQuarantined, NvmeTier, StoredPage
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class CacheController:
         self._prefetch: collections.OrderedDict[PageRecord, None] = collections.OrderedDict()
         self._dram_short = False
         self._saved_namespaces: set[int] = set()
+        # Room is made by the controller thread and by RPC threads writing pages down (clean,
+        # make_durable): the count and the time of the last line change under this lock.
+        self._full_lock = threading.Lock()
         self._full_evicted = 0                  # NVMe pages evicted for room since the last line said so
         self._full_logged_at = -FULL_LOG_EVERY_S
         self._stopping = False
@@ -158,6 +161,10 @@ class CacheController:
             if not batch:
                 time.sleep(0.005)  # an ancestor outside `records` is still moving
 
+    def nvme_quarantined(self) -> list:
+        """The NVMe shards found damaged since start-up (tiers.nvme.Quarantine)."""
+        return self._nvme.quarantined()
+
     def nvme_usage(self) -> tuple[int, int]:
         """(capacity, used) bytes of the NVMe tier."""
         return self._nvme.capacity_bytes, self._nvme.used_bytes()
@@ -210,7 +217,7 @@ class CacheController:
     # -- promotion --------------------------------------------------------------------
 
     def _promote(self, claim: Claim, deadline: float) -> int:
-        results: list[bool] = []
+        results: list[bool | None] = []
         try:
             failpoints.hit("promote.before_read")
             for start in range(0, len(claim.records), PROMOTE_GROUP_PAGES):
@@ -224,11 +231,12 @@ class CacheController:
         self._delete_from_nvme(garbage)
         return promoted
 
-    def _read_pages(self, records: list[PageRecord], slots: list[int]) -> list[bool]:
-        """Copy pages from NVMe into their new slots; True where the bytes match the checksum."""
+    def _read_pages(self, records: list[PageRecord], slots: list[int]) -> list[bool | None]:
+        """Copy pages from NVMe into their new slots; True where the bytes match the checksum,
+        None where the page is gone with a quarantined shard (a miss, not a corrupt page)."""
         views = [self._store.slot_view(r, slot) for r, slot in zip(records, slots)]
         sums = self._nvme.read_into([(*r.page_id, view) for r, view in zip(records, views)])
-        return [checksum == r.checksum for r, checksum in zip(records, sums)]
+        return [None if checksum == MISSING else checksum == r.checksum for r, checksum in zip(records, sums)]
 
     # -- write-down -------------------------------------------------------------------
 
@@ -268,6 +276,9 @@ class CacheController:
                     self._make_room(shard, len(group))
                     self._nvme.write(shard, pages)
                 failpoints.hit("writedown.after_lmdb_commit")
+            except NvmeShardQuarantined:   # said once, when it was quarantined
+                self._store.count(nvme_write_errors=1)
+                continue
             except NvmeError as exc:
                 self._store.count(nvme_write_errors=1)
                 log.error("write-down failed shard=%d pages=%d (they stay in DRAM only): %s", shard, len(group), exc)
@@ -299,12 +310,13 @@ class CacheController:
     def _make_room(self, shard: int, pages: int) -> None:
         victims = self._store.nvme_victims(shard, 2 * pages)
         self._delete_from_nvme([r.page_id for r in victims])
-        self._full_evicted += len(victims)
-        now = time.monotonic()
-        if now - self._full_logged_at >= FULL_LOG_EVERY_S:
-            log.info("NVMe full: evicted pages=%d (said at most once a minute; nvme_evictions counts them all)",
-                     self._full_evicted)
-            self._full_evicted, self._full_logged_at = 0, now
+        with self._full_lock:
+            self._full_evicted += len(victims)
+            now = time.monotonic()
+            if now - self._full_logged_at < FULL_LOG_EVERY_S:
+                return
+            evicted, self._full_evicted, self._full_logged_at = self._full_evicted, 0, now
+        log.info("NVMe full: evicted pages=%d (said at most once a minute; nvme_evictions counts them all)", evicted)
 
 
 def _by_bytes(shard: int, group: list[PageRecord], txn_bytes: int) -> list[tuple[int, list[PageRecord]]]:

@@ -83,6 +83,11 @@ def _rebuild(nvme: NvmeTier) -> Recovered:
         if parent_key:
             parents.append((record, parent_key))
     failpoints.hit("recovery.after_scan")
+    void = {q.shard for q in nvme.quarantined()}
+    if void:   # a shard found damaged mid-scan: what it yielded went with it
+        records = {page_id: r for page_id, r in records.items() if nvme.shard_of(*page_id) not in void}
+        parents = [(r, parent_key) for r, parent_key in parents if nvme.shard_of(*r.page_id) not in void]
+        unreadable = {shard: rkeys for shard, rkeys in unreadable.items() if shard not in void}
     orphans = _link(records, parents)
     for shard, rkeys in unreadable.items():
         nvme.drop_records(shard, rkeys)

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstore.control.store import PageStore
 from kvstore.invariants import stop_node
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme import MISSING, NvmeTier
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class Scrubber:
         ok = self._store.dram_checksum_ok(record)
         if ok and record.on_nvme and self._nvme is not None:
             scratch = np.empty(page_bytes, np.uint8)
-            ok = self._nvme.read_into([(*record.page_id, memoryview(scratch))])[0] == record.checksum
+            checksum = self._nvme.read_into([(*record.page_id, memoryview(scratch))])[0]
+            ok = checksum in (record.checksum, MISSING)   # a quarantined shard's page is gone, not bad
             return ok, 2 * page_bytes
         return ok, page_bytes
 

@@ -337,7 +337,10 @@ class KVStoreService:
             checksum_failures=c.checksum_failures, write_queue_drops=c.write_queue_drops,
             recovered_pages=c.recovered_pages, nvme_write_errors=c.nvme_write_errors,
             scrub_pages_checked=c.scrub_pages_checked, scrub_pages_bad=c.scrub_pages_bad,
-            scrub_passes=c.scrub_passes, tenants=self.store.tenant_stats())
+            scrub_passes=c.scrub_passes, tenants=self.store.tenant_stats(),
+            nvme_quarantined=[pb.QuarantinedShard(shard=q.shard, path=q.path, moved_to=q.moved_to, cause=q.cause,
+                                                  at_start=q.at_start)
+                              for q in (self.controller.nvme_quarantined() if self.controller else ())])
 
     def scrub(self, request: pb.ScrubRequest, owner: object | None) -> pb.ScrubResponse:
         if self.scrubber is None:

@@ -1096,8 +1096,9 @@ class PageStore:
     def slot_view(self, record: PageRecord, slot: int) -> memoryview:
         return self.arena.view[slot:slot + self._page_bytes(record)]
 
-    def finish_promotion(self, claim: Claim, read_ok: list[bool]) -> tuple[int, list[PageId]]:
-        """Publish the slots whose bytes matched; drop pages that did not (with their descendants).
+    def finish_promotion(self, claim: Claim, read_ok: list[bool | None]) -> tuple[int, list[PageId]]:
+        """Publish the slots whose bytes matched; drop pages that did not (with their descendants),
+        as corrupt where read_ok is False, as gone (a quarantined shard's) where it is None.
 
         Returns (pages promoted, NVMe ids of dropped pages, for the caller to delete)."""
         promoted, promoted_bytes, garbage = 0, 0, []
@@ -1112,7 +1113,9 @@ class PageStore:
                     promoted_bytes += self._page_bytes(record)
                     continue
                 self._free_slot(slot)
-                if position < len(read_ok) and not ok and record.alive:
+                if position < len(read_ok) and read_ok[position] is None and record.alive:
+                    garbage += [r.page_id for r in self.index.remove_subtree(record) if r.on_nvme]
+                elif position < len(read_ok) and not ok and record.alive:
                     garbage += self._drop_corrupt(record)
             self.index.unpin_all(claim.records)
             self._deleting(garbage)

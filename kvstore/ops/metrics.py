@@ -218,6 +218,12 @@ class StatsCollector(Collector):
             _add(families, "kvstore_namespace_pages", "pages", labels, ns.pages)
             _add(families, "kvstore_namespace_bytes", "bytes", labels, ns.pages * ns.page_bytes)
         yield from families.values()
+        quarantined = GaugeMetricFamily("kvstore_nvme_shard_quarantined", "1 for each NVMe shard found damaged "
+                                        "since start-up (its file moved aside, its pages lost)",
+                                        labels=["shard", "path", "moved_to"])
+        for shard in stats.nvme_quarantined:
+            quarantined.add_metric([str(shard.shard), shard.path, shard.moved_to], 1)
+        yield quarantined
         if self._auth is not None:
             refusals = CounterMetricFamily("kvstore_auth_refusals", "Callers refused for their identity, by plane "
                                            "and error", labels=["plane", "error"])

@@ -25,6 +25,17 @@ Large page bodies are read with O_DIRECT at the place the header records (read_i
 file's layout stays LMDB's own, so crash safety and start-up are LMDB's alone.
 - max_readers sized for the server's threads; lock=True (readers and the writer in one process
   may be several threads).
+
+A damaged shard costs its pages, never the node. Before LMDB maps data.mdb, its two meta pages
+are checked (page flags, magic, version, page size) and the file must hold every page the
+newer one claims: LMDB reads B-tree pages through the mapping, and a page past the file's end
+is a SIGBUS. The same size check runs before each batch touches a shard mid-run (a file cut
+while the node runs). A shard that fails it, whose meta pages are unreadable, or on which
+LMDB reports damage (MDB_CORRUPTED, a page not found) is quarantined: its data.mdb is renamed
+to data.mdb.quarantined-<UTC time> for an operator to inspect, nothing is deleted, and its
+pages read as missing. At start-up a fresh empty shard takes its place (keys keep hashing
+to the same shard, and the tier keeps its capacity); mid-run the shard is left out until
+the next start-up, since other threads may be inside its environment.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from typing import Iterator
 
 import lmdb
@@ -71,10 +83,31 @@ LOCK_FILE = "kvstore.lock"
 # (for those, the block-aligned read and the extra copy would cost more than they save).
 DIRECT_READ_MIN_BYTES = 64 << 10
 DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: multiples of this
+# LMDB's meta pages (pages 0 and 1 of data.mdb): its page header (page number, pad, flags), then
+# MDB_meta: magic, data version, map address, map size, the free and main DBs (48 bytes each; the
+# free DB's first field holds the page size), the last page used, the transaction id.
+LMDB_META = struct.Struct("<QHH4x" "IIQQ" "I44x" "48x" "QQ")
+LMDB_MAGIC = 0xBEEFC0DE
+LMDB_DATA_VERSION = 1
+LMDB_P_META = 0x08
+QUARANTINE_SUFFIX = ".quarantined-"
+# What LMDB raises for a damaged file (as opposed to a full map or disk, or a bad argument).
+LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
+               lmdb.PanicError, lmdb.BadTxnError)
+# A read of a page on a quarantined shard: no checksum (xxh3-64 is unsigned), so never a match.
+MISSING = -1
 
 
 class NvmeError(OSError):
     """A shard could not be written (I/O error, directory gone): the pages stay in DRAM only."""
+
+
+class NvmeShardQuarantined(NvmeError):
+    """The shard was quarantined (its file is damaged): its pages stay in DRAM only until a restart."""
+
+    def __init__(self, shard: int):
+        super().__init__(f"NVMe shard {shard} is quarantined")
+        self.shard = shard
 
 
 class NvmeFull(NvmeError):
@@ -143,10 +176,71 @@ def _map_address(path: str, fd: int) -> int | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Quarantine:
+    shard: int
+    path: str        # the shard's directory
+    moved_to: str    # where its data.mdb now is ("" if it could not be renamed)
+    cause: str
+    at_start: bool   # found at start-up (a fresh shard took its place) or mid-run (left out)
+
+
+def check_data_file(path: str) -> str:
+    """Why LMDB must not map this data.mdb ("" when it may): unreadable or inconsistent meta
+    pages, or a file shorter than the pages its newer meta page claims. A missing or empty
+    file is a new shard."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return ""
+            first = os.pread(f.fileno(), LMDB_META.size, 0)
+            if len(first) < LMDB_META.size:
+                return f"file is {size} bytes, shorter than a meta page"
+            page_size = LMDB_META.unpack(first)[7]
+            if page_size < 512 or page_size > 1 << 16 or page_size & (page_size - 1):
+                return f"meta page 0 is damaged (page size {page_size})"
+            metas = [first, os.pread(f.fileno(), LMDB_META.size, page_size)]
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        return f"cannot read its meta pages: {exc}"
+    newest = None
+    for number, raw in enumerate(metas):
+        if len(raw) < LMDB_META.size:
+            return f"file is {size} bytes, shorter than its second meta page"
+        pgno, _, flags, magic, version, _, _, psize, last_page, txn_id = LMDB_META.unpack(raw)
+        if pgno != number or not flags & LMDB_P_META or magic != LMDB_MAGIC:
+            return f"meta page {number} is damaged (no LMDB meta page there)"
+        if version != LMDB_DATA_VERSION or psize != page_size:
+            return f"meta page {number} is damaged (version {version}, page size {psize})"
+        if newest is None or txn_id > newest[1]:
+            newest = (last_page, txn_id)
+    needed = (newest[0] + 1) * page_size
+    if size < needed:
+        return f"file is {size} bytes, its meta page claims {needed} (last page {newest[0]}): truncated"
+    return ""
+
+
+def _move_aside(data_path: str) -> str:
+    """Rename a damaged data.mdb to data.mdb.quarantined-<UTC time>; returns the new path ("" if it failed)."""
+    moved_to = data_path + QUARANTINE_SUFFIX + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if os.path.exists(moved_to):   # damaged twice within a second: keep both
+        moved_to += f".{time.time_ns()}"
+    try:
+        os.rename(data_path, moved_to)
+    except OSError as exc:
+        log.error("cannot move damaged NVMe shard file %s aside: %s", data_path, exc)
+        return ""
+    return moved_to
+
+
 class _Shard:
     def __init__(self, index: int, path: str, map_bytes: int):
         self.index = index
         self.path = path
+        self.data_path = os.path.join(path, "data.mdb")
+        self.quarantine: Quarantine | None = None
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
@@ -154,27 +248,90 @@ class _Shard:
         # Before LMDB: its own lock lets two processes share an environment, and two
         # nodes writing and evicting each other's pages would corrupt both indexes.
         self._lock_fd = _lock_shard(path)
+        self._map_bytes = map_bytes
+        self.lock = threading.Lock()
+        self.page_bytes = 0        # bytes of the pages stored here, by this process's count
         try:
-            self.env = lmdb.open(path, map_size=map_bytes, subdir=True, max_dbs=3, sync=True, metasync=False,
-                                 writemap=False, readahead=False, max_readers=256, lock=True)
+            cause = check_data_file(self.data_path)
+            if cause:
+                self.replace(cause)
+            else:
+                try:
+                    self._open()
+                except LMDB_DAMAGE as exc:
+                    self.replace(f"LMDB cannot open it: {exc}")
         except (OSError, lmdb.Error) as exc:
             os.close(self._lock_fd)
             raise OSError(f"cannot open NVMe shard {path} (nvme.paths): {exc}") from None
-        self.data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
-        self.map_address = _map_address(os.path.join(path, "data.mdb"), self.data_fd)
-        self.direct_fd = _open_direct(os.path.join(path, "data.mdb"))
-        self.page_size = self.env.stat()["psize"]
-        self.meta = self.env.open_db(b"meta")
-        self.data = self.env.open_db(b"data")
-        self.namespaces = self.env.open_db(b"namespaces")
-        self.lock = threading.Lock()
-        self.page_bytes = 0        # bytes of the pages stored here, by this process's count
 
-    def close(self) -> None:
+    def _open(self) -> None:
+        env = lmdb.open(self.path, map_size=self._map_bytes, subdir=True, max_dbs=3, sync=True, metasync=False,
+                        writemap=False, readahead=False, max_readers=256, lock=True)
+        try:
+            # Named databases are records of the main B-tree: damage there shows here.
+            self.meta = env.open_db(b"meta")
+            self.data = env.open_db(b"data")
+            self.namespaces = env.open_db(b"namespaces")
+        except lmdb.Error:
+            env.close()
+            raise
+        self.env = env
+        self.data_fd = os.open(self.data_path, os.O_RDONLY | os.O_CLOEXEC)
+        self.map_address = _map_address(self.data_path, self.data_fd)
+        self.direct_fd = _open_direct(self.data_path)
+        self.page_size = self.env.stat()["psize"]
+
+    def replace(self, cause: str) -> None:
+        """Start-up only (no other thread uses the shard): move the damaged file aside and open a
+        fresh, empty shard in its place."""
+        if getattr(self, "env", None) is not None:
+            self._close_env()
+        moved_to = _move_aside(self.data_path)
+        self.quarantine = Quarantine(self.index, self.path, moved_to, cause, True)
+        log.error("NVMe shard %s quarantined: %s; its file is now %s and a fresh empty shard serves in its place "
+                  "(its pages are lost to this node)", self.data_path, cause, moved_to or "(not moved)")
+        if not moved_to:
+            raise OSError(f"damaged shard file {self.data_path} cannot be moved aside ({cause})")
+        self._open()
+
+    def quarantine_now(self, cause: str) -> None:
+        """Mid-run: leave the shard out until the next start-up; its file is moved aside now.
+        Its environment stays open (other threads may be inside it) but is no longer used."""
+        with self.lock:
+            if self.quarantine is not None:
+                return
+            self.quarantine = Quarantine(self.index, self.path, "", cause, False)
+        moved_to = _move_aside(self.data_path)
+        self.quarantine = dataclasses.replace(self.quarantine, moved_to=moved_to)
+        log.error("NVMe shard %s quarantined: %s; its file is now %s; the shard is left out until the next start-up "
+                  "(its pages read as missing)", self.data_path, cause, moved_to or "(not moved)")
+
+    @property
+    def left_out(self) -> bool:
+        """Quarantined mid-run: no longer used until the next start-up."""
+        return self.quarantine is not None and not self.quarantine.at_start
+
+    def size_fault(self) -> str:
+        """Why the mapped file cannot be read now ("" when it can): shorter than the pages LMDB
+        may touch. Checked before touching the map, since a read past its end is a SIGBUS."""
+        size = os.fstat(self.data_fd).st_size
+        if size < 2 * self.page_size:   # the meta pages themselves are gone
+            return f"file is {size} bytes, shorter than its meta pages: truncated"
+        needed = (self.env.info()["last_pgno"] + 1) * self.page_size
+        if size < needed:
+            return f"file is {size} bytes, its meta page claims {needed}: truncated"
+        return ""
+
+    def _close_env(self) -> None:
         os.close(self.data_fd)
         if self.direct_fd is not None:
             os.close(self.direct_fd)
         self.env.close()
+        self.env = None
+
+    def close(self) -> None:
+        if self.env is not None:
+            self._close_env()
         os.close(self._lock_fd)  # releases the flock, only once LMDB is closed
 
 
@@ -259,9 +416,28 @@ class NvmeTier:
     def capacity_bytes(self) -> int:
         return self.map_bytes * len(self.shards)
 
+    def quarantined(self) -> list[Quarantine]:
+        """The shards found damaged since start-up (at start-up or mid-run), in shard order."""
+        return [shard.quarantine for shard in self.shards if shard.quarantine is not None]
+
+    def _usable(self, shard: _Shard) -> bool:
+        """False for a quarantined shard; quarantines one whose file was cut short under the map."""
+        if shard.left_out:
+            return False
+        fault = shard.size_fault()
+        if fault:
+            shard.quarantine_now(fault)
+            return False
+        return True
+
+    def _damaged(self, shard: _Shard, exc: lmdb.Error) -> None:
+        shard.quarantine_now(f"LMDB reports damage: {exc}")
+
     def used_bytes(self) -> int:
         total = 0
         for shard in self.shards:
+            if shard.left_out:
+                continue
             info, stat = shard.env.info(), shard.env.stat()
             total += (info["last_pgno"] + 1) * stat["psize"]
         return total
@@ -272,6 +448,8 @@ class NvmeTier:
     def write(self, shard: int, pages: list[tuple[StoredPage, memoryview]]) -> None:
         """Write pages (header + bytes) to one shard in one transaction. Raises NvmeFull."""
         target = self.shards[shard]
+        if not self._usable(target):
+            raise NvmeShardQuarantined(shard)
         incoming = sum(len(view) for _, view in pages)
         if target.page_bytes + incoming > self.page_bytes_max:
             raise NvmeFull(shard)
@@ -284,6 +462,9 @@ class NvmeTier:
                     txn.put(rkey, encode_header(page, body_page), db=target.meta)
         except lmdb.MapFullError:
             raise NvmeFull(shard) from None
+        except LMDB_DAMAGE as exc:
+            self._damaged(target, exc)
+            raise NvmeShardQuarantined(shard) from None
         except lmdb.Error as exc:  # the transaction was aborted: nothing of it is on disk
             # A full disk surfaces as ENOSPC or, from the commit's write, as EIO.
             needed = sum(len(view) for _, view in pages) + (1 << 20)
@@ -313,20 +494,29 @@ class NvmeTier:
         """
         sums: list[int | None] = []
         reads = []
-        txns: dict[int, lmdb.Transaction] = {}
+        txns: dict[int, lmdb.Transaction | None] = {}
         try:
             for ns_id, key, out in pages:
                 shard = self.shards[self.shard_of(ns_id, key)]
-                txn = txns.get(shard.index)
+                if shard.index not in txns:
+                    txns[shard.index] = shard.env.begin(buffers=True) if self._usable(shard) else None
+                txn = txns[shard.index]
                 if txn is None:
-                    txn = txns[shard.index] = shard.env.begin(buffers=True)
+                    sums.append(MISSING)
+                    continue
                 rkey = record_key(ns_id, key)
-                body_page = self._direct_body_page(shard, txn.get(rkey, db=shard.meta), len(out))
+                try:
+                    header = txn.get(rkey, db=shard.meta)
+                    body_page = self._direct_body_page(shard, header, len(out))
+                    value = None if body_page else txn.get(rkey, db=shard.data)
+                except LMDB_DAMAGE as exc:
+                    self._damaged(shard, exc)
+                    sums.append(MISSING)
+                    continue
                 if body_page:
                     reads.append((len(sums), shard, body_page, out))
                     sums.append(None)
                     continue
-                value = txn.get(rkey, db=shard.data)
                 if value is None or len(value) != len(out):
                     sums.append(None)
                 elif shard.map_address is None:  # mapping not found: copy through it instead
@@ -342,8 +532,11 @@ class NvmeTier:
                 sums[position] = read.result()
         finally:
             for txn in txns.values():
-                txn.abort()
-        return sums
+                if txn is not None:
+                    txn.abort()
+        # A shard quarantined during this batch: none of its pages count, read or not.
+        return [MISSING if self.shards[self.shard_of(ns_id, key)].left_out else checksum
+                for (ns_id, key, _), checksum in zip(pages, sums)]
 
     @staticmethod
     def _direct_body_page(shard: _Shard, header: bytes | None, nbytes: int) -> int:
@@ -382,21 +575,30 @@ class NvmeTier:
     def save_namespace(self, namespace_id: int, spec: dict) -> None:
         value = json.dumps(spec, sort_keys=True).encode()
         for shard in self.shards:
+            if not self._usable(shard):
+                continue
             try:
                 with shard.env.begin(write=True) as txn:
                     txn.put(namespace_id.to_bytes(8, "little"), value, db=shard.namespaces)
             except lmdb.MapFullError:
                 raise NvmeFull(shard.index) from None
+            except LMDB_DAMAGE as exc:
+                self._damaged(shard, exc)
 
     def load_namespaces(self) -> dict[int, dict]:
         specs: dict[int, dict] = {}
         for shard in self.shards:
-            with shard.env.begin() as txn:
-                for rkey, value in txn.cursor(db=shard.namespaces):
-                    try:
-                        specs[int.from_bytes(rkey, "little")] = json.loads(value)
-                    except ValueError:
-                        log.error("unreadable namespace record in %s; its pages will be dropped", shard.path)
+            try:
+                with shard.env.begin() as txn:
+                    found = list(txn.cursor(db=shard.namespaces))
+            except LMDB_DAMAGE as exc:   # start-up: the shard is replaced by an empty one
+                shard.replace(f"LMDB reports damage in its namespaces: {exc}")
+                continue
+            for rkey, value in found:
+                try:
+                    specs[int.from_bytes(rkey, "little")] = json.loads(value)
+                except ValueError:
+                    log.error("unreadable namespace record in %s; its pages will be dropped", shard.path)
         return specs
 
     def scan(self) -> Iterator[tuple[bytes, bytes | None, int, int, int]]:
@@ -407,29 +609,43 @@ class NvmeTier:
         An unreadable header comes out with parent key None, for the caller to drop. This
         is the start-up path, so it stays lean: tuples, no objects per page.
         """
-        unpack, size = HEADER.unpack_from, HEADER.size
         for shard in self.shards:
             shard.page_bytes = 0
-            with shard.env.begin() as txn:
-                for rkey, value in txn.cursor(db=shard.meta).iternext():
-                    try:
-                        version, parent_len, _, ns_id, page_bytes, checksum = unpack(value)
-                        if (version != FORMAT_VERSION or parent_len > PARENT_BYTES_MAX or len(value) != size + parent_len
-                                or page_bytes == 0
-                                or int.from_bytes(rkey[:8], "little") != ns_id or len(rkey) <= 8):
-                            raise ValueError
-                    except (ValueError, struct.error):
-                        yield rkey, None, 0, 0, shard.index
-                        continue
-                    shard.page_bytes += page_bytes
-                    yield rkey, value[size:], page_bytes, checksum, shard.index
+            try:
+                yield from self._scan_shard(shard)
+            except LMDB_DAMAGE as exc:
+                # Start-up: what this shard yielded is void (the caller drops the pages of
+                # quarantined shards) and an empty shard takes its place.
+                shard.replace(f"LMDB reports damage in its index: {exc}")
+                shard.page_bytes = 0
+
+    @staticmethod
+    def _scan_shard(shard: _Shard) -> Iterator[tuple[bytes, bytes | None, int, int, int]]:
+        unpack, size = HEADER.unpack_from, HEADER.size
+        with shard.env.begin() as txn:
+            for rkey, value in txn.cursor(db=shard.meta).iternext():
+                try:
+                    version, parent_len, _, ns_id, page_bytes, checksum = unpack(value)
+                    if (version != FORMAT_VERSION or parent_len > PARENT_BYTES_MAX or len(value) != size + parent_len
+                            or page_bytes == 0
+                            or int.from_bytes(rkey[:8], "little") != ns_id or len(rkey) <= 8):
+                        raise ValueError
+                except (ValueError, struct.error):
+                    yield rkey, None, 0, 0, shard.index
+                    continue
+                shard.page_bytes += page_bytes
+                yield rkey, value[size:], page_bytes, checksum, shard.index
 
     def drop_records(self, shard: int, rkeys: list[bytes]) -> None:
         """Delete records (header and bytes). Never raises for a full map: what cannot be
         deleted now is logged and stays on disk, unindexed, until the next start-up drops it."""
         target = self.shards[shard]
+        if not self._usable(target):
+            return   # its pages went with its file
         try:
             self._drop(target, rkeys)
+        except LMDB_DAMAGE as exc:
+            self._damaged(target, exc)
         except lmdb.MapFullError:
             undeleted = 0
             for rkey in rkeys:  # one record per transaction needs the fewest free pages

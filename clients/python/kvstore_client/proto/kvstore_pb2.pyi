@@ -440,7 +440,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes", "engines", "tenants")
+    __slots__ = ("tiers", "namespaces", "leases_open", "leases_expired", "pages_committed", "checksum_failures", "write_queue_drops", "recovered_pages", "nvme_write_errors", "namespaces_total", "scrub_pages_checked", "scrub_pages_bad", "scrub_passes", "engines", "tenants", "nvme_quarantined")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     LEASES_OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,7 @@ class StatsResponse(_message.Message):
     SCRUB_PASSES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    NVME_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     leases_open: int
@@ -471,7 +472,22 @@ class StatsResponse(_message.Message):
     scrub_passes: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., scrub_pages_checked: _Optional[int] = ..., scrub_pages_bad: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    nvme_quarantined: _containers.RepeatedCompositeFieldContainer[QuarantinedShard]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases_open: _Optional[int] = ..., leases_expired: _Optional[int] = ..., pages_committed: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., write_queue_drops: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., nvme_write_errors: _Optional[int] = ..., namespaces_total: _Optional[int] = ..., scrub_pages_checked: _Optional[int] = ..., scrub_pages_bad: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., nvme_quarantined: _Optional[_Iterable[_Union[QuarantinedShard, _Mapping]]] = ...) -> None: ...
+
+class QuarantinedShard(_message.Message):
+    __slots__ = ("shard", "path", "moved_to", "cause", "at_start")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MOVED_TO_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    AT_START_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    path: str
+    moved_to: str
+    cause: str
+    at_start: bool
+    def __init__(self, shard: _Optional[int] = ..., path: _Optional[str] = ..., moved_to: _Optional[str] = ..., cause: _Optional[str] = ..., at_start: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "dram_bytes", "dram_pages", "nvme_bytes", "nvme_pages", "dram_quota_bytes", "nvme_quota_bytes", "evictions", "nvme_evictions", "dram_refused_pages", "nvme_refused_pages")
