@@ -51,9 +51,11 @@ _DRAM_BYTE = bytes([pb.DRAM])
 # tenant past limits.namespaces_per_tenant_floor is refused: at most this plus each tenant's floor.
 NAMESPACES_MAX = 4096
 # Work under the lock for whole-index walks (ListKeys, the scrubber, Delete of a namespace): index
-# positions scanned, or pages removed, per lock section; a call takes at most SCAN_SECTIONS of them.
+# positions scanned per lock section (a call takes at most SCAN_SECTIONS of them), and pages removed
+# per section (each removal also frees its slot and tells its tenant's ledger: a few µs a page).
 SCAN_POSITIONS = 16384
 SCAN_SECTIONS = 16
+REMOVE_PAGES = 1024
 Clock = Callable[[], float]
 PageId = tuple[int, bytes]
 
@@ -779,7 +781,7 @@ class PageStore:
     def delete(self, ns_id: int, keys: list[bytes] | None) -> tuple[list[PageRecord], list[PageRecord]]:
         """Remove pages (None: every page of the namespace) with everything that extends them: their
         subtrees, and the pages anchored at each key (the key itself held or not). Leaves first, in
-        lock sections of SCAN_POSITIONS pages: a page stored meanwhile may stay (as with a Delete just
+        lock sections of REMOVE_PAGES pages: a page stored meanwhile may stay (as with a Delete just
         before that put); a page held throughout is removed.
 
         Returns (pages removed, those that are or may soon be on disk: on NVMe, or moving now,
@@ -788,18 +790,18 @@ class PageStore:
         on_disk: list[PageRecord] = []
         with self._lock:   # what to remove: a few roots, the keys' own pages, or a scan of the index
             if keys is None:
-                scan = self.index.pages_by_namespace.get(ns_id, 0) > SCAN_POSITIONS
+                scan = self.index.pages_by_namespace.get(ns_id, 0) > REMOVE_PAGES
                 todo = [] if scan else self.index.roots(ns_id)
             else:
                 scan = False
                 todo = [self.index.get((ns_id, k)) for k in keys]
                 todo += [r for k in keys for r in self.index.anchored((ns_id, k))]
         cursor: int | None = 0 if scan else None
-        while True:   # SCAN_POSITIONS pages removed (and as many positions scanned) per lock section
+        while True:   # REMOVE_PAGES pages removed (or SCAN_POSITIONS positions scanned) per lock section
             with self._lock:
                 if not todo and cursor is not None:
-                    todo, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id)
-                section = self._remove_subtrees(todo, SCAN_POSITIONS)
+                    todo, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, found_max=REMOVE_PAGES)
+                section = self._remove_subtrees(todo, REMOVE_PAGES)
                 moving = [r for r in section if r.on_nvme or r.busy]
                 self._deleting([r.page_id for r in moving])
             removed += section
@@ -1016,14 +1018,16 @@ class PageStore:
         return written, garbage
 
     def nvme_deleted(self, page_ids: list[PageId]) -> None:
-        """The NVMe deletes of these pages (from delete, eviction or garbage) are done."""
-        with self._lock:
-            for page_id in page_ids:
-                left = self._nvme_deleting[page_id] - 1
-                if left:
-                    self._nvme_deleting[page_id] = left
-                else:
-                    del self._nvme_deleting[page_id]
+        """The NVMe deletes of these pages (from delete, eviction or garbage) are done (REMOVE_PAGES
+        of them per lock section: a namespace's Delete may hand over millions)."""
+        for start in range(0, len(page_ids), REMOVE_PAGES):
+            with self._lock:
+                for page_id in page_ids[start:start + REMOVE_PAGES]:
+                    left = self._nvme_deleting[page_id] - 1
+                    if left:
+                        self._nvme_deleting[page_id] = left
+                    else:
+                        del self._nvme_deleting[page_id]
 
     def leading_on_nvme(self, records: list[PageRecord]) -> tuple[int, bool]:
         """(leading pages of this chain on NVMe, whether the next one can never get there: it left)."""
@@ -1125,9 +1129,15 @@ class PageStore:
         return promoted, garbage
 
     def wait_settled(self, records: list[PageRecord], deadline: float) -> None:
-        """Wait while one of these pages is still moving (up to `deadline`, in time.monotonic())."""
+        """Wait while one of these pages is still moving (up to `deadline`, in time.monotonic()).
+        Those moving are found SCAN_POSITIONS at a time; then only they are watched (a write-down
+        batch or a promotion's pages: none of the others starts to move once it left the index)."""
+        moving: list[PageRecord] = []
+        for start in range(0, len(records), SCAN_POSITIONS):
+            with self._lock:
+                moving += [r for r in records[start:start + SCAN_POSITIONS] if r.busy]
         with self._settled:
-            while any(r.busy for r in records):
+            while moving := [r for r in moving if r.busy]:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return

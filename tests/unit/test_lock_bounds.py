@@ -1,0 +1,155 @@
+"""Work under the store's lock is bounded by a constant or by the request's own size, never by how
+many pages the node holds: each store method's lock holds are timed with 65,536 and with 1,048,576
+pages in the index, and the typical hold (the median, which a preempted hold does not move) may not
+grow with the index. Work that grew with it (a copy of every key, of every page id, a walk over other
+shards' NVMe pages, a whole namespace removed at once, a walk up a whole unsaved chain) grows 16x here.
+
+Both scales run in one test, so the ratio compares like with like on whatever machine runs it; the
+table of holds is printed (pytest -s) with the figures it compared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+from kvstore.control.index import NO_SLOT, PageRecord
+from kvstore.tiers.dram import slot_bytes_for
+from node_parts import close_node, make_node
+from test_node_core import chain, open_ns, put
+
+pytestmark = pytest.mark.usefixtures("index_kind")
+
+PAGE = 64
+SCALES = (1 << 16, 1 << 20)
+GROWTH_MAX = 4.0    # O(1) and O(request) holds stay near 1x; O(pages) ones reach 16x
+NODE = ["dram.arena_bytes=16MiB", "dram.slab_bytes=1MiB", "nvme.map_bytes=64MiB",
+        "controller.write_policy=write_back", "leases.per_tenant_max=100000"]
+
+
+class TimedLock:
+    """The store's lock, with each hold's duration filed under the test's phase and the store method
+    that took it (one phase repeats one kind of request, so its median is that request's hold)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holds: dict[str, list[float]] = defaultdict(list)
+        self.phase = ""
+        self._taken_at = 0.0
+        self._by = ""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self._by = f"{self.phase}: {sys._getframe(1).f_code.co_name}"
+            self._taken_at = time.perf_counter()
+        return got
+
+    def release(self) -> None:
+        self.holds[self._by].append(time.perf_counter() - self._taken_at)
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        got = self._lock.acquire()
+        self._by = f"{self.phase}: {sys._getframe(1).f_code.co_name}"
+        self._taken_at = time.perf_counter()
+        return got
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def timed(store) -> TimedLock:
+    lock = TimedLock()
+    store._lock = lock
+    store._committed = threading.Condition(lock)
+    store._settled = threading.Condition(lock)
+    return lock
+
+
+def recovered_chains(ns_id: int, pages: int, length: int, shard_of) -> list[PageRecord]:
+    """Pages on NVMe only, in chains of `length`, as recovery hands them over at start-up."""
+    records, slot = [], slot_bytes_for(PAGE)
+    for i in range(pages):
+        record = PageRecord((ns_id, b"r%d" % i), None, NO_SLOT, slot, i)
+        record.on_nvme = True
+        record.shard = shard_of(i)
+        if i % length:
+            parent = records[-1]
+            record.parent = parent
+            parent.children = {record}
+        records.append(record)
+    return records
+
+
+def exercise(svc, pages: int) -> dict[str, list[float]]:
+    store = svc.store
+    big, small, unsaved = open_ns(svc, PAGE, "big"), open_ns(svc, PAGE, "small"), open_ns(svc, PAGE, "unsaved")
+    # Every page but the last 64 is on shard 1: eviction from shard 0 must not walk past them.
+    store.adopt_recovered({}, recovered_chains(big, pages, 1024, lambda i: 0 if i >= pages - 64 else 1))
+    long_chain = chain("long", 40_000)
+    put(svc, small, long_chain[:32], PAGE)
+    for start in range(0, pages // 16, 1024):         # an unsaved DRAM chain of pages/16
+        keys = chain("u", pages // 16)[start:start + 1024]
+        put(svc, unsaved, keys, PAGE, parent=chain("u", pages // 16)[start - 1] if start else b"")
+    lock = timed(store)
+
+    keys = [b"r%d" % i for i in range(1024)]
+    lock.phase = "reads and stats"
+    for _ in range(8):
+        store.tiers(big, keys)
+        store.held_each(big, keys)
+        store.snapshot(0, 64)
+        store.tenant_stats()
+        lease = store.hold_chain(big, keys[:256], 10_000, None)
+        store.release([lease.lease_id])
+    lock.phase = "put, delete 64"
+    for _ in range(4):                                # a put of 64 pages, start to end
+        put(svc, small, long_chain[32:32 + 64], PAGE, parent=long_chain[31])
+        store.delete(small, [long_chain[32]])
+    lock.phase, cursor = "list keys", 0
+    for _ in range(8):                                # ListKeys of a 32-page namespace among them all
+        _, cursor = store.keys_page(small, cursor or 0, 1024)
+    lock.phase, cursor = "scrub", 0
+    for _ in range(16):
+        batch, cursor = store.scrub_batch(cursor or 0, 64)
+        store.scrub_done(batch, [])
+    lock.phase = "evict shard 0"
+    for _ in range(4):
+        store.nvme_deleted([r.page_id for r in store.nvme_victims(0, 8)])
+    leaf = store.index.get((unsaved, chain("u", pages // 16)[-1]))
+    lock.phase = "claim unsaved"
+    for _ in range(8):
+        batch = store.claim_unsaved([leaf], 64)
+        store.finish_writedown(batch, {})
+    lock.phase = "delete all"
+    removed, on_disk = store.delete(big, None)        # a namespace of every recovered page
+    assert len(removed) == pages - 32 and len(on_disk) == len(removed)
+    store.wait_settled(on_disk, time.monotonic() + 1)   # as the service does before deleting them from disk
+    store.nvme_deleted([r.page_id for r in on_disk])
+    return lock.holds
+
+
+def test_no_store_method_holds_the_lock_longer_with_more_pages(tmp_path, capsys):
+    medians: list[dict[str, float]] = []
+    for pages in SCALES:
+        svc = make_node(tmp_path / str(pages), NODE)
+        try:
+            holds = exercise(svc, pages)
+        finally:
+            close_node(svc)
+        medians.append({method: statistics.median(times) for method, times in holds.items()})
+    small, large = medians
+    assert small.keys() == large.keys()
+    rows = sorted(((large[m] / small[m], m) for m in small), reverse=True)
+    with capsys.disabled():
+        print(f"\nlock holds, median µs at {SCALES[0]:,} and {SCALES[1]:,} pages:")
+        for growth, method in rows:
+            print(f"  {method:36s} {small[method] * 1e6:9.1f} {large[method] * 1e6:9.1f}  x{growth:.2f}")
+    grown = [(method, round(growth, 1)) for growth, method in rows if growth > GROWTH_MAX]
+    assert not grown, f"lock holds that grow with the pages held: {grown}"
