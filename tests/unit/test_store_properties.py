@@ -29,7 +29,7 @@ from kvstore_client.proto import pb
 from node_parts import ManualClock, make_node
 
 EXAMPLES = int(os.environ.get("KVSTORE_PROPERTY_EXAMPLES", "25"))
-STEPS = 60
+STEPS = 100
 DEPTH = 4                     # keys are paths of 1..DEPTH bits: a binary tree of 30 pages a namespace
 ALICE_NVME_BYTES = 128 << 10  # alice's NVMe quota: her pages are evicted from NVMe too; bob's never are
 NODE = ["dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "limits.page_bytes_max=64KiB", "nvme.map_bytes=64MiB",
@@ -277,7 +277,7 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.writes or self.fenced)
     @rule(pick=picks, by_owner=st.booleans())
     def abort(self, pick, by_owner):
-        ids = sorted(self.writes) + sorted(self.fenced)
+        ids = [*self.writes, *self.fenced]   # in the order they were opened: lease ids are random
         lease_id = ids[pick % len(ids)]
         if lease_id in self.fenced:
             owner, _ = self.fenced.pop(lease_id)
@@ -315,7 +315,7 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.reads)
     @rule(pick=picks)
     def release(self, pick):
-        lease_id = sorted(self.reads)[pick % len(self.reads)]
+        lease_id = list(self.reads)[pick % len(self.reads)]
         del self.reads[lease_id]
         assert self.node.release(pb.ReleaseRequest(lease_ids=[lease_id]), None).released == 1
 
@@ -473,11 +473,17 @@ class StoreMachine(RuleBasedStateMachine):
                 assert bytes(view[offset:offset + page_bytes]) == content(lease.ns, lease.keys[i], page_bytes), \
                     "a reserved slot was written by someone else"
                 owners.append((offset, store.allocator.slot_bytes_of(offset), f"write lease {lease.lease_id:#x}"))
+        leased: set[tuple[int, int, bytes]] = set()
         for lease in self.reads.values():
             page_bytes = self.page_bytes_of(lease.ns)
             for key, offset in zip(lease.keys, lease.offsets):
                 assert bytes(view[offset:offset + page_bytes]) == content(lease.ns, key, page_bytes), \
                     f"a leased page changed under its reader: {key!r}"
+                record = store.index.get((lease.ns, key))
+                gone = record is None or record.offset != offset   # deleted or evicted since: the lease keeps the slot
+                if gone and (offset, lease.ns, key) not in leased:   # two leases on one page share its slot
+                    leased.add((offset, lease.ns, key))
+                    owners.append((offset, store.allocator.slot_bytes_of(offset), f"read lease {lease.lease_id:#x}"))
         for lease_id, (_, offsets) in self.fenced.items():
             owners += [(offset, store.allocator.slot_bytes_of(offset), f"fence {lease_id:#x}") for offset in offsets]
         owners.sort()
