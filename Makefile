@@ -73,11 +73,14 @@ test: system-packages-test $(STAMP) $(NATIVE) $(ENGINES) $(VLLM_STAMP) engine-en
 
 # The crash test's long form (tests/fault/test_crash_failpoints.py): at least 1000 SIGKILLs, at every
 # named failpoint and at random points, each followed by a restart checked against the disk; prints
-# the table and writes bench/results/crash_failpoints.json. About 40 minutes on two cores.
+# the table and writes bench/results/crash_failpoints.json. About 40 minutes on two cores. Then the
+# store's random runs against its model (tests/unit/test_store_properties.py), 50 times as many as in
+# make test.
 crash: $(STAMP) $(NATIVE)
 	mkdir -p bench/results
 	CRASH_KILLS=1000 CRASH_JSON=bench/results/crash_failpoints.json \
 		$(BIN)/python -m pytest -q -s --timeout=0 tests/fault/test_crash_failpoints.py
+	KVSTORE_PROPERTY_EXAMPLES=600 $(BIN)/python -m pytest -q --timeout=0 tests/unit/test_store_properties.py
 
 quickstart: system-packages $(STAMP) $(NATIVE)
 	$(BIN)/python examples/quickstart.py
