@@ -32,7 +32,8 @@ import time
 from kvstore import failpoints
 from kvstore.config import ControllerConfig
 from kvstore.control.index import PageRecord
-from kvstore.control.store import Claim, Evict, PageId, PageStore
+from kvstore.control.store import PageStore
+from kvstore.control.store_types import Claim, Evict, PageId
 from kvstore.invariants import stop_node
 from kvstore.tiers.nvme import MISSING, NvmeError, NvmeFull, NvmeShardQuarantined, NvmeTier, StoredPage
 

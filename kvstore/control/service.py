@@ -26,7 +26,8 @@ from kvstore.control.engine_index import EngineIndex
 from kvstore.control.identity import TRUSTED, Caller
 from kvstore.control.local_proof import LocalProof
 from kvstore.control.scrubber import Scrubber
-from kvstore.control.store import CommitPart, Counters, Evict, PageStore
+from kvstore.control.store import PageStore
+from kvstore.control.store_types import CommitPart, Counters, Evict
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
 from kvstore_client import errors
 from kvstore_client.proto import pb

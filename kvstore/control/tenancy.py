@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.control.identity import Identity
-from kvstore.control.store import PageStore, lease_not_found, namespace_not_found
+from kvstore.control.store import PageStore
+from kvstore.control.store_types import lease_not_found, namespace_not_found
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from kvstore.control import checks
-from kvstore.control.store import NAMESPACES_MAX
+from kvstore.control.store_types import NAMESPACES_MAX
 from kvstore.tiers.nvme import record_key
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
@@ -315,7 +315,7 @@ def test_a_delete_answers_only_once_a_write_down_in_flight_cannot_bring_its_page
 
 def test_a_key_claimed_by_a_reservation_in_progress_is_in_flight_for_everyone_else(node):
     """Reserve finds slots in a second lock section; the keys it wants are claimed in the first."""
-    from kvstore.control.store import Evict
+    from kvstore.control.store_types import Evict
 
     ns = open_ns(node, SMALL)
     first = node.store.reserve(ns, [b"k"], b"", 0, 1000, None)        # step one only, as a slow Reserve
@@ -359,7 +359,7 @@ def test_a_read_lease_runs_its_ttl_from_the_answer_not_from_before_promotion(tmp
 
 def test_no_data_plane_write_starts_while_a_commit_hashes_its_slots(node, monkeypatch):
     """Else the page would be published with the checksum of bytes that are then overwritten."""
-    from kvstore.control import store as store_module
+    from kvstore.control import store_writes as store_module   # where commits hash their slots
 
     ns = open_ns(node, SMALL)
     r = node.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"k"], page_bytes=SMALL), None)

@@ -1,0 +1,164 @@
+"""Allocation and eviction of DRAM slots: slots from the slab allocator within each tenant's
+quota, leaf-first eviction for room, slabs moved between page sizes and tenants, and freeing a
+removed page's slot.
+
+A part of PageStore (store.py), which owns the state and the one lock these methods take.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from kvstore import failpoints
+from kvstore.control.index import NO_SLOT, PageRecord
+from kvstore.control.store_types import Evict
+from kvstore.tiers.dram import SLOT_ALIGN
+
+
+class DramSlots:
+    """DRAM slots: allocation, eviction for room, slabs, freeing."""
+
+    def _allocate(self, slot_bytes: int, count: int, evict: Evict, tenant: str) -> list[int]:
+        """Up to `count` free slots for `tenant`, evicting least recently used pages allowed by `evict`."""
+        holder = self.arena.key(tenant)   # slabs are held whole by one tenant's memfd
+        offsets = self.allocator.allocate_many(slot_bytes, count, holder, self._new_slabs_allowed(tenant))
+        keep_unsaved = evict is Evict.CLEAN
+        own = tenant if self.arena.tenants_apart else None   # whose victims free slots in `holder`'s slabs
+        evicted = False
+        while len(offsets) < count:
+            # A victim of this size in this memfd's slabs frees one slot that allocation then hands out:
+            # evict as many as are still needed before allocating again. A tenant below its share takes
+            # a slab back from one above its own first (_slab_donors).
+            freed: list[int] = []
+            if self._slab_donors(tenant)[0] == own:
+                freed, tenants = self.index.evict_dram_many(slot_bytes, keep_unsaved, count - len(offsets),
+                                                            tenant=own)
+            if freed:
+                self._evicted_many(slot_bytes, freed, tenants)
+            elif not self._evict_for_slab(keep_unsaved, tenant):
+                break
+            evicted = True
+            offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder,
+                                                    self._new_slabs_allowed(tenant))
+        self.ledger.took(tenant, slot_bytes, offsets)
+        if evicted:
+            failpoints.hit("evict.after_victims")
+        return offsets
+
+    def _dram_room(self, tenant: str, slot_bytes: int, count: int, evict: Evict) -> int:
+        """How many of `count` slots the tenant's DRAM quota allows, after evicting its own least recently
+        used pages (any size) to make room. The quota only ever limits. Under write_back it never takes
+        an unsaved page, even when `evict` allows it: its own pages are written down first, or refused."""
+        limit = self.ledger.dram_limit(tenant)
+        if not limit:
+            return count
+        keep_unsaved = evict is Evict.CLEAN or self.protect_unsaved
+        excess = self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes - limit
+        if excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
+            freed, _ = self.index.evict_dram_many(None, keep_unsaved, len(self.index), tenant=tenant,
+                                                  until_bytes=excess)
+            for offset in freed:
+                self._free_slot(offset)
+            if freed:
+                self.counters.evictions += len(freed)
+                self.ledger.of(tenant).evictions += len(freed)
+        return min(count, max(limit - self.ledger.dram_bytes.get(tenant, 0), 0) // slot_bytes)
+
+    def _evicted(self, record: PageRecord) -> None:
+        self.counters.evictions += 1
+        self.ledger.of(record.tenant).evictions += 1
+
+    def _evicted_many(self, slot_bytes: int, offsets: list[int], tenants: list[str]) -> None:
+        """Victims of one slot size taken by evict_dram_many: their slots freed, their evictions counted."""
+        self.allocator.free_many(offsets, slot_bytes)
+        self.ledger.freed_many(offsets, slot_bytes)
+        self.counters.evictions += len(tenants)
+        for tenant, victims in collections.Counter(tenants).items():
+            self.ledger.of(tenant).evictions += victims
+
+    def _evict_for_slab(self, keep_unsaved: bool, tenant: str) -> bool:
+        """Evict the oldest pages of the tenants _slab_donors names, in its order, until `tenant` may take a
+        whole free slab (bounded)."""
+        budget = self.config.dram.slab_bytes // SLOT_ALIGN   # a slab's worth of the smallest slots
+        while not self._slab_takeable(tenant) and budget > 0:
+            for donor in self._slab_donors(tenant):
+                victim = self.index.evict_dram(None, keep_unsaved, donor)
+                if victim is not None:
+                    break
+            else:
+                return False
+            self._evicted(victim)
+            budget -= 1
+        return self._slab_takeable(tenant)
+
+    def _slab_takeable(self, tenant: str) -> bool:
+        allowed = self._new_slabs_allowed(tenant)
+        return self.allocator.free_slabs() > 0 if allowed is None else allowed > 0
+
+    def _new_slabs_allowed(self, tenant: str) -> int | None:
+        """How many more slabs `tenant` may take now (None: any free one, where tenants share slabs): free ones
+        not kept for another tenant's floor, and no more than its quota leaves."""
+        if not self.arena.tenants_apart:
+            return None
+        held, shares = self.allocator.slabs_held, self.shares
+        kept = sum(max(0, shares.floor(name) - held[name]) for name in shares.tenants() if name != tenant)
+        allowed = max(0, self.allocator.free_slabs() - kept)
+        cap = shares.cap(tenant)
+        return min(allowed, max(0, cap - held[tenant])) if cap else allowed
+
+    def _at_slab_cap(self, tenant: str) -> bool:
+        cap = self.shares.cap(tenant)
+        return bool(cap) and self.allocator.slabs_held[tenant] >= cap
+
+    def _slab_donors(self, tenant: str) -> list[str | None]:
+        """Whose pages are evicted for a slab `tenant` needs, in order; None: anyone's (tenants share slabs).
+
+        Where slabs are each tenant's own, a tenant at its quota takes only its own. Otherwise it first
+        takes from tenants holding more slabs past their floor than it would after the move, the most
+        past first, then its own. Free slabs up to every tenant's floor are kept for it
+        (_new_slabs_allowed), so nobody loses a slab of its floor to another's need, even to pages that
+        cannot be evicted (leased), and under contention every tenant converges to its floor plus an
+        equal part of the rest.
+        """
+        if not self.arena.tenants_apart:
+            return [None]
+        if self._at_slab_cap(tenant):
+            return [tenant]
+        held, shares = self.allocator.slabs_held, self.shares
+        past = {name: slabs - shares.floor(name) for name, slabs in held.items() if slabs and name != tenant}
+        bar = max(0, held[tenant] - shares.floor(tenant) + 1)
+        donors: list[str | None] = sorted((name for name, over in past.items() if over > bar),
+                                          key=lambda name: -past[name])
+        return donors + [tenant]
+
+    def _slab_refusal(self, tenant: str) -> str:
+        return self.shares.refusal(tenant, self.allocator.slabs_held[tenant], self.ledger.dram_limit(tenant))
+
+    def _on_removed(self, record: PageRecord) -> None:
+        """A page left the index and no lease holds it: its DRAM slot may be reused."""
+        if record.offset != NO_SLOT:
+            self._free_slot(record.offset)
+            record.offset = NO_SLOT
+
+    def _free_dram(self, record: PageRecord) -> None:
+        self._free_slot(record.offset)
+
+    def _free_slot(self, offset: int) -> None:
+        self.ledger.freed(offset, self.allocator.free(offset))
+
+    def _page_bytes(self, record: PageRecord) -> int:
+        return self.namespaces[record.page_id[0]].page_bytes
+
+    def replace_memfd(self, tenant: str) -> bool:
+        """Move the tenant's pages into a fresh memfd (Arena.replace_memfd) if nothing writes them now: no
+        lease of the tenant open and no promotion under way. False: not now, ask again."""
+        with self._lock:
+            if self.leases.held_by(tenant) or self._promoting:
+                return False
+            self.arena.replace_memfd(tenant)
+        return True
+
+    def trim_arena(self) -> int:
+        """Punch the tenants' memfds back to the slabs each holds (Arena.trim); bytes freed."""
+        with self._lock:
+            return self.arena.trim()
