@@ -3,6 +3,7 @@ I/O under the store's lock, durable commits, limits checked before work, bounded
 
 import hashlib
 import threading
+import time
 
 import pytest
 
@@ -382,6 +383,24 @@ def test_no_data_plane_write_starts_while_a_commit_hashes_its_slots(node, monkey
     go_on.set()
     committer.join(10)
     assert node.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"k"]), None).hit_pages == 1
+
+
+def test_a_chain_longer_than_a_write_down_batch_is_written_from_its_saved_end(tmp_path):
+    # Making the last 8 pages of a 6,000-page unsaved chain durable needs every page before them on
+    # NVMe first; no claim walks more than a batch of the chain, yet the whole chain gets there.
+    svc = make_node(tmp_path, ["dram.arena_bytes=4MiB", "dram.slab_bytes=256KiB", "nvme.map_bytes=64MiB",
+                               "controller.write_policy=write_back"])
+    try:
+        ns, keys = open_ns(svc, 256), chain("long", 6000)
+        for start in range(0, len(keys), 1000):
+            put(svc, ns, keys[start:start + 1000], 256, parent=keys[start - 1] if start else b"")
+        tail = [svc.store.index.get((ns, k)) for k in keys[-8:]]
+        assert not any(r.on_nvme for r in tail)
+        assert svc.controller.make_durable(tail, deadline=time.monotonic() + 60) == 8
+        assert all(svc.store.index.get((ns, k)).on_nvme for k in keys)
+        assert sum(get(svc, ns, keys[i:i + 1000], 256) for i in range(0, len(keys), 1000)) == len(keys)
+    finally:
+        close_node(svc)
 
 
 def test_pages_written_to_disk_whose_parent_is_not_on_nvme_are_deleted_from_it(node):
