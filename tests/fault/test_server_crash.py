@@ -28,6 +28,8 @@ WORKLOAD = textwrap.dedent("""
         for j in range(1000):
             chain = run * 1000 + j
             c.put(ns, [f"k{chain}-{i}" for i in range(4)], data(chain))
+            if j == 0:
+                print("stored", flush=True)   # the kill comes after this, however slow the start
             old = rng.randrange(0, chain + 1)   # reads of older chains: promotions from NVMe
             c.get(ns, [f"k{old}-{i}" for i in range(4)], np.zeros((4, 16384), np.uint8), verify=True)
 """)
@@ -64,12 +66,14 @@ def test_sigkill_during_write_back_and_promotion(start_server, tmp_path):
             older = rng.sample(written, min(10, len(written)))
             served_total += check(client, recent + older)
         worker = subprocess.Popen([sys.executable, "-c", WORKLOAD, server.address, str(run)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        worker.stdout.readline()   # its first put is in (or it died: then the node is killed at once)
         time.sleep(rng.uniform(0.1, 0.6))
         server.process.send_signal(signal.SIGKILL)
         server.process.wait()
         worker.kill()
         worker.wait()
+        worker.stdout.close()
         written += [run * 1000 + j for j in range(200)]
         server.kill()
     final = start_server(settings)
