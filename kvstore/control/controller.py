@@ -181,6 +181,16 @@ class CacheController:
 
     # -- the background loop ----------------------------------------------------------
 
+    def _take_queued(self) -> tuple[list[PageRecord], list[PageRecord], bool]:
+        """Off the queue (its lock held): a batch of writes, every prefetch, and whether DRAM ran short."""
+        writes = list(self._writes)[:self.config.write_batch_pages]
+        for record in writes:
+            del self._writes[record]
+        prefetch = list(self._prefetch)
+        self._prefetch.clear()
+        short, self._dram_short = self._dram_short, False
+        return writes, prefetch, short
+
     def _run(self) -> None:
         while True:
             with self._queue:
@@ -188,12 +198,7 @@ class CacheController:
                     self._queue.wait(0.1)   # also the pace of write_back's watermark check
                 if self._stopping:
                     return
-                writes = list(self._writes)[:self.config.write_batch_pages]
-                for record in writes:
-                    del self._writes[record]
-                prefetch = list(self._prefetch)
-                self._prefetch.clear()
-                short, self._dram_short = self._dram_short, False
+                writes, prefetch, short = self._take_queued()
             if not (writes or prefetch or short or self._write_back_due()):  # store lock: never under ours
                 continue
             try:

@@ -393,13 +393,8 @@ class StoreMachine(RuleBasedStateMachine):
         """One pass of the controller's background loop, in this thread: its queued writes and prefetches."""
         controller = self.node.controller
         with controller._queue:
-            writes = list(controller._writes)[:controller.config.write_batch_pages]
-            for record in writes:
-                del controller._writes[record]
-            prefetch = list(controller._prefetch)
-            controller._prefetch.clear()
-            short, controller._dram_short = controller._dram_short, False
-        controller._pass(writes, prefetch, short)
+            queued = controller._take_queued()
+        controller._pass(*queued)
 
     @rule()
     def crash_restart(self):
