@@ -37,6 +37,7 @@ from kvstore.control.index import NO_SLOT, PageRecord
 from kvstore.control.native_index import make_page_index
 from kvstore.control.leases import READ, WRITE, Lease, LeaseTable
 from kvstore.control.quotas import SlabShares, TenantLedger
+from kvstore.control.store_events import StoreEvents
 from kvstore.limits import Limits
 from kvstore.tiers.dram import SLOT_ALIGN, Arena, SlabAllocator, slot_bytes_for
 from kvstore_client import errors
@@ -195,6 +196,8 @@ class PageStore:
         self.counters = Counters()
         self._promoting = 0   # slots claimed for promotion whose NVMe reads are not finished
         self.listener: StoreListener = _NoListener()
+        # Page events for routers (events_out); None: not published, and no step costs anything for them.
+        self.events: StoreEvents | None = None
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
         self.draining = False
 
@@ -262,6 +265,8 @@ class PageStore:
             self.namespaces.update(namespaces)
             self.index.add_recovered(records)
             self.counters.recovered_pages = len(records)
+            if self.events is not None:   # start-up, before anything is served: announced as stored on DISK
+                self.events.sync(self.index.records())
 
     # -- lookups ----------------------------------------------------------------------
 
@@ -313,6 +318,26 @@ class PageStore:
             if cursor is None or len(found) >= keys_max:
                 break
         return found, cursor
+
+    def pages_page(self, ns_id: int, cursor: int, pages_max: int) -> tuple[list[tuple[bytes, bytes, bool, bool]],
+                                                                          int | None, int]:
+        """keys_page with each page's parent key and tiers: (key, parent key, in DRAM, on NVMe). The third
+        value is, on a walk's first call (cursor 0), the sequence number of the namespace's tenant stream
+        from which page events complete this walk (StoreEvents.snapshot_seq), read as the walk begins; 0
+        otherwise, or when no events are published."""
+        found: list[tuple[bytes, bytes, bool, bool]] = []
+        seq = 0
+        for _ in range(SCAN_SECTIONS):
+            with self._lock:
+                if cursor == 0 and self.events is not None and not found:
+                    seq = self.events.snapshot_seq(self.namespaces[ns_id].tenant)
+                records, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, found_max=pages_max - len(found))
+                for record in records:
+                    parent = record.parent.page_id[1] if record.parent is not None else (record.anchor or b"")
+                    found.append((record.page_id[1], parent, record.in_dram, record.on_nvme))
+            if cursor is None or len(found) >= pages_max:
+                break
+        return found, cursor, seq
 
     # -- writes: reserve, commit, abort -------------------------------------------------
 
@@ -617,7 +642,7 @@ class PageStore:
         first = indices[0] if indices else 0
         parent_key = keys[first - 1] if first else lease.parent_key
         chain_parent = index.get((ns_id, parent_key)) if parent_key else None
-        wants_commits = self.listener.wants_commits
+        wants_commits = self.listener.wants_commits or self.events is not None
         if indices and indices[-1] - first == len(indices) - 1 and (chain_parent is not None or not parent_key):
             # The usual commit: consecutive pages under a parent held here (or none), one index call,
             # and no object per page unless someone reads them.
@@ -638,7 +663,9 @@ class PageStore:
             index.touch_all(published)
             count = len(published)
         self.counters.pages_committed += count
-        if wants_commits:
+        if self.events is not None:
+            self.events.sync(published)
+        if self.listener.wants_commits:
             self.listener.on_commit(published)
         self._committed.notify_all()
         return states, published if records else []
@@ -800,6 +827,7 @@ class PageStore:
                 if not todo and cursor is not None:
                     todo, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id)
                 section = self._remove_subtrees(todo, SCAN_POSITIONS)
+                self._sync_events(section)
                 moving = [r for r in section if r.on_nvme or r.busy]
                 self._deleting([r.page_id for r in moving])
             removed += section
@@ -975,6 +1003,7 @@ class PageStore:
                     self._nvme_admitted.add(record)
                 admitted.append(record)
             self.index.unpin_all(kept)
+            self._sync_events(victims)
             self.counters.nvme_evictions += len(victims)
             for record in victims:
                 self.ledger.of(record.tenant).nvme_evictions += 1
@@ -1003,6 +1032,7 @@ class PageStore:
                     written.append(record)
                 else:  # deleted meanwhile, or its parent is not on NVMe: its bytes must not stay there
                     garbage.append(record.page_id)
+            self._sync_events(written)
             self.counters.demotions += len(written)
             self.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
             for record in batch:
@@ -1035,6 +1065,7 @@ class PageStore:
         """Take up to `count` least recently used pages off one NVMe shard (the caller deletes them)."""
         with self._lock:
             victims = self.index.evict_nvme(shard, count)
+            self._sync_events(victims)
             self.counters.nvme_evictions += len(victims)
             for record in victims:
                 self.ledger.of(record.tenant).nvme_evictions += 1
@@ -1114,10 +1145,13 @@ class PageStore:
                     continue
                 self._free_slot(slot)
                 if position < len(read_ok) and read_ok[position] is None and record.alive:
-                    garbage += [r.page_id for r in self.index.remove_subtree(record) if r.on_nvme]
+                    gone = self.index.remove_subtree(record)
+                    self._sync_events(gone)
+                    garbage += [r.page_id for r in gone if r.on_nvme]
                 elif position < len(read_ok) and not ok and record.alive:
                     garbage += self._drop_corrupt(record)
             self.index.unpin_all(claim.records)
+            self._sync_events(claim.records)
             self._deleting(garbage)
             self.counters.promotions += promoted
             self.counters.promoted_bytes += promoted_bytes
@@ -1264,7 +1298,14 @@ class PageStore:
             # evict as many as are still needed before allocating again. A tenant below its share takes
             # a slab back from one above its own first (_slab_donors).
             freed: list[int] = []
-            if self._slab_donors(tenant)[0] == own:
+            if self._slab_donors(tenant)[0] == own and self.events is not None:
+                taken = self._evict_each(slot_bytes, keep_unsaved, count - len(offsets), own)
+                if taken:
+                    evicted = True
+                    offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder,
+                                                            self._new_slabs_allowed(tenant))
+                    continue
+            elif self._slab_donors(tenant)[0] == own:
                 freed, tenants = self.index.evict_dram_many(slot_bytes, keep_unsaved, count - len(offsets),
                                                             tenant=own)
             if freed:
@@ -1288,7 +1329,9 @@ class PageStore:
             return count
         keep_unsaved = evict is Evict.CLEAN or self.protect_unsaved
         excess = self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes - limit
-        if excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
+        if excess > 0 and self.events is not None:
+            self._evict_each(None, keep_unsaved, len(self.index), tenant, until_bytes=excess)
+        elif excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
             freed, _ = self.index.evict_dram_many(None, keep_unsaved, len(self.index), tenant=tenant,
                                                   until_bytes=excess)
             for offset in freed:
@@ -1311,6 +1354,26 @@ class PageStore:
             if not taken:
                 return False
             victims += taken
+
+    def _evict_each(self, slot_bytes: int | None, clean_only: bool, count: int, tenant: str | None,
+                    until_bytes: int = 0) -> int:
+        """evict_dram_many where page events are published: victim by victim, so that each one's record
+        reaches the callbacks (_on_removed, _free_dram: they free its slot and announce it). Returns victims."""
+        taken = freed_bytes = 0
+        while taken < count:
+            victim = self.index.evict_dram(slot_bytes, clean_only, tenant)
+            if victim is None:
+                break
+            self._evicted(victim)
+            taken += 1
+            freed_bytes += victim.slot_bytes
+            if 0 < until_bytes <= freed_bytes:
+                break
+        return taken
+
+    def _sync_events(self, records: Iterable[PageRecord]) -> None:
+        if self.events is not None:
+            self.events.sync(records)
 
     def _evicted(self, record: PageRecord) -> None:
         self.counters.evictions += 1
@@ -1389,6 +1452,7 @@ class PageStore:
 
     def _drop_corrupt(self, record: PageRecord) -> list[PageId]:
         removed = self.index.remove_subtree(record)
+        self._sync_events(removed)
         self.counters.corrupt_pages += len(removed)
         log.error("corrupt page dropped namespace=%016x key=%s pages_dropped=%d",
                   record.page_id[0], record.page_id[1].hex()[:32], len(removed))
@@ -1456,9 +1520,13 @@ class PageStore:
         if record.offset != NO_SLOT:
             self._free_slot(record.offset)
             record.offset = NO_SLOT
+        if self.events is not None:
+            self.events.sync((record,))
 
     def _free_dram(self, record: PageRecord) -> None:
         self._free_slot(record.offset)
+        if self.events is not None:   # the index clears the record's offset after this call
+            self.events.dram_dropped(record)
 
     def _free_slot(self, offset: int) -> None:
         self.ledger.freed(offset, self.allocator.free(offset))
