@@ -130,6 +130,7 @@ class StoreInventory:
         self._sub = None
         self._monitor = None
         self._dropped = False
+        self._last_ts = 0.0      # the newest batch applied: a batch numbered lower but newer is the next run's
 
     # -- life ---------------------------------------------------------------------------
 
@@ -142,8 +143,7 @@ class StoreInventory:
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sub.connect(self.endpoint)
-        self._install(snapshots)
-        self._catch_up(self.next_seq)
+        self._resnapshot(snapshots)
 
     def close(self) -> None:
         for sock in (self._monitor, self._sub):
@@ -179,8 +179,8 @@ class StoreInventory:
             self._dropped = False
             return self._new_run()
         if seq < self.next_seq:
-            if self._seen.get(seq) == _digest(payload):
-                return 0   # replayed already
+            if self._seen.get(seq) == _digest(payload) or self.decode(payload).ts <= self._last_ts:
+                return 0   # replayed already, or older than the snapshot the inventory was rebuilt from
             return self._new_run()
         if seq > self.next_seq:
             if not self._catch_up(self.next_seq):
@@ -240,11 +240,18 @@ class StoreInventory:
         finally:
             sock.close(linger=0)
 
-    def _resnapshot(self) -> None:
-        for attempt in range(8):
-            self._install(self._snapshot_pages())
-            batches = self._replay(self.next_seq)
-            if batches is not None and (not batches or batches[0][0] == self.next_seq):
+    def _resnapshot(self, snapshots: list[PageSnapshot] | None = None) -> None:
+        """Install a snapshot, then the batches from its S on that the replay socket holds. The batch before S
+        dates the snapshot: a batch numbered lower that arrives later is older than it, unless it is newer."""
+        for _ in range(8):
+            self._install(snapshots or self._snapshot_pages())
+            snapshots = None
+            start = self.next_seq
+            batches = self._replay(max(start - 1, 0))
+            if batches and start and batches[0][0] == start - 1:
+                self._last_ts = max(self._last_ts, self.decode(batches[0][1]).ts)
+                batches = batches[1:]
+            if batches is not None and (not batches or batches[0][0] == start):
                 for seq, payload in batches:
                     self._apply(seq, payload)
                 return
@@ -270,6 +277,7 @@ class StoreInventory:
         self.next_seq = min((s.events_seq for s in snapshots), default=0)
         self._seen.clear()
 
+
     def _apply(self, seq: int, payload: bytes) -> None:
         batch = self.decode(payload)
         for event in batch.events:
@@ -293,6 +301,7 @@ class StoreInventory:
                         if not held:
                             del pages[bytes(key)]
         self.next_seq = seq + 1
+        self._last_ts = max(self._last_ts, batch.ts)
         self._seen[seq] = _digest(payload)
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
