@@ -320,6 +320,7 @@ class KVStoreService:
         return pb.ListPagesResponse(
             pages=[pb.PageTiers(key=key, parent_key=parent, dram=dram, nvme=nvme) for key, parent, dram, nvme in pages],
             more=cursor is not None, cursor=cursor or 0, events_seq=seq, events_enabled=enabled,
+            events_run=self.instance_id,
             events_topic=topic_of(namespace.tenant) if enabled else b"")
 
     def stats(self, request: pb.StatsRequest, owner: object | None) -> pb.StatsResponse:

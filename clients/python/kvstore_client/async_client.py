@@ -455,6 +455,16 @@ class AsyncKVStoreClient:
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(list_all, timeout_s)
 
+    async def events_run(self, namespace: Namespace, *, timeout_s: float | None = None) -> bytes:
+        """KVStoreClient.events_run."""
+        async def first(conn: _Connection) -> bytes:
+            async def in_namespace(ns_id: int) -> bytes:
+                answer = await conn.control.call("ListPages", pb.ListPagesRequest(namespace_id=ns_id, pages_max=1),
+                                                 self._timeout_s)
+                return answer.events_run
+            return await self._in_namespace(conn, namespace, in_namespace)
+        return await self._on_node(first, timeout_s)
+
     # -- page groups (groups.py) ---------------------------------------------------------
 
     async def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,

@@ -268,6 +268,13 @@ class KVStoreClient:
         return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
                              _always, timeout_s=timeout_s)
 
+    def events_run(self, namespace: Namespace, *, timeout_s: float | None = None) -> bytes:
+        """The node's run as ListPages names it (events_run): it changes when the node restarts, and with it
+        the numbering of its event streams. One call, no walk."""
+        return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: conn.control.call(
+            "ListPages", pb.ListPagesRequest(namespace_id=ns_id, pages_max=1))), _always,
+            timeout_s=timeout_s).events_run
+
     # -- page groups (groups.py): the parts of one position, visible and read together -----
 
     def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,

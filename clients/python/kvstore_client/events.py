@@ -27,8 +27,10 @@ import collections
 import dataclasses
 import hashlib
 import logging
+import time
 from typing import Any, Callable, Sequence
 
+from kvstore_client import errors
 from kvstore_client.keys import Namespace, namespace_id
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class PageSnapshot:
     events_seq: int
     events_topic: bytes
     events_enabled: bool
+    events_run: bytes = b""
 
     def tiers(self) -> dict[bytes, set[str]]:
         """key -> the mediums of the event stream ("CPU", "DISK") the page is in."""
@@ -58,7 +61,8 @@ def page_snapshot(namespace_id: int, answers: Sequence[Any]) -> PageSnapshot:
     """One walk's ListPagesResponses, first to last, as a PageSnapshot (the first one names the sequence number)."""
     first = answers[0]
     pages = {page.key: (page.parent_key, page.dram, page.nvme) for answer in answers for page in answer.pages}
-    return PageSnapshot(namespace_id, pages, first.events_seq, first.events_topic, first.events_enabled)
+    return PageSnapshot(namespace_id, pages, first.events_seq, first.events_topic, first.events_enabled,
+                        first.events_run)
 
 
 def _default_decoder() -> Callable[[bytes], Any]:
@@ -107,7 +111,8 @@ class StoreInventory:
     this module's own). Not thread-safe: one thread calls poll()."""
 
     def __init__(self, client: Any, namespaces: Sequence[Namespace], endpoint: str, replay_endpoint: str = "",
-                 decode: Callable[[bytes], Any] | None = None, replay_timeout_ms: int = 5_000):
+                 decode: Callable[[bytes], Any] | None = None, replay_timeout_ms: int = 5_000,
+                 idle_check_ms: int = 1_000):
         import zmq
 
         self._zmq = zmq
@@ -118,6 +123,8 @@ class StoreInventory:
         self.replay_endpoint = replay_endpoint
         self.decode = decode or _default_decoder()
         self.replay_timeout_ms = replay_timeout_ms
+        self.idle_check_ms = idle_check_ms    # quiet this long: ask replay for batches lost at a burst's end
+        self._quiet_since = time.monotonic()
         self.pages: dict[int, dict[bytes, set[str]]] = {ns: {} for ns in self.followed}
         self.next_seq: int | None = None
         self.topic = b""
@@ -126,10 +133,13 @@ class StoreInventory:
         self.replays = 0         # catch-ups from the replay socket
         self.clears = 0          # AllBlocksCleared applied (a run of the node began)
         self.restarts = 0        # new runs of the node noticed
+        self.received = 0        # live batches received
+        self.last_received_seq = -1
         self._context = zmq.Context()
         self._sub = None
         self._monitor = None
         self._dropped = False
+        self.run = b""           # the node's run the inventory follows (ListPages' events_run)
         self._last_ts = 0.0      # the newest batch applied: a batch numbered lower but newer is the next run's
 
     # -- life ---------------------------------------------------------------------------
@@ -137,13 +147,20 @@ class StoreInventory:
     def start(self) -> None:
         """Take a snapshot (it names the tenant's topic), subscribe, and catch up from the snapshot on."""
         snapshots = self._snapshot_pages()
+        self._subscribe()
+        self._resnapshot(snapshots)
+
+    def _subscribe(self) -> None:
+        """A fresh SUB socket (and its monitor: a dropped connection may mean the node's next run)."""
+        for sock in (self._monitor, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
         zmq = self._zmq
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sub.connect(self.endpoint)
-        self._resnapshot(snapshots)
 
     def close(self) -> None:
         for sock in (self._monitor, self._sub):
@@ -158,30 +175,56 @@ class StoreInventory:
     def poll(self, timeout_ms: int) -> int:
         """Apply the batches that arrive within `timeout_ms` (at most the ones waiting then); returns how many."""
         applied = 0
-        if self._monitor.poll(0):
+        while self._monitor.poll(0):
             self._monitor.recv_multipart()
-            self._dropped = True   # the node went away: the next batch may be its next run's
+            self._dropped = True   # the node went away: what comes next may be its next run
+        if self._dropped:
+            try:
+                run = self.client.events_run(self.namespaces[0])
+            except errors.KVStoreError as exc:   # not back yet: asked again on the next poll
+                log.info("store events: the node is not answering (%s); asking again", exc)
+                return 0
+            self._dropped = False
+            self._subscribe()   # a connection to the last run's socket need not come back by itself
+            if run != self.run:
+                self.run = run
+                return self._new_run()
         if not self._sub.poll(timeout_ms):
+            # PUB drops silently past its high-water mark, and a loss at the end of a burst shows no gap until
+            # the next batch: when idle, ask the replay socket whether anything came after the last batch.
+            now = time.monotonic()
+            if self.replay_endpoint and now - self._quiet_since >= self.idle_check_ms / 1000:
+                self._quiet_since = now
+                before = self.next_seq
+                self._catch_up(self.next_seq)
+                return self.next_seq - before
             return 0
+        self._quiet_since = time.monotonic()
         while self._sub.poll(0):
             frames = self._sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 log.warning("store events: malformed message of %d frames", len(frames))
                 continue
-            applied += self._receive(int.from_bytes(frames[1], "big", signed=True), frames[2])
+            self.received += 1
+            self.last_received_seq = int.from_bytes(frames[1], "big", signed=True)
+            applied += self._receive(self.last_received_seq, frames[2])
         return applied
 
     # -- the stream -----------------------------------------------------------------------
 
     def _receive(self, seq: int, payload: bytes) -> int:
         assert self.next_seq is not None
-        if self._dropped:
-            self._dropped = False
-            return self._new_run()
-        if seq < self.next_seq:
-            if self._seen.get(seq) == _digest(payload) or self.decode(payload).ts <= self._last_ts:
-                return 0   # replayed already, or older than the snapshot the inventory was rebuilt from
-            return self._new_run()
+        if seq < self.next_seq and (self._seen.get(seq) == _digest(payload)
+                                    or self.decode(payload).ts <= self._last_ts):
+            return 0   # replayed already, or older than the snapshot the inventory was rebuilt from
+        if seq != self.next_seq:
+            # A gap, or a lower number never seen: this run's, or the next one's?
+            run = self.client.events_run(self.namespaces[0])
+            if run != self.run:
+                self.run = run
+                return self._new_run()
+            if seq < self.next_seq:
+                return 0
         if seq > self.next_seq:
             if not self._catch_up(self.next_seq):
                 return 1
@@ -196,8 +239,7 @@ class StoreInventory:
         log.info("store events: the node began a new run; rebuilding")
         self.next_seq = 0
         self._seen.clear()
-        if not self._catch_up(0, from_start=True):
-            return 1
+        self._catch_up(0, from_start=True)
         return 1
 
     def _catch_up(self, start: int, from_start: bool = False) -> bool:
@@ -271,6 +313,8 @@ class StoreInventory:
         """The walks' pages, and the first of their sequence numbers to apply the stream from."""
         self.snapshots += 1
         self.followed = {s.namespace_id for s in snapshots}   # the node's ids (it fills in the tenant)
+        if snapshots:
+            self.run = snapshots[0].events_run
         self.pages = {ns: {} for ns in self.followed}
         for snapshot in snapshots:
             self.pages[snapshot.namespace_id] = snapshot.tiers()

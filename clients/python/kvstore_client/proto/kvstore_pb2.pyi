@@ -598,20 +598,22 @@ class PageTiers(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., dram: _Optional[bool] = ..., nvme: _Optional[bool] = ...) -> None: ...
 
 class ListPagesResponse(_message.Message):
-    __slots__ = ("pages", "more", "cursor", "events_seq", "events_topic", "events_enabled")
+    __slots__ = ("pages", "more", "cursor", "events_seq", "events_topic", "events_enabled", "events_run")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     EVENTS_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_RUN_FIELD_NUMBER: _ClassVar[int]
     pages: _containers.RepeatedCompositeFieldContainer[PageTiers]
     more: bool
     cursor: int
     events_seq: int
     events_topic: bytes
     events_enabled: bool
-    def __init__(self, pages: _Optional[_Iterable[_Union[PageTiers, _Mapping]]] = ..., more: _Optional[bool] = ..., cursor: _Optional[int] = ..., events_seq: _Optional[int] = ..., events_topic: _Optional[bytes] = ..., events_enabled: _Optional[bool] = ...) -> None: ...
+    events_run: bytes
+    def __init__(self, pages: _Optional[_Iterable[_Union[PageTiers, _Mapping]]] = ..., more: _Optional[bool] = ..., cursor: _Optional[int] = ..., events_seq: _Optional[int] = ..., events_topic: _Optional[bytes] = ..., events_enabled: _Optional[bool] = ..., events_run: _Optional[bytes] = ...) -> None: ...
 
 class RdmaQueuePair(_message.Message):
     __slots__ = ("lid", "gid", "qp_num", "psn", "mtu", "gid_type")
