@@ -14,7 +14,9 @@ lock too, with the slots marked busy.
 Who calls what: the service (RPC rules) and the controller (tier moves) call the store;
 the store calls neither. It tells a `StoreListener` (the controller) what happened —
 commits, hits, pages wanted from NVMe, DRAM running short — with the lock held, so a
-listener only queues work.
+listener only queues work. Where the node publishes its page events (events_out), every step that
+changes a page's tiers also tells its StoreEvents journal (store_events.py), under the lock, the
+pages it touched: O(pages of that step), into a bounded queue a thread of its own publishes.
 """
 
 from __future__ import annotations
