@@ -187,3 +187,24 @@ def test_inventory_rebuilt_through_subscriber_restart_lag_and_node_restart(start
         second.close()
     finally:
         c.close()
+
+
+def test_the_async_client_takes_the_same_snapshot(start_server, tmp_path):
+    import asyncio
+
+    from kvstore_client import AsyncKVStoreClient
+
+    server = start_server(settings(tmp_path, **{"nvme.enabled": "false", "controller.write_policy": "write_through"}))
+    with KVStoreClient(server.address, timeout_s=10) as c:
+        assert c.put(NS, keys_of(1), np.ones((CHAIN, PAGE), np.uint8)).stored == CHAIN
+        expected = c.list_pages(NS)
+        run = c.events_run(NS)
+
+    async def snapshot():
+        async with AsyncKVStoreClient(server.address, timeout_s=10) as a:
+            return await a.list_pages(NS), await a.events_run(NS)
+
+    got, got_run = asyncio.run(snapshot())
+    assert got.pages == expected.pages and got.events_topic == expected.events_topic == b"kvstore//"
+    assert got_run == run and run and got.events_seq >= expected.events_seq
+    assert got.pages[b"chain1-page1"] == (b"chain1-page0", True, False)

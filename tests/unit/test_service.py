@@ -412,3 +412,23 @@ def test_list_pages_answers_tiers_parents_and_checks_its_input(service):
         service.list_pages(pb.ListPagesRequest(namespace_id=ns, cursor=1 << 40), None)
     with pytest.raises(errors.NamespaceNotFound):
         service.list_pages(pb.ListPagesRequest(namespace_id=12345), None)
+
+
+def test_list_pages_is_scoped_to_the_callers_tenant_and_names_its_own_stream(service):
+    from kvstore.control.identity import TENANT, Caller, Identity
+    from kvstore.control.store_events import StoreEvents, topic_of
+
+    service.store.events = StoreEvents(8, 64)
+    alice, bob = Caller(Identity("alice", TENANT)), Caller(Identity("bob", TENANT))
+    spec = Namespace(model="m", page_bytes=PAGE).to_proto()
+    theirs = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), bob).namespace_id
+    mine = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), alice).namespace_id
+    put(service, theirs, keys("b", 2))
+    with pytest.raises(errors.NamespaceNotFound):
+        service.handle("ListPages", pb.ListPagesRequest(namespace_id=theirs), alice)
+    answer = service.handle("ListPages", pb.ListPagesRequest(namespace_id=mine), alice)
+    assert answer.events_enabled and answer.events_topic == topic_of("alice") and not answer.pages
+    assert answer.events_run == service.instance_id
+    batches = service.store.events.take()
+    assert {b.tenant for b in batches} == {"alice", "bob"}   # bob's pages went to bob's stream only
+    assert all(e.namespace_id == theirs for b in batches if b.tenant == "bob" for e in b.events if e.key)
