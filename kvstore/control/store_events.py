@@ -8,8 +8,8 @@ lock held after any step that may have changed those facts for these pages (a co
 write-down, a promotion, an eviction, a delete); the journal keeps the facts it last announced
 per page and appends one event per fact that changed, so a caller may name a page twice, or one
 that did not change, at no cost but the look-up: O(pages of that operation), nothing more.
-The facts cost a dict entry per page held (about 150 bytes, beside the C index's ~100): the price
-of publishing, paid only where events_out is on.
+The facts cost a Python dict entry per page held (not measured here; more than the C index spends on
+the page itself): the price of publishing, paid only where events_out is on.
 
 Streams. One per tenant (its ZMQ topic, `topic_of`), each numbered from 0 by batch; the first
 batch of every stream, after every start of the node, opens with AllBlocksCleared: whatever a
