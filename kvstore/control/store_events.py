@@ -8,7 +8,7 @@ lock held after any step that may have changed those facts for these pages (a co
 write-down, a promotion, an eviction, a delete); the journal keeps the facts it last announced
 per page and appends one event per fact that changed, so a caller may name a page twice, or one
 that did not change, at no cost but the look-up: O(pages of that operation), nothing more.
-The facts cost a Python dict entry per page held (not measured here; more than the C index spends on
+The facts cost a Python dict entry per page held (more than the C index spends on
 the page itself): the price of publishing, paid only where events_out is on.
 
 Streams. One per tenant (its ZMQ topic, `topic_of`), each numbered from 0 by batch; the first
