@@ -181,6 +181,21 @@ class EventsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EventsOutConfig:
+    """This store's own page events, in vLLM's KV-event wire format, for KV-aware routers (store_events.py)."""
+    enabled: bool = False
+    # ZMQ PUB and replay ROUTER endpoints. PUB cannot tell subscribers apart, so each tenant's stream is
+    # scoped by topic only: bound to loopback or a Unix socket unless events_out.allow_remote says otherwise.
+    endpoint: str = "tcp://127.0.0.1:5567"
+    replay_endpoint: str = "tcp://127.0.0.1:5568"   # "" = no replay socket (a lost batch needs a snapshot)
+    replay_batches: int = 10_000            # batches kept per tenant for replay
+    batch_events_max: int = 1_024           # pages per published batch
+    queue_pages_max: int = 1_000_000        # page events waiting to be published; past it a gap (see docs)
+    hwm: int = 100_000                      # the PUB socket's high-water mark, in messages
+    allow_remote: bool = False              # bind a non-loopback endpoint: any host that reaches it sees every topic
+
+
+@dataclasses.dataclass(frozen=True)
 class RouteConfig:
     """What a page is worth to Route, by where it is: in the engine's GPU it costs nothing to use."""
     weight_engine_gpu: float = 1.0
@@ -290,6 +305,7 @@ class Config:
     ops: OpsConfig = OpsConfig()
     systemd: SystemdConfig = SystemdConfig()
     events: EventsConfig = EventsConfig()
+    events_out: EventsOutConfig = EventsOutConfig()
     route: RouteConfig = RouteConfig()
     scrub: ScrubConfig = ScrubConfig()
     hbm: HbmConfig = HbmConfig()
@@ -373,6 +389,10 @@ _SYSTEMD_ENV = {"NOTIFY_SOCKET": "systemd.notify_socket", "WATCHDOG_USEC": "syst
 
 def _env_to_dotted(name: str) -> str:
     rest = name[len(ENV_PREFIX):].lower()
+    # The longest section name that prefixes it: KVSTORE_EVENTS_OUT_ENDPOINT is events_out.endpoint.
+    for section in sorted(_SECTION_TYPES, key=len, reverse=True):
+        if rest.startswith(section + "_"):
+            return f"{section}.{rest[len(section) + 1:]}"
     section, _, field = rest.partition("_")
     return f"{section}.{field}"
 
@@ -509,7 +529,7 @@ def _validate(config: Config) -> None:
         ("hbm.pool_bytes", config.hbm.pool_bytes >= 0, "must not be negative (0 = no HBM tier)"),
         ("hbm.device", config.hbm.device >= 0, "must be a CUDA device index"),
     ]
-    checks += _events_checks(config.events) + _route_checks(config.route) + _auth_checks(config)
+    checks += _events_checks(config.events) + _events_out_checks(config.events_out) + _route_checks(config.route) + _auth_checks(config)
     checks += _cluster_checks(config.cluster)
     for dotted, ok, why in checks:
         if not ok:
@@ -535,6 +555,31 @@ def _events_checks(events: EventsConfig) -> list[tuple[str, bool, str]]:
          "must be empty or hold one positive count of tokens per events.engine_ids entry"),
         ("events.hash_seed", _is_hex(events.hash_seed), "must be a hex string"),
     ]
+
+
+def _events_out_checks(out: EventsOutConfig) -> list[tuple[str, bool, str]]:
+    endpoints = [("events_out.endpoint", out.endpoint)] + (
+        [("events_out.replay_endpoint", out.replay_endpoint)] if out.replay_endpoint else [])
+    checks = [(dotted, endpoint.startswith(("tcp://", "ipc://")), "must be a ZMQ tcp:// or ipc:// endpoint")
+              for dotted, endpoint in endpoints]
+    checks += [(dotted, out.allow_remote or _zmq_local(endpoint),
+                f"{endpoint} is not a loopback address or a Unix socket, and a ZMQ PUB socket cannot check who "
+                "subscribes (every tenant's topic would reach any host): bind 127.0.0.1 or ipc://, or set "
+                "events_out.allow_remote = true") for dotted, endpoint in endpoints]
+    return checks + [
+        ("events_out.replay_endpoint", out.replay_endpoint != out.endpoint, "must differ from events_out.endpoint"),
+        ("events_out.replay_batches", out.replay_batches > 0, "must be positive"),
+        ("events_out.batch_events_max", 0 < out.batch_events_max <= 65_536, "must be 1 to 65536"),
+        ("events_out.queue_pages_max", out.queue_pages_max >= out.batch_events_max,
+         "must be at least events_out.batch_events_max"),
+        ("events_out.hwm", out.hwm > 0, "must be positive"),
+    ]
+
+
+def _zmq_local(endpoint: str) -> bool:
+    if endpoint.startswith("ipc://"):
+        return True
+    return _loopback(endpoint.removeprefix("tcp://"))
 
 
 def _route_checks(route: RouteConfig) -> list[tuple[str, bool, str]]:
@@ -626,7 +671,7 @@ _SECTION_TYPES: dict[str, type] = {
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
-    "events": EventsConfig, "route": RouteConfig, "scrub": ScrubConfig, "hbm": HbmConfig,
+    "events": EventsConfig, "events_out": EventsOutConfig, "route": RouteConfig, "scrub": ScrubConfig, "hbm": HbmConfig,
     "auth": AuthConfig, "tenants": TenantsConfig, "cluster": ClusterConfig, "testing": TestingConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {

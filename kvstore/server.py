@@ -26,6 +26,7 @@ from kvstore import __version__, config as config_module, failpoints
 from kvstore.cluster.registration import ClusterError, Registration
 from kvstore.config import Config, ConfigError
 from kvstore.control.event_subscriber import EventSubscriber
+from kvstore.control.store_events import StoreEvents
 from kvstore.control import native_index, recovery
 from kvstore.control.grpc_server import create_server
 from kvstore.control.identity import Authenticator
@@ -86,6 +87,7 @@ class Node:
                 self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes, config.nvme.io_threads)
             socket_path = config.shm_socket_path if config.shm.enabled else ""
             self.store = PageStore(config, self.arena)
+            self.events_out = _events_out(config, self.store)
             if self.nvme:
                 recovered = recovery.rebuild(self.nvme)
                 self.store.adopt_recovered(recovered.namespaces, recovered.records)
@@ -165,6 +167,8 @@ class Node:
         self._reaper.start()
         for subscriber in self.subscribers:
             subscriber.start()
+        if self.events_out is not None:
+            self.events_out.start()
         self.health.serving()
 
     def problem(self) -> str:
@@ -198,6 +202,8 @@ class Node:
         self._stop.set()
         for subscriber in self.subscribers:
             subscriber.stop()
+        if self.events_out is not None:
+            self.events_out.stop()
         self.grpc.stop(grace=1.0).wait()
         if self.local is not None:
             self.local.close()
@@ -262,6 +268,23 @@ def _listen_local(path: str, service: KVStoreService, arena: Arena, config: Conf
         if exc.errno is None:  # already says what is wrong (another server, not a socket)
             raise
         raise OSError(f"cannot listen on {path} (shm.socket_path): {exc.strerror}") from None
+def _events_out(config: Config, store: PageStore):
+    """The publisher of the store's page events (events_out), its sockets bound; None when off."""
+    out = config.events_out
+    if not out.enabled:
+        return None
+    from kvstore.control.events_out import EventPublisher   # needs the [events] extra (pyzmq, msgspec)
+
+    store.events = StoreEvents(out.batch_events_max, out.queue_pages_max,
+                               page_tokens_of=lambda ns_id: store.namespaces[ns_id].page_tokens)
+    for tenant in ["", *config.tenants.quota_table()]:   # streams of tenants known at start begin at once
+        store.events.open_stream(tenant)
+    try:
+        return EventPublisher(out, store.events)
+    except Exception as exc:   # zmq.ZMQError: address in use, a bad endpoint
+        raise OSError(f"events_out: cannot bind {out.endpoint} / {out.replay_endpoint or '-'}: {exc}") from None
+
+
 def _subscribers(config: Config, service: KVStoreService) -> list[EventSubscriber]:
     events = config.events
     replays = events.replay_endpoints or ("",) * len(events.endpoints)

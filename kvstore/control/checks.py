@@ -165,6 +165,14 @@ def keys_max(asked: int, limits: Limits) -> int:
     return asked or limits.lookup_pages_max
 
 
+def pages_max(asked: int, limits: Limits) -> int:
+    """How many pages one ListPages answers: as asked, at most limits.lookup_pages_max."""
+    if asked > limits.lookup_pages_max:
+        raise errors.InvalidArgument(f"pages_max={asked} exceeds limits.lookup_pages_max={limits.lookup_pages_max}: "
+                                     "page through with the answer's cursor")
+    return asked or limits.lookup_pages_max
+
+
 def list_cursor(cursor: int) -> int:
     """A ListKeys cursor: a position in the page index, which has fewer than 2**32."""
     if cursor >= 1 << 32:

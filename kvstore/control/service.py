@@ -22,6 +22,7 @@ from kvstore import __version__
 from kvstore.control import checks, route, tenancy
 from kvstore_client import groups
 from kvstore.control.controller import CacheController
+from kvstore.control.store_events import topic_of
 from kvstore.control.engine_index import EngineIndex
 from kvstore.control.identity import TRUSTED, Caller
 from kvstore.control.local_proof import LocalProof
@@ -65,6 +66,7 @@ class KVStoreService:
             "RdmaConnect": self.rdma_connect, "Route": self.route, "Scrub": self.scrub,
             "RdmaDisconnect": self.rdma_disconnect, "ListKeys": self.list_keys,
             "CommitGroup": self.commit_group, "LookupGroup": self.lookup_group, "AcquireGroup": self.acquire_group,
+            "ListPages": self.list_pages,
         }
 
     @property
@@ -310,6 +312,17 @@ class KVStoreService:
         most = checks.keys_max(request.keys_max, self.limits)
         keys, cursor = self.store.keys_page(request.namespace_id, checks.list_cursor(request.cursor), most)
         return pb.ListKeysResponse(keys=keys, more=cursor is not None, cursor=cursor or 0)
+
+    def list_pages(self, request: pb.ListPagesRequest, owner: object | None) -> pb.ListPagesResponse:
+        namespace = self.store.namespace(request.namespace_id)
+        most = checks.pages_max(request.pages_max, self.limits)
+        pages, cursor, seq = self.store.pages_page(request.namespace_id, checks.list_cursor(request.cursor), most)
+        enabled = self.store.events is not None
+        return pb.ListPagesResponse(
+            pages=[pb.PageTiers(key=key, parent_key=parent, dram=dram, nvme=nvme) for key, parent, dram, nvme in pages],
+            more=cursor is not None, cursor=cursor or 0, events_seq=seq, events_enabled=enabled,
+            events_run=self.instance_id,
+            events_topic=topic_of(namespace.tenant) if enabled else b"")
 
     def stats(self, request: pb.StatsRequest, owner: object | None) -> pb.StatsResponse:
         offset, count = checks.stats_page(request, self.config)

@@ -14,7 +14,9 @@ lock too, with the slots marked busy.
 Who calls what: the service (RPC rules) and the controller (tier moves) call the store;
 the store calls neither. It tells a `StoreListener` (the controller) what happened —
 commits, hits, pages wanted from NVMe, DRAM running short — with the lock held, so a
-listener only queues work.
+listener only queues work. Where the node publishes its page events (events_out), every step that
+changes a page's tiers also tells its StoreEvents journal (store_events.py), under the lock, the
+pages it touched: O(pages of that step), into a bounded queue a thread of its own publishes.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Iterable
 
 from kvstore.config import Config
 from kvstore.control.index import NO_SLOT, PageRecord
 from kvstore.control.leases import LeaseTable
 from kvstore.control.native_index import make_page_index
 from kvstore.control.quotas import SlabShares, TenantLedger
+from kvstore.control.store_events import StoreEvents
 from kvstore.control.store_leases import LeaseEnds
 from kvstore.control.store_memory import DramSlots
 from kvstore.control.store_reads import ReadHolds
@@ -92,6 +96,8 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         self.counters = Counters()
         self._promoting = 0   # slots claimed for promotion whose NVMe reads are not finished
         self.listener: StoreListener = NoListener()
+        # Page events for routers (events_out); None: not published, and no step costs anything for them.
+        self.events: StoreEvents | None = None
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
         self.draining = False
 
@@ -157,6 +163,8 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
             self.namespaces.update(namespaces)
             self.index.add_recovered(records)
             self.counters.recovered_pages = len(records)
+            if self.events is not None:   # start-up, before anything is served: announced as stored on DISK
+                self.events.sync(self.index.records())
 
     def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
         """The tier of each leading page held here (DRAM when it is in both)."""
@@ -207,6 +215,26 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
                 break
         return found, cursor
 
+    def pages_page(self, ns_id: int, cursor: int, pages_max: int) -> tuple[list[tuple[bytes, bytes, bool, bool]],
+                                                                          int | None, int]:
+        """keys_page with each page's parent key and tiers: (key, parent key, in DRAM, on NVMe). The third
+        value is, on a walk's first call (cursor 0), the sequence number of the namespace's tenant stream
+        from which page events complete this walk (StoreEvents.snapshot_seq), read as the walk begins; 0
+        otherwise, or when no events are published."""
+        found: list[tuple[bytes, bytes, bool, bool]] = []
+        seq = 0
+        for _ in range(SCAN_SECTIONS):
+            with self._lock:
+                if cursor == 0 and self.events is not None and not found:
+                    seq = self.events.snapshot_seq(self.namespaces[ns_id].tenant)
+                records, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, found_max=pages_max - len(found))
+                for record in records:
+                    parent = record.parent.page_id[1] if record.parent is not None else (record.anchor or b"")
+                    found.append((record.page_id[1], parent, record.in_dram, record.on_nvme))
+            if cursor is None or len(found) >= pages_max:
+                break
+        return found, cursor, seq
+
     def delete(self, ns_id: int, keys: list[bytes] | None) -> tuple[list[PageRecord], list[PageRecord]]:
         """Remove pages (None: every page of the namespace) with everything that extends them: their
         subtrees, and the pages anchored at each key (the key itself held or not). Leaves first, in
@@ -231,6 +259,7 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
                 if not todo and cursor is not None:
                     todo, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, found_max=REMOVE_PAGES)
                 section = self._remove_subtrees(todo, REMOVE_PAGES)
+                self._sync_events(section)
                 moving = [r for r in section if r.on_nvme or r.busy]
                 self._deleting([r.page_id for r in moving])
             removed += section
@@ -312,3 +341,8 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
                     assert self.allocator.tenant_of(record.offset) == holder, "a page sits in another tenant's slab"
                     assert self.arena.holder(record.offset - record.offset % self.arena.slab_bytes) == holder, \
                         "a page's slab is mapped from another tenant's memfd"
+
+    def _sync_events(self, records: Iterable[PageRecord]) -> None:
+        """Tell the page events journal these pages' tiers (lock held); nothing when events are off."""
+        if self.events is not None:
+            self.events.sync(records)

@@ -30,7 +30,14 @@ class DramSlots:
             # evict as many as are still needed before allocating again. A tenant below its share takes
             # a slab back from one above its own first (_slab_donors).
             freed: list[int] = []
-            if self._slab_donors(tenant)[0] == own:
+            if self._slab_donors(tenant)[0] == own and self.events is not None:
+                taken = self._evict_each(slot_bytes, keep_unsaved, count - len(offsets), own)
+                if taken:
+                    evicted = True
+                    offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder,
+                                                            self._new_slabs_allowed(tenant))
+                    continue
+            elif self._slab_donors(tenant)[0] == own:
                 freed, tenants = self.index.evict_dram_many(slot_bytes, keep_unsaved, count - len(offsets),
                                                             tenant=own)
             if freed:
@@ -54,7 +61,9 @@ class DramSlots:
             return count
         keep_unsaved = evict is Evict.CLEAN or self.protect_unsaved
         excess = self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes - limit
-        if excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
+        if excess > 0 and self.events is not None:
+            self._evict_each(None, keep_unsaved, len(self.index), tenant, until_bytes=excess)
+        elif excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
             freed, _ = self.index.evict_dram_many(None, keep_unsaved, len(self.index), tenant=tenant,
                                                   until_bytes=excess)
             for offset in freed:
@@ -63,6 +72,22 @@ class DramSlots:
                 self.counters.evictions += len(freed)
                 self.ledger.of(tenant).evictions += len(freed)
         return min(count, max(limit - self.ledger.dram_bytes.get(tenant, 0), 0) // slot_bytes)
+
+    def _evict_each(self, slot_bytes: int | None, clean_only: bool, count: int, tenant: str | None,
+                    until_bytes: int = 0) -> int:
+        """evict_dram_many where page events are published: victim by victim, so that each one's record
+        reaches the callbacks (_on_removed, _free_dram: they free its slot and announce it). Returns victims."""
+        taken = freed_bytes = 0
+        while taken < count:
+            victim = self.index.evict_dram(slot_bytes, clean_only, tenant)
+            if victim is None:
+                break
+            self._evicted(victim)
+            taken += 1
+            freed_bytes += victim.slot_bytes
+            if 0 < until_bytes <= freed_bytes:
+                break
+        return taken
 
     def _evicted(self, record: PageRecord) -> None:
         self.counters.evictions += 1
@@ -139,9 +164,13 @@ class DramSlots:
         if record.offset != NO_SLOT:
             self._free_slot(record.offset)
             record.offset = NO_SLOT
+        if self.events is not None:
+            self.events.sync((record,))
 
     def _free_dram(self, record: PageRecord) -> None:
         self._free_slot(record.offset)
+        if self.events is not None:   # the index clears the record's offset after this call
+            self.events.dram_dropped(record)
 
     def _free_slot(self, offset: int) -> None:
         self.ledger.freed(offset, self.allocator.free(offset))

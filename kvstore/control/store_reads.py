@@ -153,10 +153,13 @@ class ReadHolds:
                     continue
                 self._free_slot(slot)
                 if position < len(read_ok) and read_ok[position] is None and record.alive:
-                    garbage += [r.page_id for r in self.index.remove_subtree(record) if r.on_nvme]
+                    gone = self.index.remove_subtree(record)
+                    self._sync_events(gone)
+                    garbage += [r.page_id for r in gone if r.on_nvme]
                 elif position < len(read_ok) and not ok and record.alive:
                     garbage += self._drop_corrupt(record)
             self.index.unpin_all(claim.records)
+            self._sync_events(claim.records)
             self._deleting(garbage)
             self.counters.promotions += promoted
             self.counters.promoted_bytes += promoted_bytes

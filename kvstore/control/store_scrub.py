@@ -52,6 +52,7 @@ class Scrubbing:
 
     def _drop_corrupt(self, record: PageRecord) -> list[PageId]:
         removed = self.index.remove_subtree(record)
+        self._sync_events(removed)
         self.counters.corrupt_pages += len(removed)
         log.error("corrupt page dropped namespace=%016x key=%s pages_dropped=%d",
                   record.page_id[0], record.page_id[1].hex()[:32], len(removed))

@@ -81,6 +81,7 @@ class WriteDown:
                     self._nvme_admitted.add(record)
                 admitted.append(record)
             self.index.unpin_all(kept)
+            self._sync_events(victims)
             self.counters.nvme_evictions += len(victims)
             for record in victims:
                 self.ledger.of(record.tenant).nvme_evictions += 1
@@ -109,6 +110,7 @@ class WriteDown:
                     written.append(record)
                 else:  # deleted meanwhile, or its parent is not on NVMe: its bytes must not stay there
                     garbage.append(record.page_id)
+            self._sync_events(written)
             self.counters.demotions += len(written)
             self.counters.demoted_bytes += sum(self._page_bytes(r) for r in written)
             for record in batch:
@@ -143,6 +145,7 @@ class WriteDown:
         """Take up to `count` least recently used pages off one NVMe shard (the caller deletes them)."""
         with self._lock:
             victims = self.index.evict_nvme(shard, count)
+            self._sync_events(victims)
             self.counters.nvme_evictions += len(victims)
             for record in victims:
                 self.ledger.of(record.tenant).nvme_evictions += 1

@@ -327,7 +327,7 @@ class WriteLeases:
         first = indices[0] if indices else 0
         parent_key = keys[first - 1] if first else lease.parent_key
         chain_parent = index.get((ns_id, parent_key)) if parent_key else None
-        wants_commits = self.listener.wants_commits
+        wants_commits = self.listener.wants_commits or self.events is not None
         if indices and indices[-1] - first == len(indices) - 1 and (chain_parent is not None or not parent_key):
             # The usual commit: consecutive pages under a parent held here (or none), one index call,
             # and no object per page unless someone reads them.
@@ -348,7 +348,9 @@ class WriteLeases:
             index.touch_all(published)
             count = len(published)
         self.counters.pages_committed += count
-        if wants_commits:
+        if self.events is not None:
+            self.events.sync(published)
+        if self.listener.wants_commits:
             self.listener.on_commit(published)
         self._committed.notify_all()
         return states, published if records else []

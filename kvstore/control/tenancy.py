@@ -23,7 +23,8 @@ from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
 
 # Methods whose request names a namespace by id, and those that name leases.
-_BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route", "ListKeys"})
+# ListPages answers the namespace's pages and the caller's own tenant stream (the namespace's tenant).
+_BY_NAMESPACE = frozenset({"Lookup", "Reserve", "Acquire", "Delete", "Route", "ListKeys", "ListPages"})
 _BY_LEASE = frozenset({"Commit", "Abort", "Release"})
 # Methods whose request names several namespaces or leases, one per part (page groups).
 _BY_PARTS = frozenset({"CommitGroup", "LookupGroup", "AcquireGroup"})

@@ -110,3 +110,20 @@ def test_a_uid_mapped_twice_is_refused():
 def test_an_environment_variable_that_is_no_setting_is_named():
     with pytest.raises(config.ConfigError, match="environment variable KVSTORE_ARENA_BYTES: arena.bytes: unknown"):
         config.load(environ={"KVSTORE_ARENA_BYTES": "4GiB"})
+
+
+def test_events_out_is_off_by_default_local_only_and_read_from_its_env_vars():
+    assert not config.load(environ={}).events_out.enabled
+    cfg = config.load(environ={"KVSTORE_EVENTS_OUT_ENDPOINT": "ipc:///tmp/kv.pub",
+                               "KVSTORE_EVENTS_OUT_REPLAY_BATCHES": "7"}, overrides=["events_out.enabled=true"])
+    assert cfg.events_out.endpoint == "ipc:///tmp/kv.pub" and cfg.events_out.replay_batches == 7
+    with pytest.raises(ConfigError, match=r"events_out\.endpoint: tcp://\*:5567 is not a loopback"):
+        config.load(environ={}, overrides=["events_out.endpoint=tcp://*:5567"])
+    remote = config.load(environ={}, overrides=["events_out.endpoint=tcp://*:5567", "events_out.allow_remote=true"])
+    assert remote.events_out.endpoint == "tcp://*:5567"
+    with pytest.raises(ConfigError, match=r"events_out\.replay_endpoint: must be a ZMQ"):
+        config.load(environ={}, overrides=["events_out.replay_endpoint=127.0.0.1:5568"])
+    with pytest.raises(ConfigError, match=r"events_out\.replay_batches: must be positive"):
+        config.load(environ={}, overrides=["events_out.replay_batches=0"])
+    with pytest.raises(ConfigError, match=r"events_out\.queue_pages_max: must be at least"):
+        config.load(environ={}, overrides=["events_out.queue_pages_max=10", "events_out.batch_events_max=100"])

@@ -397,3 +397,38 @@ def test_a_writer_over_grpc_or_tcp_frees_its_slots_at_expiry(service, clock):
     clock.advance(0.15)
     service.reap_expired()
     assert service.store.fenced_slots() == 0 and service.store.allocator.used_bytes == 0
+
+
+def test_list_pages_answers_tiers_parents_and_checks_its_input(service):
+    ns = open_ns(service)
+    put(service, ns, keys("p", 3))
+    answer = service.list_pages(pb.ListPagesRequest(namespace_id=ns), None)
+    assert not answer.more and not answer.events_enabled and answer.events_topic == b""
+    pages = {p.key: (p.parent_key, p.dram, p.nvme) for p in answer.pages}
+    assert pages == {b"p0": (b"", True, False), b"p1": (b"p0", True, False), b"p2": (b"p1", True, False)}
+    with pytest.raises(errors.InvalidArgument, match="pages_max"):
+        service.list_pages(pb.ListPagesRequest(namespace_id=ns, pages_max=service.limits.lookup_pages_max + 1), None)
+    with pytest.raises(errors.InvalidArgument, match="cursor"):
+        service.list_pages(pb.ListPagesRequest(namespace_id=ns, cursor=1 << 40), None)
+    with pytest.raises(errors.NamespaceNotFound):
+        service.list_pages(pb.ListPagesRequest(namespace_id=12345), None)
+
+
+def test_list_pages_is_scoped_to_the_callers_tenant_and_names_its_own_stream(service):
+    from kvstore.control.identity import TENANT, Caller, Identity
+    from kvstore.control.store_events import StoreEvents, topic_of
+
+    service.store.events = StoreEvents(8, 64)
+    alice, bob = Caller(Identity("alice", TENANT)), Caller(Identity("bob", TENANT))
+    spec = Namespace(model="m", page_bytes=PAGE).to_proto()
+    theirs = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), bob).namespace_id
+    mine = service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), alice).namespace_id
+    put(service, theirs, keys("b", 2))
+    with pytest.raises(errors.NamespaceNotFound):
+        service.handle("ListPages", pb.ListPagesRequest(namespace_id=theirs), alice)
+    answer = service.handle("ListPages", pb.ListPagesRequest(namespace_id=mine), alice)
+    assert answer.events_enabled and answer.events_topic == topic_of("alice") and not answer.pages
+    assert answer.events_run == service.instance_id
+    batches = service.store.events.take()
+    assert {b.tenant for b in batches} == {"alice", "bob"}   # bob's pages went to bob's stream only
+    assert all(e.namespace_id == theirs for b in batches if b.tenant == "bob" for e in b.events if e.key)

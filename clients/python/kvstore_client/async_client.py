@@ -42,6 +42,7 @@ from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url,
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
+from kvstore_client.events import PageSnapshot, page_snapshot
 from kvstore_client.data_path import PageColumns
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
@@ -437,6 +438,32 @@ class AsyncKVStoreClient:
                     cursor = answer.cursor
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(list_all, timeout_s)
+
+    async def list_pages(self, namespace: Namespace, *, timeout_s: float | None = None) -> PageSnapshot:
+        """KVStoreClient.list_pages."""
+        async def list_all(conn: _Connection) -> PageSnapshot:
+            async def in_namespace(ns_id: int) -> PageSnapshot:
+                answers = []
+                cursor = 0
+                while True:
+                    answer = await conn.control.call("ListPages", pb.ListPagesRequest(
+                        namespace_id=ns_id, cursor=cursor), self._timeout_s)
+                    answers.append(answer)
+                    if not answer.more:
+                        return page_snapshot(ns_id, answers)
+                    cursor = answer.cursor
+            return await self._in_namespace(conn, namespace, in_namespace)
+        return await self._on_node(list_all, timeout_s)
+
+    async def events_run(self, namespace: Namespace, *, timeout_s: float | None = None) -> bytes:
+        """KVStoreClient.events_run."""
+        async def first(conn: _Connection) -> bytes:
+            async def in_namespace(ns_id: int) -> bytes:
+                answer = await conn.control.call("ListPages", pb.ListPagesRequest(namespace_id=ns_id, pages_max=1),
+                                                 self._timeout_s)
+                return answer.events_run
+            return await self._in_namespace(conn, namespace, in_namespace)
+        return await self._on_node(first, timeout_s)
 
     # -- page groups (groups.py) ---------------------------------------------------------
 

@@ -47,6 +47,7 @@ from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url,
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
+from kvstore_client.events import PageSnapshot, page_snapshot
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.pipeline import PutBatch, PutResult, get_batch
@@ -252,6 +253,27 @@ class KVStoreClient:
                 cursor = answer.cursor
         return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
                              _always, timeout_s=timeout_s)
+
+    def list_pages(self, namespace: Namespace, *, timeout_s: float | None = None) -> PageSnapshot:
+        """The namespace's pages with their tiers and parent keys (several ListPages calls for a large one),
+        and the sequence number of the tenant's event stream that completes them (events.StoreInventory)."""
+        def in_namespace(conn: NodeConnection, ns_id: int) -> PageSnapshot:
+            answers, cursor = [], 0
+            while True:
+                answer = conn.control.call("ListPages", pb.ListPagesRequest(namespace_id=ns_id, cursor=cursor))
+                answers.append(answer)
+                if not answer.more:
+                    return page_snapshot(ns_id, answers)
+                cursor = answer.cursor
+        return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
+                             _always, timeout_s=timeout_s)
+
+    def events_run(self, namespace: Namespace, *, timeout_s: float | None = None) -> bytes:
+        """The node's run as ListPages names it (events_run): it changes when the node restarts, and with it
+        the numbering of its event streams. One call, no walk."""
+        return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: conn.control.call(
+            "ListPages", pb.ListPagesRequest(namespace_id=ns_id, pages_max=1))), _always,
+            timeout_s=timeout_s).events_run
 
     # -- page groups (groups.py): the parts of one position, visible and read together -----
 

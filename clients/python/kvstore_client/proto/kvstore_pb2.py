@@ -100,8 +100,15 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
     b'\x11\n\tpages_bad\x18\x02 \x01(\x04"O\n\x0fListKeysRequest\x12\x14\n\x0cnamespace_id\x18\x01 '
     b'\x01(\x06\x12\x10\n\x08keys_max\x18\x03 \x01(\r\x12\x0e\n\x06cursor\x18\x04 \x01(\x04J\x04'
     b'\x08\x02\x10\x03">\n\x10ListKeysResponse\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0c\n\x04mor'
-    b'e\x18\x02 \x01(\x08\x12\x0e\n\x06cursor\x18\x03 \x01(\x04"e\n\rRdmaQueuePair\x12\x0b\n\x03lid'
-    b'\x18\x01 \x01(\r\x12\x0b\n\x03gid\x18\x02 \x01(\x0c\x12\x0e\n\x06qp_num\x18\x03 \x01(\r\x12'
+    b'e\x18\x02 \x01(\x08\x12\x0e\n\x06cursor\x18\x03 \x01(\x04"K\n\x10ListPagesRequest\x12\x14\n'
+    b'\x0cnamespace_id\x18\x01 \x01(\x06\x12\x11\n\tpages_max\x18\x02 \x01(\r\x12\x0e\n\x06cursor'
+    b'\x18\x03 \x01(\x04"H\n\tPageTiers\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key'
+    b'\x18\x02 \x01(\x0c\x12\x0c\n\x04dram\x18\x03 \x01(\x08\x12\x0c\n\x04nvme\x18\x04 \x01(\x08"'
+    b'\xad\x01\n\x11ListPagesResponse\x12$\n\x05pages\x18\x01 \x03(\x0b2\x15.kvstore.v1.PageTiers'
+    b'\x12\x0c\n\x04more\x18\x02 \x01(\x08\x12\x0e\n\x06cursor\x18\x03 \x01(\x04\x12\x12\n\nevents_'
+    b'seq\x18\x04 \x01(\x04\x12\x14\n\x0cevents_topic\x18\x05 \x01(\x0c\x12\x16\n\x0eevents_enabled'
+    b'\x18\x06 \x01(\x08\x12\x12\n\nevents_run\x18\x07 \x01(\x0c"e\n\rRdmaQueuePair\x12\x0b\n\x03li'
+    b'd\x18\x01 \x01(\r\x12\x0b\n\x03gid\x18\x02 \x01(\x0c\x12\x0e\n\x06qp_num\x18\x03 \x01(\r\x12'
     b'\x0b\n\x03psn\x18\x04 \x01(\r\x12\x0b\n\x03mtu\x18\x05 \x01(\r\x12\x10\n\x08gid_type\x18\x06 '
     b'\x01(\t"C\n\x12RdmaConnectRequest\x12-\n\nqueue_pair\x18\x01 \x01(\x0b2\x19.kvstore.v1.RdmaQu'
     b'euePair"{\n\x13RdmaConnectResponse\x12-\n\nqueue_pair\x18\x01 \x01(\x0b2\x19.kvstore.v1.RdmaQ'
@@ -138,7 +145,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
     b'\x11\n\rWAIT_COMPLETE\x10\x00\x12\x0f\n\x0bBEST_EFFORT\x10\x01\x12\x0b\n\x07TIMEOUT\x10\x02*7'
     b'\n\x0bCommitState\x12\r\n\tCOMMITTED\x10\x00\x12\x19\n\x15COMMIT_PARENT_MISSING\x10\x01*?\n'
     b'\x0eGroupHitPolicy\x12\x13\n\x0fGROUP_ALL_PAGES\x10\x00\x12\x18\n\x14GROUP_TRAILING_PAGES\x10'
-    b'\x012\x87\n\n\x07KVStore\x12<\n\x05Hello\x12\x18.kvstore.v1.HelloRequest\x1a\x19.kvstore.v1.H'
+    b'\x012\xd1\n\n\x07KVStore\x12<\n\x05Hello\x12\x18.kvstore.v1.HelloRequest\x1a\x19.kvstore.v1.H'
     b'elloResponse\x12T\n\rOpenNamespace\x12 .kvstore.v1.OpenNamespaceRequest\x1a!.kvstore.v1.OpenN'
     b'amespaceResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupR'
     b'esponse\x12B\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveRespons'
@@ -155,7 +162,8 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
     b'\x1a\x1c.kvstore.v1.ListKeysResponse\x12N\n\x0bCommitGroup\x12\x1e.kvstore.v1.CommitGroupRequ'
     b'est\x1a\x1f.kvstore.v1.CommitGroupResponse\x12N\n\x0bLookupGroup\x12\x1e.kvstore.v1.LookupGro'
     b'upRequest\x1a\x1f.kvstore.v1.LookupGroupResponse\x12Q\n\x0cAcquireGroup\x12\x1f.kvstore.v1.Ac'
-    b'quireGroupRequest\x1a .kvstore.v1.AcquireGroupResponseb\x06proto3'
+    b'quireGroupRequest\x1a .kvstore.v1.AcquireGroupResponse\x12H\n\tListPages\x12\x1c.kvstore.v1.L'
+    b'istPagesRequest\x1a\x1d.kvstore.v1.ListPagesResponseb\x06proto3'
 )
 
 
@@ -250,6 +258,9 @@ ScrubRequest = _message_class('ScrubRequest')
 ScrubResponse = _message_class('ScrubResponse')
 ListKeysRequest = _message_class('ListKeysRequest')
 ListKeysResponse = _message_class('ListKeysResponse')
+ListPagesRequest = _message_class('ListPagesRequest')
+PageTiers = _message_class('PageTiers')
+ListPagesResponse = _message_class('ListPagesResponse')
 RdmaQueuePair = _message_class('RdmaQueuePair')
 RdmaConnectRequest = _message_class('RdmaConnectRequest')
 RdmaConnectResponse = _message_class('RdmaConnectResponse')

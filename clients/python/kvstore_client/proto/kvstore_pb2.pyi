@@ -575,6 +575,46 @@ class ListKeysResponse(_message.Message):
     cursor: int
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., more: _Optional[bool] = ..., cursor: _Optional[int] = ...) -> None: ...
 
+class ListPagesRequest(_message.Message):
+    __slots__ = ("namespace_id", "pages_max", "cursor")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    pages_max: int
+    cursor: int
+    def __init__(self, namespace_id: _Optional[int] = ..., pages_max: _Optional[int] = ..., cursor: _Optional[int] = ...) -> None: ...
+
+class PageTiers(_message.Message):
+    __slots__ = ("key", "parent_key", "dram", "nvme")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    DRAM_FIELD_NUMBER: _ClassVar[int]
+    NVME_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent_key: bytes
+    dram: bool
+    nvme: bool
+    def __init__(self, key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., dram: _Optional[bool] = ..., nvme: _Optional[bool] = ...) -> None: ...
+
+class ListPagesResponse(_message.Message):
+    __slots__ = ("pages", "more", "cursor", "events_seq", "events_topic", "events_enabled", "events_run")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_RUN_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedCompositeFieldContainer[PageTiers]
+    more: bool
+    cursor: int
+    events_seq: int
+    events_topic: bytes
+    events_enabled: bool
+    events_run: bytes
+    def __init__(self, pages: _Optional[_Iterable[_Union[PageTiers, _Mapping]]] = ..., more: _Optional[bool] = ..., cursor: _Optional[int] = ..., events_seq: _Optional[int] = ..., events_topic: _Optional[bytes] = ..., events_enabled: _Optional[bool] = ..., events_run: _Optional[bytes] = ...) -> None: ...
+
 class RdmaQueuePair(_message.Message):
     __slots__ = ("lid", "gid", "qp_num", "psn", "mtu", "gid_type")
     LID_FIELD_NUMBER: _ClassVar[int]
