@@ -61,3 +61,14 @@ def test_a_cluster_with_no_member_stores_nothing_and_says_why():
         stored = pool.put(ns, [b"k0", b"k1"], np.zeros((2, 16), np.uint8))
         assert stored == 0 and "no member of cluster 'prod'" in stored.reason
         assert pool.lookup(ns, [b"k0"]) == 0 and pool.held(ns, [b"k0"]) == [False]
+
+
+def test_a_cluster_refuses_one_page_snapshot_and_gives_each_nodes_own():
+    from kvstore_client import Namespace
+    with KVStoreClient(UNANSWERED_URL, members_wait_s=0.1) as pool:
+        ns = Namespace(model="m", page_bytes=16)
+        with pytest.raises(errors.InvalidArgument, match="node_list_pages"):
+            pool.list_pages(ns)
+        with pytest.raises(errors.InvalidArgument, match="node_list_pages"):
+            pool.events_run(ns)
+        assert pool.node_list_pages(ns) == {}    # no member: nothing by node id

@@ -61,6 +61,7 @@ from kvstore_client.arguments import engine_id_list, get_pages, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
 from kvstore_client.etcd import parse_endpoint
+from kvstore_client.events import PageSnapshot
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
@@ -316,6 +317,23 @@ class KVStoreCluster:
         answers = self._each_member(lambda c: c.list_keys(namespace, timeout_s=timeout_s), self.members(),
                                     raise_errors=True)
         return sorted({key for found in answers.values() if found for key in found})
+
+    def list_pages(self, namespace: Namespace, *, timeout_s: float | None = None) -> PageSnapshot:
+        """Refused: each node publishes its own event stream, numbered on its own, and a snapshot completes
+        one node's stream only; node_list_pages() gives each member's."""
+        raise errors.InvalidArgument("a cluster has no single page snapshot: each node's events and ListPages go "
+                                     "together; use node_list_pages(namespace), by node id")
+
+    def events_run(self, namespace: Namespace, *, timeout_s: float | None = None) -> bytes:
+        """Refused as list_pages() is: a run belongs to one node (node_list_pages() carries each one's)."""
+        raise errors.InvalidArgument("a cluster has no single run: each node restarts on its own; use "
+                                     "node_list_pages(namespace), whose snapshots carry each node's run")
+
+    def node_list_pages(self, namespace: Namespace, *, timeout_s: float | None = None) -> dict[str, PageSnapshot]:
+        """Each reachable member's page snapshot of the namespace (KVStoreClient.list_pages), by node id."""
+        answers = self._each_member(lambda c: c.list_pages(namespace, timeout_s=timeout_s), self.members(),
+                                    raise_errors=True)
+        return {node_id: answer for node_id, answer in answers.items() if answer is not None}
 
     def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         """The reachable members' Stats added up (counters summed, tiers, namespaces, engines and tenants
