@@ -33,7 +33,8 @@ from kvstore_client import KVStoreClient, Namespace, errors, prefix_hashes
 
 PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10)
 PAGE_TOKENS = 16
-COUNTERS = ("puts", "pages_put", "gets", "pages_got", "pages_missed", "wrong_bytes", "node_errors", "other_errors")
+COUNTERS = ("puts", "pages_put", "gets", "pages_got", "pages_missed", "wrong_bytes", "puts_refused_full",
+            "node_errors", "other_errors")
 
 
 def page_of(key: str, page_bytes: int) -> np.ndarray:
@@ -86,6 +87,8 @@ def client_main(index: int, address: str, token: str, tenant: str, transport: st
                 count("pages_got", loaded)
                 count("pages_missed", len(keys) - loaded)
                 count("wrong_bytes", int(np.count_nonzero(out[:loaded] != data[:loaded])))
+        except errors.CapacityExhausted:
+            count("puts_refused_full")  # DRAM full of pages write-back has not written down yet: back-pressure
         except errors.KVStoreError:
             count("node_errors")       # the node restarting: Unavailable, or a lease it forgot
             time.sleep(0.2)
