@@ -32,42 +32,12 @@ import msgspec
 
 from kvstore.config import EventsOutConfig
 from kvstore.control.store_events import CLEARED, REMOVED, STORED, Batch, PageEvent, StoreEvents, topic_of
+from kvstore_client.event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvstore_client.events import END_SEQ, ownership_of
 
 log = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_MS = 50
-
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    ownership: str | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: list[bytes]
-    medium: str | None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-def ownership_of(namespace_id: int) -> str:
-    return f"kvstore:{namespace_id:016x}"
 
 
 def wire_events(events: list[PageEvent]) -> list:
@@ -178,4 +148,4 @@ class EventPublisher:
         for seq, payload in self._buffers.get(topic, ()):
             if seq >= start:
                 self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        self._replay.send_multipart((client, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""))

@@ -241,16 +241,6 @@ class PageIndex:
             record.position = len(self._positions)
             self._positions.append(record)
 
-    def keys(self, namespace_id: int) -> list[bytes]:
-        """Keys of every page of a namespace, in no order: its roots' subtrees, one visit per page."""
-        found, stack = [], list(self._roots.get(namespace_id, ()))
-        while stack:
-            record = stack.pop()
-            found.append(record.page_id[1])
-            if record.children:
-                stack.extend(record.children)
-        return found
-
     def touch_all(self, records: list[PageRecord]) -> None:
         """One access tick for pages written or read together."""
         tick = next(self._clock)

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from kvstore.config import Config
 from kvstore.control.index import NO_SLOT, PageRecord
@@ -205,35 +205,33 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         """Up to `keys_max` keys of the namespace's pages, from index position `cursor` on, and the
         position to go on from (None: the end). A page held for the whole of a listing is listed once;
         the lock is held for SCAN_POSITIONS positions at a time (see PageIndex.scan)."""
-        found: list[bytes] = []
-        for _ in range(SCAN_SECTIONS):
-            with self._lock:
-                keys, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, keys=True,
-                                               found_max=keys_max - len(found))
-            found += keys
-            if cursor is None or len(found) >= keys_max:
-                break
-        return found, cursor
+        return self._walk(ns_id, cursor, keys_max, keys=True)
 
     def pages_page(self, ns_id: int, cursor: int, pages_max: int) -> tuple[list[tuple[bytes, bytes, bool, bool]],
                                                                           int | None, int]:
         """keys_page with each page's parent key and tiers: (key, parent key, in DRAM, on NVMe). The third
         value is, on a walk's first call (cursor 0), the sequence number of the namespace's tenant stream
-        from which page events complete this walk (StoreEvents.snapshot_seq), read as the walk begins; 0
-        otherwise, or when no events are published."""
-        found: list[tuple[bytes, bytes, bool, bool]] = []
+        from which page events complete this walk (StoreEvents.snapshot_seq), read before the walk begins;
+        0 otherwise, or when no events are published."""
         seq = 0
+        if cursor == 0 and self.events is not None:
+            with self._lock:
+                seq = self.events.snapshot_seq(self.namespaces[ns_id].tenant)
+        found, cursor = self._walk(ns_id, cursor, pages_max, keys=False, row=_page_row)
+        return found, cursor, seq
+
+    def _walk(self, ns_id: int, cursor: int, most: int, keys: bool,
+              row: Callable[[PageRecord], Any] | None = None) -> tuple[list, int | None]:
+        """Up to `most` of the namespace's pages from index position `cursor` on (their keys, or `row` of
+        each record, made under the lock), SCAN_POSITIONS positions a lock section, SCAN_SECTIONS at most."""
+        found: list = []
         for _ in range(SCAN_SECTIONS):
             with self._lock:
-                if cursor == 0 and self.events is not None and not found:
-                    seq = self.events.snapshot_seq(self.namespaces[ns_id].tenant)
-                records, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, found_max=pages_max - len(found))
-                for record in records:
-                    parent = record.parent.page_id[1] if record.parent is not None else (record.anchor or b"")
-                    found.append((record.page_id[1], parent, record.in_dram, record.on_nvme))
-            if cursor is None or len(found) >= pages_max:
+                items, cursor = self.index.scan(cursor, SCAN_POSITIONS, ns_id, keys=keys, found_max=most - len(found))
+                found += items if row is None else map(row, items)
+            if cursor is None or len(found) >= most:
                 break
-        return found, cursor, seq
+        return found, cursor
 
     def delete(self, ns_id: int, keys: list[bytes] | None) -> tuple[list[PageRecord], list[PageRecord]]:
         """Remove pages (None: every page of the namespace) with everything that extends them: their
@@ -346,3 +344,9 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         """Tell the page events journal these pages' tiers (lock held); nothing when events are off."""
         if self.events is not None:
             self.events.sync(records)
+
+
+def _page_row(record: PageRecord) -> tuple[bytes, bytes, bool, bool]:
+    """A ListPages row: (key, parent key or the absent parent it is anchored at, in DRAM, on NVMe)."""
+    parent = record.parent.page_id[1] if record.parent is not None else (record.anchor or b"")
+    return record.page_id[1], parent, record.in_dram, record.on_nvme

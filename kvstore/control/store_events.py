@@ -38,10 +38,11 @@ import urllib.parse
 from typing import Callable, Iterable
 
 from kvstore.control.index import PageRecord
+from kvstore_client.events import CPU, DISK
 
 DRAM = 1
 NVME = 2
-MEDIUMS = ((DRAM, "CPU"), (NVME, "DISK"))
+MEDIUMS = ((DRAM, CPU), (NVME, DISK))
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"

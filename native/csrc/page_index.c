@@ -1312,7 +1312,7 @@ static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *k
     return removed;
 }
 
-static PyObject *list_subtrees(index_t *self, PyObject *ns_id, int keys) {
+static PyObject *index_roots(index_t *self, PyObject *ns_id) {
     PyObject *out = PyList_New(0);
     if (!out)
         return NULL;
@@ -1320,46 +1320,15 @@ static PyObject *list_subtrees(index_t *self, PyObject *ns_id, int keys) {
     if (ns < 0)
         return PyErr_Occurred() ? (Py_DECREF(out), NULL) : out;
     for (uint32_t root = self->ns[ns].roots; root != NONE; root = self->pages[root].next) {
-        if (!keys) {
-            PyObject *record = record_of(self, root);
-            if (!record || PyList_Append(out, record) < 0) {
-                Py_XDECREF(record);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(record);
-            continue;
+        PyObject *record = record_of(self, root);
+        if (!record || PyList_Append(out, record) < 0) {
+            Py_XDECREF(record);
+            Py_DECREF(out);
+            return NULL;
         }
-        /* pre-order over the subtree by links: down to the first child, else across, else up */
-        uint32_t node = root;
-        for (;;) {
-            PyObject *key = page_key_object(&self->pages[node]);
-            if (!key || PyList_Append(out, key) < 0) {
-                Py_XDECREF(key);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(key);
-            if (self->pages[node].child != NONE) {
-                node = self->pages[node].child;
-                continue;
-            }
-            while (node != root && self->pages[node].next == NONE)
-                node = self->pages[node].parent;
-            if (node == root)
-                break;
-            node = self->pages[node].next;
-        }
+        Py_DECREF(record);
     }
     return out;
-}
-
-static PyObject *index_roots(index_t *self, PyObject *ns_id) {
-    return list_subtrees(self, ns_id, 0);
-}
-
-static PyObject *index_keys(index_t *self, PyObject *ns_id) {
-    return list_subtrees(self, ns_id, 1);
 }
 
 /* _records(ids) -> list of every page's record (ids=False) or page id (ids=True). */
@@ -1624,7 +1593,6 @@ GUARDED_KW(index_evict_nvme)
 GUARDED_KW(index_dram_only_lru)
 GUARDED_KW(index_remove_subtree)
 GUARDED_O(index_roots)
-GUARDED_O(index_keys)
 GUARDED_O(index_all)
 GUARDED_O(index_offer_recovered)
 GUARDED_O(index_check_prefix_closed)
@@ -1679,7 +1647,6 @@ static PyMethodDef index_methods[] = {
     {"remove_subtree", (PyCFunction)(void (*)(void))guarded_index_remove_subtree, METH_VARARGS | METH_KEYWORDS,
      "remove_subtree(record, limit=-1) -> records removed, descendants first"},
     {"roots", (PyCFunction)guarded_index_roots, METH_O, "roots(namespace_id) -> records"},
-    {"keys", (PyCFunction)guarded_index_keys, METH_O, "keys(namespace_id) -> keys"},
     {"_all", (PyCFunction)guarded_index_all, METH_O, "_all(ids) -> every page's record, or page id"},
     {"_offer_recovered", (PyCFunction)guarded_index_offer_recovered, METH_O, "_offer_recovered(records)"},
     {"check_prefix_closed", (PyCFunction)guarded_index_check_prefix_closed, METH_NOARGS, "assert the invariants"},

@@ -427,15 +427,9 @@ class AsyncKVStoreClient:
     async def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
         async def list_all(conn: _Connection) -> list[bytes]:
             async def in_namespace(ns_id: int) -> list[bytes]:
-                found: set[bytes] = set()
-                cursor = 0
-                while True:
-                    answer = await conn.control.call("ListKeys", pb.ListKeysRequest(
-                        namespace_id=ns_id, cursor=cursor), self._timeout_s)
-                    found.update(answer.keys)
-                    if not answer.more:
-                        return sorted(found)
-                    cursor = answer.cursor
+                answers = await _every_page(lambda cursor: conn.control.call(
+                    "ListKeys", pb.ListKeysRequest(namespace_id=ns_id, cursor=cursor), self._timeout_s))
+                return sorted({key for answer in answers for key in answer.keys})
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(list_all, timeout_s)
 
@@ -443,15 +437,8 @@ class AsyncKVStoreClient:
         """KVStoreClient.list_pages."""
         async def list_all(conn: _Connection) -> PageSnapshot:
             async def in_namespace(ns_id: int) -> PageSnapshot:
-                answers = []
-                cursor = 0
-                while True:
-                    answer = await conn.control.call("ListPages", pb.ListPagesRequest(
-                        namespace_id=ns_id, cursor=cursor), self._timeout_s)
-                    answers.append(answer)
-                    if not answer.more:
-                        return page_snapshot(ns_id, answers)
-                    cursor = answer.cursor
+                return page_snapshot(ns_id, await _every_page(lambda cursor: conn.control.call(
+                    "ListPages", pb.ListPagesRequest(namespace_id=ns_id, cursor=cursor), self._timeout_s)))
             return await self._in_namespace(conn, namespace, in_namespace)
         return await self._on_node(list_all, timeout_s)
 
@@ -703,6 +690,16 @@ async def _abort_staged(conn: _Connection, staged: Sequence[StagedPages]) -> Non
         conn.control.post("Abort", pb.AbortRequest(lease_id=lease_id))
     for part in staged:
         part.slots.clear()
+
+
+async def _every_page(call: Callable[[int], Awaitable[Any]]) -> list[Any]:
+    """Every answer of a call paged by a cursor (ListKeys, ListPages): from 0 until one says no more."""
+    answers, cursor = [], 0
+    while True:
+        answers.append(await call(cursor))
+        if not answers[-1].more:
+            return answers
+        cursor = answers[-1].cursor
 
 
 async def _same(ns_id: int) -> int:

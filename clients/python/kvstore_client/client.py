@@ -243,14 +243,9 @@ class KVStoreClient:
         """Keys of every page of the namespace, in byte order, each once (several ListKeys calls for a
         large one: a page held throughout is listed; one stored or removed meanwhile may be or not)."""
         def in_namespace(conn: NodeConnection, ns_id: int) -> list[bytes]:
-            found: set[bytes] = set()
-            cursor = 0
-            while True:
-                answer = conn.control.call("ListKeys", pb.ListKeysRequest(namespace_id=ns_id, cursor=cursor))
-                found.update(answer.keys)
-                if not answer.more:
-                    return sorted(found)
-                cursor = answer.cursor
+            answers = _every_page(lambda cursor: conn.control.call(
+                "ListKeys", pb.ListKeysRequest(namespace_id=ns_id, cursor=cursor)))
+            return sorted({key for answer in answers for key in answer.keys})
         return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
                              _always, timeout_s=timeout_s)
 
@@ -258,13 +253,8 @@ class KVStoreClient:
         """The namespace's pages with their tiers and parent keys (several ListPages calls for a large one),
         and the sequence number of the tenant's event stream that completes them (events.StoreInventory)."""
         def in_namespace(conn: NodeConnection, ns_id: int) -> PageSnapshot:
-            answers, cursor = [], 0
-            while True:
-                answer = conn.control.call("ListPages", pb.ListPagesRequest(namespace_id=ns_id, cursor=cursor))
-                answers.append(answer)
-                if not answer.more:
-                    return page_snapshot(ns_id, answers)
-                cursor = answer.cursor
+            return page_snapshot(ns_id, _every_page(lambda cursor: conn.control.call(
+                "ListPages", pb.ListPagesRequest(namespace_id=ns_id, cursor=cursor))))
         return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
                              _always, timeout_s=timeout_s)
 
@@ -506,6 +496,16 @@ class KVStoreClient:
 
     def _namespace_id(self, namespace: Namespace) -> int:
         return self._conn.namespace_id(namespace)
+
+
+def _every_page(call: Callable[[int], Any]) -> list[Any]:
+    """Every answer of a call paged by a cursor (ListKeys, ListPages): from 0 until one says no more."""
+    answers, cursor = [], 0
+    while True:
+        answers.append(call(cursor))
+        if not answers[-1].more:
+            return answers
+        cursor = answers[-1].cursor
 
 
 def _attempt(action: Callable[[NodeConnection], T], conn: NodeConnection) -> T:

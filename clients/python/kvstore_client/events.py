@@ -35,9 +35,10 @@ from kvstore_client.keys import Namespace, namespace_id
 
 log = logging.getLogger(__name__)
 
-CPU = "CPU"
-DISK = "DISK"
-END_SEQ = -1
+CPU = "CPU"                 # the node's DRAM
+DISK = "DISK"               # its NVMe
+END_SEQ = -1                # a replay's last frame
+OWNERSHIP_PREFIX = "kvstore:"
 _SEEN_MAX = 65_536          # payload digests kept, by sequence number, to tell a duplicate from a new run
 
 
@@ -65,40 +66,21 @@ def page_snapshot(namespace_id: int, answers: Sequence[Any]) -> PageSnapshot:
                         first.events_run)
 
 
-def _default_decoder() -> Callable[[bytes], Any]:
-    import msgspec
+def event_wire_decoder() -> Callable[[bytes], Any]:
+    from kvstore_client.event_wire import decoder   # msgspec: the [events] extra
+    return decoder()
 
-    class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
-        block_hashes: list
-        parent_block_hash: Any
-        token_ids: list
-        block_size: int
-        lora_id: Any = None
-        medium: Any = None
-        lora_name: Any = None
-        ownership: Any = None
 
-    class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
-        block_hashes: list
-        medium: Any = None
-        ownership: Any = None
-
-    class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
-        pass
-
-    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-        ts: float
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-        data_parallel_rank: Any = None
-
-    return msgspec.msgpack.Decoder(KVEventBatch, strict=False).decode
+def ownership_of(namespace_id: int) -> str:
+    """How the stream's `ownership` names a namespace."""
+    return f"{OWNERSHIP_PREFIX}{namespace_id:016x}"
 
 
 def namespace_of(ownership: str | None) -> int | None:
-    if not ownership or not ownership.startswith("kvstore:"):
+    if not ownership or not ownership.startswith(OWNERSHIP_PREFIX):
         return None
     try:
-        return int(ownership[len("kvstore:"):], 16)
+        return int(ownership[len(OWNERSHIP_PREFIX):], 16)
     except ValueError:
         return None
 
@@ -121,7 +103,7 @@ class StoreInventory:
         self.followed = {namespace_id(ns) for ns in self.namespaces}
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self.decode = decode or _default_decoder()
+        self.decode = decode or event_wire_decoder()
         self.replay_timeout_ms = replay_timeout_ms
         self.idle_check_ms = idle_check_ms    # quiet this long: ask replay for batches lost at a burst's end
         self._quiet_since = time.monotonic()
