@@ -529,7 +529,8 @@ def _validate(config: Config) -> None:
         ("hbm.pool_bytes", config.hbm.pool_bytes >= 0, "must not be negative (0 = no HBM tier)"),
         ("hbm.device", config.hbm.device >= 0, "must be a CUDA device index"),
     ]
-    checks += _events_checks(config.events) + _events_out_checks(config.events_out) + _route_checks(config.route) + _auth_checks(config)
+    checks += _events_checks(config.events) + _events_out_checks(config.events_out)
+    checks += _route_checks(config.route) + _auth_checks(config)
     checks += _cluster_checks(config.cluster)
     for dotted, ok, why in checks:
         if not ok:
@@ -671,7 +672,8 @@ _SECTION_TYPES: dict[str, type] = {
     "shm": ShmConfig, "leases": LeaseConfig, "limits": LimitsConfig,
     "tcp": TcpConfig, "rdma": RdmaConfig,
     "ops": OpsConfig, "systemd": SystemdConfig,
-    "events": EventsConfig, "events_out": EventsOutConfig, "route": RouteConfig, "scrub": ScrubConfig, "hbm": HbmConfig,
+    "events": EventsConfig, "events_out": EventsOutConfig, "route": RouteConfig, "scrub": ScrubConfig,
+    "hbm": HbmConfig,
     "auth": AuthConfig, "tenants": TenantsConfig, "cluster": ClusterConfig, "testing": TestingConfig,
 }
 _FIELD_TYPES: dict[str, dict[str, Any]] = {

@@ -157,18 +157,11 @@ def commit_wait_s(request: pb.AcquireRequest, config: Config) -> float:
     return request.wait_ms / 1000
 
 
-def keys_max(asked: int, limits: Limits) -> int:
-    """How many keys one ListKeys answers: as asked, at most limits.lookup_pages_max."""
+def listing_max(field: str, asked: int, limits: Limits) -> int:
+    """How many entries one page of a listing (ListKeys' keys_max, ListPages' pages_max) answers: as
+    asked, at most limits.lookup_pages_max; 0 asks for that many."""
     if asked > limits.lookup_pages_max:
-        raise errors.InvalidArgument(f"keys_max={asked} exceeds limits.lookup_pages_max={limits.lookup_pages_max}: "
-                                     "page through with the answer's cursor")
-    return asked or limits.lookup_pages_max
-
-
-def pages_max(asked: int, limits: Limits) -> int:
-    """How many pages one ListPages answers: as asked, at most limits.lookup_pages_max."""
-    if asked > limits.lookup_pages_max:
-        raise errors.InvalidArgument(f"pages_max={asked} exceeds limits.lookup_pages_max={limits.lookup_pages_max}: "
+        raise errors.InvalidArgument(f"{field}={asked} exceeds limits.lookup_pages_max={limits.lookup_pages_max}: "
                                      "page through with the answer's cursor")
     return asked or limits.lookup_pages_max
 

@@ -309,13 +309,13 @@ class KVStoreService:
 
     def list_keys(self, request: pb.ListKeysRequest, owner: object | None) -> pb.ListKeysResponse:
         self.store.namespace(request.namespace_id)
-        most = checks.keys_max(request.keys_max, self.limits)
+        most = checks.listing_max("keys_max", request.keys_max, self.limits)
         keys, cursor = self.store.keys_page(request.namespace_id, checks.list_cursor(request.cursor), most)
         return pb.ListKeysResponse(keys=keys, more=cursor is not None, cursor=cursor or 0)
 
     def list_pages(self, request: pb.ListPagesRequest, owner: object | None) -> pb.ListPagesResponse:
         namespace = self.store.namespace(request.namespace_id)
-        most = checks.pages_max(request.pages_max, self.limits)
+        most = checks.listing_max("pages_max", request.pages_max, self.limits)
         pages, cursor, seq = self.store.pages_page(request.namespace_id, checks.list_cursor(request.cursor), most)
         enabled = self.store.events is not None
         return pb.ListPagesResponse(
