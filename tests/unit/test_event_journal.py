@@ -26,9 +26,7 @@ def test_each_tier_change_is_announced_once_with_its_parent():
     assert batches[0].events[2].parent_key == b"a" and batches[0].events[2].page_tokens == 16
     root.on_nvme = True                        # written down
     journal.sync([root, child])
-    root.offset = NO_SLOT                      # its DRAM copy dropped: the index clears the offset after the call
-    root.offset = 0
-    journal.dram_dropped(root)
+    journal.dram_dropped(root)                 # its DRAM copy goes (the index clears the offset after the call)
     child.alive = False                        # removed
     journal.sync([child])
     assert kinds(journal.take()) == [(STORED, "DISK", b"a"), (REMOVED, "CPU", b"a"), (REMOVED, "CPU", b"b")]
