@@ -92,6 +92,28 @@ def lookup_packed_keys(request: pb.LookupRequest, limits: Limits) -> tuple[bytes
     return packed, key_bytes
 
 
+def parent_keys(request: pb.ReserveRequest, keys: Sequence[bytes],
+                limits: Limits) -> tuple[bytes, dict[int, bytes] | None]:
+    """A Reserve's parent of keys[0], and each other key's parent where it is not the key before it
+    (parent_keys: a piece of a chain whose other pages live on other nodes); None without parent_keys."""
+    if request.parent_key:
+        _keys([request.parent_key], limits, 1, "batch_pages_max", "parent_key")
+    if not request.parent_keys:
+        return request.parent_key, None
+    given = list(request.parent_keys)
+    if len(given) != len(keys):
+        raise errors.InvalidArgument(f"{len(given)} parent_keys for {len(keys)} keys: give one per key or none")
+    if request.parent_key and request.parent_key != given[0]:
+        raise errors.InvalidArgument("parent_key and parent_keys[0] differ: they name the same page, give one")
+    for i, (parent, key) in enumerate(zip(given, keys)):
+        if len(parent) > limits.key_bytes_max or (i and not parent):
+            raise errors.InvalidArgument(f"parent_keys[{i}] has {len(parent)} bytes; a parent key is 1 to "
+                                         f"{limits.key_bytes_max} bytes (only parent_keys[0] may be empty: a root)")
+        if parent == key:
+            raise errors.InvalidArgument(f"parent_keys[{i}] is keys[{i}]: a page cannot extend itself")
+    return given[0], {i: parent for i, parent in enumerate(given) if i and parent != keys[i - 1]}
+
+
 def _keys(batch: Sequence[bytes], limits: Limits, most: int, limit_name: str, what: str) -> list[bytes]:
     if not batch:
         raise errors.InvalidArgument(f"{what} is empty: send at least one key")

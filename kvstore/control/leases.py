@@ -36,6 +36,9 @@ class Lease:
     parent_key: bytes = b""
     anchored: bool = False      # parent_key was absent at Reserve: keys[0] is stored anchored at it
     keys: list[bytes] = dataclasses.field(default_factory=list)
+    # key index -> its parent's key where that is not the key before it (Reserve's parent_keys: a chain
+    # placed across nodes); such a page is stored anchored at that key when it is absent here
+    parents: dict[int, bytes] = dataclasses.field(default_factory=dict)
     slots: dict[int, int] = dataclasses.field(default_factory=dict)  # key index -> offset, not yet committed
     busy: int = 0                        # commits checking bytes outside the lock; not reaped meanwhile
     # data plane (TCP/RDMA): frames for this lease's slots must carry this token
@@ -48,6 +51,16 @@ class Lease:
     arrived: dict[int, int] = dataclasses.field(default_factory=dict)
     rdma_qp_num: int = 0                 # the node's queue pair moving its bytes over RDMA, if any
     ended: bool = False
+
+    def parent_of(self, index: int) -> bytes:
+        """The key of the page before keys[index] ("" for a root)."""
+        if index in self.parents:
+            return self.parents[index]
+        return self.keys[index - 1] if index else self.parent_key
+
+    def may_anchor(self, index: int) -> bool:
+        """Whether keys[index] is stored anchored at its parent's key when that page is absent."""
+        return index in self.parents or (index == 0 and self.anchored)
 
 
 class LeaseTable:

@@ -131,12 +131,12 @@ class KVStoreService:
                 f"page_bytes={request.page_bytes} but namespace {namespace.model!r} stores pages of "
                 f"{namespace.page_bytes} bytes")
         keys = checks.keys(request.keys, self.limits)
-        if request.parent_key:
-            checks.keys([request.parent_key], self.limits, what="parent_key")
+        parent_key, parents = checks.parent_keys(request, keys, self.limits)
         ttl_ms = checks.lease_ttl_ms(request.lease_ttl_ms, self.config.leases.write_ttl_ms, self.config)
         store = self.store
-        reservation = store.reserve(request.namespace_id, keys, request.parent_key, request.lease_id, ttl_ms, owner,
-                                    absent_parent="anchor" if request.anchor_absent_parent else "refuse")
+        anchor = request.anchor_absent_parent or bool(request.parent_keys)
+        reservation = store.reserve(request.namespace_id, keys, parent_key, request.lease_id, ttl_ms, owner,
+                                    absent_parent="anchor" if anchor else "refuse", parents=parents)
         try:
             if reservation.lease is not None and request.rdma_qp_num:
                 reservation.lease.rdma_qp_num = request.rdma_qp_num

@@ -27,10 +27,13 @@ class WriteLeases:
     """Reserve, fill, commit and abort; the data plane's copies into reserved slots."""
 
     def reserve(self, ns_id: int, keys: list[bytes], parent_key: bytes, lease_id: int, ttl_ms: int,
-                owner: object | None, absent_parent: str = "refuse") -> Reservation:
+                owner: object | None, absent_parent: str = "refuse",
+                parents: dict[int, bytes] | None = None) -> Reservation:
         """Step one: a write lease, the state of each key, pages of the chain pinned. No slots yet.
 
-        The keys are distinct (checks.keys)."""
+        The keys are distinct (checks.keys). `parents`: given (Reserve's parent_keys), the keys' parents
+        where they are not the key before (checks.parent_keys); an extending Reserve may then also name a
+        parent_key other than the lease's last key."""
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
         tenant = self.namespaces[ns_id].tenant
         states = [pb.PARENT_MISSING] * len(keys)
@@ -43,8 +46,10 @@ class WriteLeases:
                 if lease.namespace_id != ns_id:
                     raise errors.InvalidArgument(f"lease {lease_id:#x} belongs to another namespace")
                 if parent_key != lease.keys[-1]:
-                    raise errors.InvalidArgument(
-                        "parent_key of an extending Reserve must be the last key reserved under the lease")
+                    if parents is None:
+                        raise errors.InvalidArgument(
+                            "parent_key of an extending Reserve must be the last key reserved under the lease")
+                    parents = {0: parent_key, **parents}
             else:
                 parent = self.index.get((ns_id, parent_key)) if parent_key else None
                 absent = bool(parent_key) and parent is None and parent_key not in claimed
@@ -57,6 +62,8 @@ class WriteLeases:
                     self._pin(lease, parent)
             first_index = len(lease.keys)
             lease.keys.extend(keys)
+            if parents:
+                lease.parents.update((first_index + i, key) for i, key in parents.items())
             held = self.index.positions_held(ns_id, keys)
             if not held and claimed.keys().isdisjoint(keys):
                 # The usual Reserve: every page new. Claimed now, in this lock section, so no other lease
@@ -291,9 +298,9 @@ class WriteLeases:
         for lease, indices in plans:
             ns_id, keys = lease.namespace_id, lease.keys
             for position in indices:
-                parent_key = keys[position - 1] if position else lease.parent_key
+                parent_key = lease.parent_of(position)
                 if (parent_key and (ns_id, parent_key) not in visible and self.index.get((ns_id, parent_key)) is None
-                        and (position or not lease.anchored)):
+                        and not lease.may_anchor(position)):
                     raise errors.GroupIncomplete(
                         f"page at index {position} of lease {lease.lease_id:#x} has no parent in the store (it was "
                         "deleted, or its writer aborted); nothing in this group was made visible: abort the "
@@ -320,15 +327,17 @@ class WriteLeases:
     def _publish(self, lease: Lease, indices: list[int], sums: list[int],
                  records: bool) -> tuple[list[int], list[PageRecord]]:
         """Lock held: make checked pages visible in chain order; a page whose parent is gone is dropped, unless
-        it is the first of a lease that named an absent parent to anchor at. Returns (states, the published
+        the lease named that parent to anchor at (Lease.may_anchor). Returns (states, the published
         pages' records when `records` is asked for, else [])."""
         ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         slot_bytes = slot_bytes_for(self.namespaces[ns_id].page_bytes)
         first = indices[0] if indices else 0
-        parent_key = keys[first - 1] if first else lease.parent_key
+        parent_key = lease.parent_of(first)
         chain_parent = index.get((ns_id, parent_key)) if parent_key else None
         wants_commits = self.listener.wants_commits or self.events is not None
-        if indices and indices[-1] - first == len(indices) - 1 and (chain_parent is not None or not parent_key):
+        one_chain = not lease.parents or not any(map(lease.parents.__contains__, indices[1:]))
+        if (indices and indices[-1] - first == len(indices) - 1 and (chain_parent is not None or not parent_key)
+                and one_chain):
             # The usual commit: consecutive pages under a parent held here (or none), one index call,
             # and no object per page unless someone reads them.
             offsets = list(map(lease.slots.pop, indices))
@@ -357,7 +366,7 @@ class WriteLeases:
 
     def _publish_each(self, lease: Lease, indices: list[int], sums: list[int],
                       slot_bytes: int) -> tuple[list[int], list[PageRecord]]:
-        """_publish page by page: a gap in the chain, a parent gone, or an anchored first page."""
+        """_publish page by page: a gap in the chain, a parent gone, or a page anchored at an absent parent."""
         ns_id, keys, index = lease.namespace_id, lease.keys, self.index
         claimed = self._pending[ns_id]
         states, published = [], []
@@ -366,11 +375,11 @@ class WriteLeases:
             offset = lease.slots.pop(position)
             lease.arrived.pop(position, None)
             del claimed[key]
-            parent_key = keys[position - 1] if position else lease.parent_key
+            parent_key = lease.parent_of(position)
             parent = index.get((ns_id, parent_key)) if parent_key else None
             anchor = b""
             if parent_key and parent is None:
-                if position or not lease.anchored:
+                if not lease.may_anchor(position):
                     self._free_slot(offset)
                     states.append(pb.COMMIT_PARENT_MISSING)
                     continue

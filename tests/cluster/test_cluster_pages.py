@@ -220,7 +220,7 @@ def test_a_replica_that_misses_a_page_is_read_from_the_next(three_nodes, etcd):
             assert pool.get(NS, keys, out) == 8 and np.array_equal(out, data)
 
 
-def test_a_delete_ends_the_chain_on_every_node_and_removes_what_extends_it_there(three_nodes, etcd):
+def test_a_delete_removes_every_page_that_extends_the_key_on_every_node(three_nodes, etcd):
     cluster, nodes = three_nodes
     with KVStoreClient(f"etcd://{etcd.endpoint}/{cluster}") as pool:
         wait_members(pool, set(nodes))
@@ -231,13 +231,11 @@ def test_a_delete_ends_the_chain_on_every_node_and_removes_what_extends_it_there
         assert pool.put(NS, other, other_data) == 16
         owners = [o[0] for o in pool._place(encode_keys(keys), chain_start=False)]
         assert len(set(owners[32:])) == 3                                    # the tail is spread over all three
-        removed = pool.delete(NS, keys[32:33])
-        held = pool.held(NS, keys)
-        assert held[:32] == [True] * 32 and not held[32]
-        # On the node that held page 32, every later page of the chain went with it (its pieces of both
-        # calls hang off it); a later page elsewhere goes when its piece is anchored at a removed page.
-        assert not any(held[i] for i in range(33, 64) if owners[i] == owners[32])
-        assert removed == 32 - sum(held[33:])
+        assert pool.delete(NS, keys[32:33]) == 32                            # page 32 and the 31 after it
+        assert pool.held(NS, keys) == [True] * 32 + [False] * 32             # on every node
+        assert pool.get(NS, keys[48:], np.zeros_like(data[48:])) == 0        # mid-chain reads find nothing
+        listed = set(pool.list_keys(NS))
+        assert listed.isdisjoint(encode_keys(keys[32:])) and listed.issuperset(encode_keys(keys[:32]))
         assert pool.lookup(NS, keys) == 32 and pool.get(NS, keys, np.zeros_like(data)) == 32
         assert pool.lookup(NS, other) == 16                                  # another chain keeps every page
         assert pool.delete(NS, keys[32:33]) == 0

@@ -279,6 +279,45 @@ def test_delete_takes_the_pages_anchored_at_a_key_it_does_not_hold_and_can_name_
     assert not service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"c0"]), None).removed_keys   # not asked
 
 
+def test_each_page_records_the_parent_its_reserve_names_held_here_or_not(service):
+    """parent_keys: a cluster's piece of a chain (pages 0, 2, 3 and 5 here, 1 and 4 on other nodes)."""
+    ns = open_ns(service)
+    put(service, ns, [b"p0"])
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"p2", b"p3", b"p5"], page_bytes=PAGE,
+                                          parent_keys=[b"p1", b"p2", b"p4"]), None)
+    assert list(r.states) == [pb.RESERVED] * 3
+    more = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=[b"p6"], page_bytes=PAGE, lease_id=r.lease_id,
+                                             parent_keys=[b"p0"]), None)   # extending, under another parent
+    assert more.first_index == 3
+    assert list(service.commit(pb.CommitRequest(lease_id=r.lease_id), None).states) == [pb.COMMITTED] * 4
+    index = service.store.index
+    assert index.get((ns, b"p3")).parent is index.get((ns, b"p2"))        # its parent is here: a child
+    assert index.get((ns, b"p6")).parent is index.get((ns, b"p0"))
+    assert index.anchored((ns, b"p1")) == {index.get((ns, b"p2"))}         # elsewhere: anchored at it
+    assert index.anchored((ns, b"p4")) == {index.get((ns, b"p5"))}
+    service.store.check_invariants()
+    # Deleting a page on another node reaches the pages here that extend it, and only those.
+    answer = service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"p4"], report_keys=True), None)
+    assert answer.deleted_pages == 1 and list(answer.removed_keys) == [b"p5"]
+    answer = service.delete(pb.DeleteRequest(namespace_id=ns, keys=[b"p1"], report_keys=True), None)
+    assert sorted(answer.removed_keys) == [b"p2", b"p3"]
+    assert lookup(service, ns, [b"p0", b"p6"]) == 2
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(keys=[b"a", b"b"], parent_keys=[b"z"]), "1 parent_keys for 2 keys"),
+    (dict(keys=[b"a", b"b"], parent_keys=[b"z", b""]), r"parent_keys\[1\] has 0 bytes"),
+    (dict(keys=[b"a"], parent_keys=[b"x" * 65]), r"parent_keys\[0\] has 65 bytes"),
+    (dict(keys=[b"a", b"b"], parent_keys=[b"z", b"b"]), "cannot extend itself"),
+    (dict(keys=[b"a"], parent_key=b"y", parent_keys=[b"z"]), "parent_key and parent_keys"),
+])
+def test_parent_keys_that_cannot_be_a_chain_are_refused_before_any_work(service, fields, message):
+    ns = open_ns(service)
+    with pytest.raises(errors.InvalidArgument, match=message):
+        service.reserve(pb.ReserveRequest(namespace_id=ns, page_bytes=PAGE, **fields), None)
+    assert not service.store.leases._leases and service.store.allocator.used_bytes == 0
+
+
 def list_all(service, ns, keys_max=3) -> list[bytes]:
     listed, cursor = [], 0
     while True:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from kvstore_client import errors
 from kvstore_client.buffers import PageSegments, page_segments
-from kvstore_client.keys import Key, Namespace, encode_keys, prefix_hashes
+from kvstore_client.keys import Key, Namespace, encode_key, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
 from kvstore_client.tokens import wire_tokens
 
@@ -73,6 +73,22 @@ def put_pages(namespace: Namespace, keys: Sequence[Key] | None, buffers: Any, to
     if parent is not None and anchor is not None:
         raise errors.InvalidArgument("give parent or anchor, not both: anchor is a parent the node may not hold")
     return raw_keys, segments, keepalive
+
+
+def parent_list(parents: Sequence[Key | None] | None, count: int, parent: Key | None,
+                anchor: Key | None) -> list[bytes] | None:
+    """put(parents=): the key of the page before each key, encoded (None: not given). Only the first may be
+    None, a chain's start; it replaces parent and anchor."""
+    if parents is None:
+        return None
+    if parent is not None or anchor is not None:
+        raise errors.InvalidArgument("give parents, or parent or anchor: parents names the first key's parent too")
+    given = list(parents)
+    if len(given) != count:
+        raise errors.InvalidArgument(f"{len(given)} parents for {count} keys: give one per key")
+    if any(p is None for p in given[1:]):
+        raise errors.InvalidArgument("only parents[0] may be None (a chain's start): every later page has a parent")
+    return [encode_key(p) if p is not None else b"" for p in given]
 
 
 def get_pages(namespace: Namespace, keys: Sequence[Key] | None, out: Any,

@@ -38,7 +38,7 @@ import grpc.aio
 
 from kvstore_client import errors, framing, groups, lookup
 from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url, keys_or_tokens, node_target,
-                                      prefetch_policy, put_pages)
+                                      parent_list, prefetch_policy, put_pages)
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
@@ -335,9 +335,11 @@ class AsyncKVStoreClient:
 
     async def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
                   parent: Key | None = None, verify: bool = False, durable: bool = False, *,
-                  tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
+                  tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None,
+                  parents: Sequence[Key | None] | None = None) -> PutResult:
         """KVStoreClient.put: store pages; a PutResult counts the leading keys stored and says why it is short."""
         raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
+        raw_parents = parent_list(parents, len(raw_keys), parent, anchor)
         before = parent if parent is not None else anchor   # the page before keys[0]; anchor: maybe not held
         parent_key = encode_key(before) if before is not None else b""
 
@@ -348,7 +350,8 @@ class AsyncKVStoreClient:
                 anchored = anchor is not None and start == 0
                 batch = await self._in_namespace(conn, namespace, lambda ns_id: _put_batch(
                     conn, ns_id, namespace.page_bytes, prior, raw_keys[start:start + step],
-                    segments[start:start + step], verify, durable, self._timeout_s, anchored))
+                    segments[start:start + step], verify, durable, self._timeout_s, anchored,
+                    raw_parents[start:start + step] if raw_parents is not None else []))
                 stored += batch
                 if not batch.complete:
                     return PutResult(stored, len(raw_keys), batch.reason)
@@ -456,9 +459,11 @@ class AsyncKVStoreClient:
 
     async def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
                     parent: Key | None = None, verify: bool = False, *, tokens: Any = None,
-                    anchor: Key | None = None, timeout_s: float | None = None) -> StagedPages:
+                    anchor: Key | None = None, timeout_s: float | None = None,
+                    parents: Sequence[Key | None] | None = None) -> StagedPages:
         """KVStoreClient.stage: write pages into slots without making them visible, for commit_group()."""
         raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
+        raw_parents = parent_list(parents, len(raw_keys), parent, anchor) or []
         before = anchor if anchor is not None else parent
         before_key = encode_key(before) if before is not None else b""
 
@@ -468,7 +473,8 @@ class AsyncKVStoreClient:
                 raise errors.InvalidArgument(f"{len(raw_keys)} keys: a staged part is one write lease of at most "
                                              f"{most} pages (limits.batch_pages_max)")
             return await self._in_namespace(conn, namespace, lambda ns_id: _stage_batch(
-                conn, ns_id, namespace, raw_keys, segments, before_key, anchor is not None, verify, self._timeout_s))
+                conn, ns_id, namespace, raw_keys, segments, before_key, anchor is not None, verify, self._timeout_s,
+                raw_parents))
 
         try:
             return await self._on_node(stage_all, timeout_s, needs_data=True)
@@ -640,13 +646,15 @@ class AsyncKVStoreClient:
 
 
 async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: bytes, keys: list[bytes],
-                     segments: list, verify: bool, durable: bool, timeout_s: float, anchored: bool) -> PutResult:
-    """One Reserve, the copies, one Commit; an error aborts the lease. The count as pipeline.stored_pages says."""
+                     segments: list, verify: bool, durable: bool, timeout_s: float, anchored: bool,
+                     parent_keys: list[bytes]) -> PutResult:
+    """One Reserve, the copies, one Commit; an error aborts the lease. The count as pipeline.stored_pages says.
+    `parent_keys`: each key's parent (put's parents=), or none."""
     control = conn.control
     sent_at = time.monotonic()
-    reserved = await control.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=keys,
-                                                               page_bytes=page_bytes, anchor_absent_parent=anchored),
-                                  timeout_s)
+    reserved = await control.call("Reserve", pb.ReserveRequest(
+        namespace_id=ns_id, parent_key=parent_keys[0] if parent_keys else parent, keys=keys, page_bytes=page_bytes,
+        anchor_absent_parent=anchored, parent_keys=parent_keys), timeout_s)
     indices = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
     if not indices:
         return stored_pages(reserved.states, [], durable)
@@ -667,12 +675,13 @@ async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: byt
 
 
 async def _stage_batch(conn: _Connection, ns_id: int, namespace: Namespace, keys: list[bytes], segments: list,
-                       parent: bytes, anchored: bool, verify: bool, timeout_s: float) -> StagedPages:
+                       parent: bytes, anchored: bool, verify: bool, timeout_s: float,
+                       parent_keys: list[bytes]) -> StagedPages:
     """groups.stage_batch over the async channel and data path."""
     sent_at = time.monotonic()
     reserved = await conn.control.call("Reserve", pb.ReserveRequest(
-        namespace_id=ns_id, parent_key=parent, keys=keys, page_bytes=namespace.page_bytes,
-        anchor_absent_parent=anchored), timeout_s)
+        namespace_id=ns_id, parent_key=parent_keys[0] if parent_keys else parent, keys=keys,
+        page_bytes=namespace.page_bytes, anchor_absent_parent=anchored, parent_keys=parent_keys), timeout_s)
     try:
         positions = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
         pages = reserved_pages(reserved, positions, segments)

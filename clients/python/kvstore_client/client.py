@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from kvstore_client import errors, groups, lookup
 from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url, keys_or_tokens, node_target,
-                                      prefetch_policy, put_pages)
+                                      parent_list, prefetch_policy, put_pages)
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
@@ -117,7 +117,8 @@ class KVStoreClient:
 
     def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
             parent: Key | None = None, verify: bool = False, durable: bool = False, *,
-            tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
+            tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None,
+            parents: Sequence[Key | None] | None = None) -> PutResult:
         """Store pages under their keys (or under the keys of `tokens`' full pages); returns how many
         leading keys are now stored: a PutResult, an int that also says why it is short (`reason`,
         e.g. "NO_SPACE: the node is full ...").
@@ -125,7 +126,10 @@ class KVStoreClient:
         `parent` is the key of the page before keys[0] (None at the start of a sequence); the
         node refuses the pages when it does not hold it. `anchor`, instead of `parent`, names a
         page before keys[0] that the node may have evicted (an engine backs up the pages after its
-        own cache hit): the pages are stored anyway, anchored at it (see the README).
+        own cache hit): the pages are stored anyway, anchored at it (see the README). `parents`,
+        instead of both, names each key's parent (None for parents[0] at a chain's start): for pages
+        that are not one run of a chain (a cluster's piece of it, which KVStoreCluster sends); a page
+        whose parent the node does not hold is stored anchored at it.
         A key already stored (or being written by another client) is not copied again and
         counts as stored. The server always checksums a page at commit; `verify=True` also
         hashes each page here, so the server refuses a slot that does not hold what this
@@ -138,12 +142,14 @@ class KVStoreClient:
         yet). A page this call wrote that is committed but not on NVMe ends the count.
         """
         raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
+        raw_parents = parent_list(parents, len(raw_keys), parent, anchor)
         parent_key = encode_key(parent) if parent is not None else b""
         anchor_key = encode_key(anchor) if anchor is not None else b""
         stored, reason = 0, ""
         for start, stop in self._batches(len(raw_keys)):
             batch = PutBatch(namespace.page_bytes, parent_key, raw_keys[start:stop], segments[start:stop],
-                             verify, durable, anchor=anchor_key)
+                             verify, durable, anchor=anchor_key,
+                             parents=raw_parents[start:stop] if raw_parents is not None else None)
             anchor_key = b""
             batch_stored = self._on_node(
                 lambda conn: conn.reopening(namespace, lambda ns_id: batch.run(conn.control, conn.data, ns_id)),
@@ -269,11 +275,13 @@ class KVStoreClient:
 
     def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
               parent: Key | None = None, verify: bool = False, *, tokens: Any = None, anchor: Key | None = None,
-              timeout_s: float | None = None) -> StagedPages:
+              timeout_s: float | None = None, parents: Sequence[Key | None] | None = None) -> StagedPages:
         """Write pages into slots of the node (as put does) without making them visible: a part of a group,
         published with the other parts by commit_group(). At most limits.batch_pages_max keys (one lease).
-        Pages staged and never committed are aborted by the node when their write lease expires."""
+        Pages staged and never committed are aborted by the node when their write lease expires.
+        `parents` as put's."""
         raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
+        raw_parents = parent_list(parents, len(raw_keys), parent, anchor) or []
         if len(raw_keys) > self.limits.batch_pages_max:
             raise errors.InvalidArgument(f"{len(raw_keys)} keys: a staged part is one write lease of at most "
                                          f"{self.limits.batch_pages_max} pages (limits.batch_pages_max)")
@@ -282,7 +290,7 @@ class KVStoreClient:
         try:
             return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: groups.stage_batch(
                 conn.control, conn.data, ns_id, namespace, raw_keys, segments, before_key, anchor is not None,
-                verify)), _never, timeout_s=timeout_s)
+                verify, raw_parents)), _never, timeout_s=timeout_s)
         finally:
             del keepalive
 

@@ -12,9 +12,11 @@ which it holds. Each call is KVStoreClient's, made on every node that holds some
   anyone (placement.py): each page lives on the node its own key ranks best, the leading pages
   of a chain's first put on `replicas` nodes. A call's pages are grouped by node and every node
   is asked at once, one round, one call per node.
-- On each node a call's pages are a chain of their own, anchored at the page before them in
-  the call (the node keeps them prefix-closed and evicts them leaf first). `parent` therefore
-  acts as `anchor`: the page before keys[0] lives on whichever node its key names.
+- Each page is stored naming its true parent, the page before it in the chain, whichever node
+  that lives on (Reserve's parent_keys): where the parent is on the same node the page hangs
+  under it (kept prefix-closed, evicted leaf first), else it is anchored at the parent's key.
+  `parent` therefore acts as `anchor`: the page before keys[0] lives on whichever node its key
+  names.
 - While a node ramps up after it joins (cluster.ramp_s), a read it misses asks the node the key
   had before it came, so a join costs no misses for pages already stored.
 - Leading counts (put, get, lookup) are the chain's leading run over all nodes: a page a node
@@ -25,9 +27,10 @@ which it holds. Each call is KVStoreClient's, made on every node that holds some
   raised as by KVStoreClient, once every node's piece of the call has ended: no call returns,
   not even with an error, while a piece may still copy into the caller's buffer.
 - Delete and clear go to every member. A node removes the keys' pages and what extends them
-  there: their children, and pages anchored at the keys (a piece of a chain whose page before
-  it lives elsewhere). It answers the keys it removed, and the next round asks every member for
-  pages anchored at those, until a round removes nothing new.
+  there: their children, and pages anchored at the keys (pages whose parent lives elsewhere).
+  It answers the keys it removed, and the next round asks every member for pages anchored at
+  those, until a round removes nothing new: every page that extends a deleted key, on every
+  node, is gone.
 - Page groups: a key's parts live on the same nodes (placement ignores the namespace), so each
   node commits its positions whole; a group lookup folds each part's presence by the node's own
   rule (groups.fold). Nodes commit in parallel: a group one node refuses may be visible on the
@@ -57,7 +60,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 from kvstore_client import errors, groups, lookup, placement
-from kvstore_client.arguments import engine_id_list, get_pages, put_pages
+from kvstore_client.arguments import engine_id_list, get_pages, parent_list, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
 from kvstore_client.etcd import parse_endpoint
@@ -214,14 +217,15 @@ class KVStoreCluster:
 
     def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
             parent: Key | None = None, verify: bool = False, durable: bool = False, *,
-            tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None) -> PutResult:
+            tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None,
+            parents: Sequence[Key | None] | None = None) -> PutResult:
         """KVStoreClient.put, each page on its nodes; the count is the chain's leading run stored anywhere."""
         raw, pages, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        pieces = self._write_pieces(raw, parent, anchor)
+        pieces = self._write_pieces(raw, parent_list(parents, len(raw), parent, anchor), parent, anchor)
 
-        def put_piece(node_id: str, positions: list[int], piece_anchor: bytes | None) -> PutResult:
+        def put_piece(node_id: str, positions: list[int], piece_parents: list[bytes | None]) -> PutResult:
             return self._node(node_id).put(namespace, [raw[i] for i in positions], _picked(pages, positions),
-                                           verify=verify, durable=durable, timeout_s=timeout_s, anchor=piece_anchor)
+                                           verify=verify, durable=durable, timeout_s=timeout_s, parents=piece_parents)
 
         answers = fan_out(self._pool, [(lambda piece=piece: put_piece(*piece)) for piece in pieces], miss=None)
         del keepalive
@@ -349,16 +353,16 @@ class KVStoreCluster:
 
     def stage(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
               parent: Key | None = None, verify: bool = False, *, tokens: Any = None, anchor: Key | None = None,
-              timeout_s: float | None = None) -> ClusterStaged:
+              timeout_s: float | None = None, parents: Sequence[Key | None] | None = None) -> ClusterStaged:
         """KVStoreClient.stage on every node that will hold some of the pages."""
         raw, pages, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        pieces = self._write_pieces(raw, parent, anchor)
+        pieces = self._write_pieces(raw, parent_list(parents, len(raw), parent, anchor), parent, anchor)
 
         def stage_piece(node_id: str, positions: list[int],
-                        piece_anchor: bytes | None) -> tuple[list[int], StagedPages]:
+                        piece_parents: list[bytes | None]) -> tuple[list[int], StagedPages]:
             return positions, self._node(node_id).stage(namespace, [raw[i] for i in positions],
                                                         _picked(pages, positions), verify=verify,
-                                                        anchor=piece_anchor, timeout_s=timeout_s)
+                                                        parents=piece_parents, timeout_s=timeout_s)
 
         try:
             staged = fan_out(self._pool, [(lambda piece=piece: stage_piece(*piece)) for piece in pieces], miss=None)
@@ -496,15 +500,17 @@ class KVStoreCluster:
             pending = again
         return found
 
-    def _write_pieces(self, raw: list[bytes], parent: Key | None,
-                      anchor: Key | None) -> list[tuple[str, list[int], bytes | None]]:
-        """Where a write's pages go: (node id, positions, the key its piece is anchored at), each page to every
-        node it is placed on. A piece is anchored at the page before its first (for the call's first page, the
-        call's parent or anchor; none at a chain's start, whose leading pages get replicas)."""
-        before = parent if parent is not None else anchor
-        before_key = encode_key(before) if before is not None else None
-        owners = self._place(raw, chain_start=before_key is None)
-        return [(node_id, positions, raw[positions[0] - 1] if positions[0] else before_key)
+    def _write_pieces(self, raw: list[bytes], parents: list[bytes] | None, parent: Key | None,
+                      anchor: Key | None) -> list[tuple[str, list[int], list[bytes | None]]]:
+        """Where a write's pages go: (node id, positions, each page's parent key), each page to every node it is
+        placed on. Every page names its true parent (the page before it in the call; for the first, the call's
+        parent or anchor, none at a chain's start, whose leading pages get replicas), wherever that lives, so a
+        delete of it on any node finds the page here (Reserve's parent_keys)."""
+        if parents is None:
+            before = parent if parent is not None else anchor
+            parents = [encode_key(before) if before is not None else b""] + raw[:-1]
+        owners = self._place(raw, chain_start=not parents[0])
+        return [(node_id, positions, [parents[i] or None for i in positions])
                 for node_id, positions in _pieces(owners, every_owner=True)]
 
     def _serving(self) -> list[Member]:

@@ -89,12 +89,15 @@ class StagedPages:
 
 
 def stage_batch(control: Any, data: Any, ns_id: int, namespace: Namespace, keys: list[bytes],
-                segments: list[list[Segment]], parent: bytes, anchored: bool, verify: bool) -> StagedPages:
-    """Reserve the keys and copy every page given a slot into it; commit nothing (sync channels)."""
+                segments: list[list[Segment]], parent: bytes, anchored: bool, verify: bool,
+                parent_keys: Sequence[bytes] = ()) -> StagedPages:
+    """Reserve the keys and copy every page given a slot into it; commit nothing (sync channels).
+    `parent_keys`: each key's parent (put's parents=), or none."""
     sent_at = time.monotonic()
     reserved = control.call("Reserve", pb.ReserveRequest(
-        namespace_id=ns_id, parent_key=parent, keys=keys, page_bytes=namespace.page_bytes,
-        rdma_qp_num=data.rdma_qp_num, anchor_absent_parent=anchored))
+        namespace_id=ns_id, parent_key=parent_keys[0] if parent_keys else parent, keys=keys,
+        page_bytes=namespace.page_bytes, rdma_qp_num=data.rdma_qp_num, anchor_absent_parent=anchored,
+        parent_keys=parent_keys))
     try:
         positions = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
         pages = reserved_pages(reserved, positions, segments)

@@ -40,10 +40,14 @@ class PutBatch:
     """One batch of a put: keys continuing the chain after `parent`, with their pages' segments."""
 
     def __init__(self, page_bytes: int, parent: bytes, keys: list[bytes], segments: PageSegments,
-                 verify: bool, durable: bool, anchor: bytes = b""):
-        """`anchor`: instead of `parent`, the key of a page before keys[0] the node may no longer hold."""
+                 verify: bool, durable: bool, anchor: bytes = b"", parents: list[bytes] | None = None):
+        """`anchor`: instead of `parent`, the key of a page before keys[0] the node may no longer hold.
+        `parents`: instead of either, each key's parent (ReserveRequest.parent_keys)."""
         self.page_bytes, self.parent, self.keys, self.segments = page_bytes, anchor or parent, keys, segments
         self.verify, self.durable, self.anchored = verify, durable, bool(anchor)
+        self.parents = parents
+        if parents is not None:
+            self.parent = parents[0]
         # Set once a Reserve gave this batch a slot: from then on a failed attempt is not repeated
         # elsewhere (its pages may have been copied into a node that is gone).
         self.slots_reserved = False
@@ -56,8 +60,7 @@ class PutBatch:
         states: list[int] = []
         commits: list[Any] = []
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
-        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, keys[slice(*groups[0])], 0,
-                                                                self.parent)
+        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, *groups[0], 0)
         unread = next_reserve   # a Reserve sent whose answer (and the lease it may open) is not read yet
         try:
             for number, (start, _) in enumerate(groups):
@@ -74,7 +77,7 @@ class PutBatch:
                     extend = reserved.lease_id if in_order and indices else 0
                     next_start, next_stop = groups[number + 1]
                     sent_at, next_reserve = time.monotonic(), self._reserve(
-                        control, data, ns_id, keys[next_start:next_stop], extend, keys[next_start - 1])
+                        control, data, ns_id, next_start, next_stop, extend)
                     unread = next_reserve
                 group_run = last_run_pages(run, len(indices)) if last else run
                 for first in range(0, len(indices), group_run):
@@ -97,12 +100,15 @@ class PutBatch:
             raise
         return stored_pages(states, answers, self.durable)
 
-    def _reserve(self, control: Any, data: DataPath, ns_id: int, keys: list[bytes], lease_id: int,
-                 parent: bytes) -> Any:
-        """Submit the Reserve of one group (lease_id 0 opens a lease, else extends it)."""
-        request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=keys, page_bytes=self.page_bytes,
-                                    lease_id=lease_id, rdma_qp_num=data.rdma_qp_num,
-                                    anchor_absent_parent=self.anchored and not lease_id and parent == self.parent)
+    def _reserve(self, control: Any, data: DataPath, ns_id: int, start: int, stop: int, lease_id: int) -> Any:
+        """Submit the Reserve of keys[start:stop] (lease_id 0 opens a lease, else extends it)."""
+        if self.parents is not None:
+            parent, parent_keys = self.parents[start], self.parents[start:stop]
+        else:
+            parent, parent_keys = self.keys[start - 1] if start else self.parent, []
+        request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=self.keys[start:stop],
+                                    page_bytes=self.page_bytes, lease_id=lease_id, rdma_qp_num=data.rdma_qp_num,
+                                    anchor_absent_parent=self.anchored and not start, parent_keys=parent_keys)
         return control.submit("Reserve", request)
 
     def _move_and_commit(self, control: Any, data: DataPath, reserved: pb.ReserveResponse, start: int,

@@ -238,7 +238,7 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ..., held: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent")
+    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent", "parent_keys")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class ReserveRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     RDMA_QP_NUM_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_ABSENT_PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     parent_key: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -255,7 +256,8 @@ class ReserveRequest(_message.Message):
     lease_id: int
     rdma_qp_num: int
     anchor_absent_parent: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., anchor_absent_parent: _Optional[bool] = ...) -> None: ...
+    parent_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., anchor_absent_parent: _Optional[bool] = ..., parent_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token", "no_space_reason")
