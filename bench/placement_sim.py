@@ -1,6 +1,7 @@
 """Which unit of placement a kvstore cluster should use: a simulation of candidate schemes.
 
     python bench/placement_sim.py [--nodes 100] [--requests 20000] [--json bench/results/placement_sim.json]
+                                  [--clients 16] [--rate 100] [--hot-reads 4] [--hot-half-life 60]
 
 Workload: `--conversations` conversations, each a chain of pages: 80% start with one of
 10 system prompts (chosen Zipf(1.2) among the 10, 8-32 pages each), then 8-64 pages of
@@ -17,6 +18,12 @@ Schemes:
                 reads spread over them: shared prefixes sit at the start of chains
   segK+hotR     segK, the hottest 1% of segments (by this run's own reads: an oracle, the
                 bound of replication driven by measured popularity) on R nodes each
+  page+popR     what kvstore builds (kvstore/control/read_heat.py, kvstore_client/hot_pages.py), online:
+                each page on its best node; each node keeps a read count per page, decayed with
+                --hot-half-life seconds (requests arrive at --rate per second); a read that finds the
+                count at --hot-reads flags the page, and the client (one of --clients, each request
+                from a random one) copies it to the page's R best nodes and from then on reads it
+                from a random one of them. Copies made and copy rounds are counted.
 For each: max/mean node load (pages read per node over all requests), max/mean pages held,
 RPCs per lookup (nodes one request asks, all at once: one round for every scheme), and the
 fraction of stored pages that move when one node joins and when one leaves (1/N is ideal).
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -110,10 +118,15 @@ def replication(scheme: str, chain_units, requests) -> tuple[int, "callable"]:
     return 1, lambda key, start: 1
 
 
+def node_ids_of(nodes: int) -> np.ndarray:
+    """nodes + 1 node ids (the last one joins in the move measure)."""
+    return mix(np.arange(1, nodes + 2, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+
+
 def evaluate(scheme: str, chains, requests, nodes: int, rng: np.random.Generator) -> dict[str, float]:
     chain_units = units(chains, scheme)
     replicas, copies = replication(scheme, chain_units, requests)
-    node_ids = mix(np.arange(1, nodes + 2, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    node_ids = node_ids_of(nodes)
     where = place(chain_units, node_ids[:nodes], replicas)
     held = np.zeros(nodes)
     stored = {}
@@ -134,6 +147,60 @@ def evaluate(scheme: str, chains, requests, nodes: int, rng: np.random.Generator
             load[owner] += stop - start
             asked.add(int(owner))
         rpcs += len(asked)
+    return {"load_max_over_mean": float(load.max() / load.mean()), "held_max_over_mean": float(held.max() / held.mean()),
+            "rpcs_per_lookup": rpcs / len(requests), "rounds_per_lookup": 1,
+            **moves(chain_units, where, copies, node_ids, nodes, replicas), "stored_pages_with_copies": float(held.sum())}
+
+
+def evaluate_popular(scheme: str, chains, requests, nodes: int, rng: np.random.Generator,
+                     args: argparse.Namespace) -> dict[str, float]:
+    """page+popR, request by request: node read counts, hot flags, client copies and spread reads."""
+    replicas = int(scheme.split("+pop")[1])
+    chain_units = units(chains, "page")
+    node_ids = node_ids_of(nodes)
+    where = place(chain_units, node_ids[:nodes], replicas)
+    heat: dict[tuple[int, int], tuple[float, float]] = {}     # (key, node) -> (decayed count, last read)
+    copied: set[tuple[int, int]] = set()                      # (key, node) copies beyond the best node
+    spread = [set() for _ in range(args.clients)]             # keys each client reads from any replica
+    load, held = np.zeros(nodes), np.zeros(nodes)
+    for key, ranked in where.items():
+        held[ranked[0]] += 1
+    rpcs = copy_rounds = 0
+    for t, conversation in enumerate(requests):
+        now, client = t / args.rate, int(rng.integers(args.clients))
+        asked, flagged = set(), []
+        for key, _, _ in chain_units[conversation]:
+            key = int(key)
+            ranked = where[key]
+            owner = int(ranked[rng.integers(len(ranked))]) if key in spread[client] else int(ranked[0])
+            load[owner] += 1
+            asked.add(owner)
+            count, last = heat.get((key, owner), (0.0, now))
+            count = count * 0.5 ** ((now - last) / args.hot_half_life) + 1.0
+            heat[(key, owner)] = (count, now)
+            if count + 0.5 >= args.hot_reads and key not in spread[client]:   # as read_heat.py
+                flagged.append(key)
+        rpcs += len(asked)
+        if flagged:
+            copy_rounds += 1
+            for key in flagged:
+                for node in where[key][1:].tolist():
+                    if (key, node) not in copied:
+                        copied.add((key, node))
+                        held[node] += 1
+                spread[client].add(key)
+    hot = {key for key, _ in copied}
+    result = {"load_max_over_mean": float(load.max() / load.mean()), "held_max_over_mean": float(held.max() / held.mean()),
+              "rpcs_per_lookup": rpcs / len(requests), "rounds_per_lookup": 1,
+              **moves(chain_units, where, lambda key, start: replicas if int(key) in hot else 1, node_ids, nodes,
+                      replicas),
+              "stored_pages_with_copies": float(held.sum()), "pages_copied": len(copied), "hot_pages": len(hot),
+              "requests_with_a_copy_round": copy_rounds / len(requests)}
+    return result
+
+
+def moves(chain_units, where, copies, node_ids: np.ndarray, nodes: int, replicas: int) -> dict[str, float]:
+    """Fraction of stored pages (copies counted) that move when one node joins and when one leaves."""
     moved = {}
     for change, ids in (("join", node_ids[:nodes + 1]), ("leave", node_ids[1:nodes])):
         after = place(chain_units, ids, replicas)
@@ -146,10 +213,7 @@ def evaluate(scheme: str, chains, requests, nodes: int, rng: np.random.Generator
             pages += size * r
             moved_pages += size * len(new - old)
         moved[change] = moved_pages / pages
-    return {"load_max_over_mean": float(load.max() / load.mean()), "held_max_over_mean": float(held.max() / held.mean()),
-            "rpcs_per_lookup": rpcs / len(requests), "rounds_per_lookup": 1,
-            "moved_on_join": moved["join"], "moved_on_leave": moved["leave"],
-            "stored_pages_with_copies": float(held.sum())}
+    return {"moved_on_join": moved["join"], "moved_on_leave": moved["leave"]}
 
 
 def main() -> None:
@@ -158,7 +222,12 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=3000)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--schemes", default="page,chain,seg4,seg16,seg64,seg16+r3,seg16+r8,seg16+r3x2,seg16+r8x2,seg16+r16x2,seg16+hot8,seg16+hot16")
+    parser.add_argument("--schemes", default="page,page+pop3,page+pop8,chain,seg4,seg16,seg64,seg16+r3,seg16+r8,"
+                                              "seg16+r3x2,seg16+r8x2,seg16+r16x2,seg16+hot8,seg16+hot16")
+    parser.add_argument("--clients", type=int, default=16, help="page+popR: clients (engines), each its own memory")
+    parser.add_argument("--rate", type=float, default=100.0, help="page+popR: requests per second, all clients")
+    parser.add_argument("--hot-reads", type=float, default=4, help="page+popR: cluster.hot_reads")
+    parser.add_argument("--hot-half-life", type=float, default=60.0, help="page+popR: cluster.hot_half_life_s")
     parser.add_argument("--json", default="bench/results/placement_sim.json")
     args = parser.parse_args()
     chains, requests = workload(args, np.random.default_rng(args.seed))
@@ -170,11 +239,18 @@ def main() -> None:
     results = {}
     for scheme in args.schemes.split(","):
         started = time.perf_counter()
-        r = evaluate(scheme, chains, requests, args.nodes, np.random.default_rng(args.seed))
+        rng = np.random.default_rng(args.seed)
+        r = (evaluate_popular(scheme, chains, requests, args.nodes, rng, args) if "+pop" in scheme
+             else evaluate(scheme, chains, requests, args.nodes, rng))
         results[scheme] = r
         print(f"{scheme:<10} {r['load_max_over_mean']:>13.2f} {r['held_max_over_mean']:>13.2f} "
               f"{r['rpcs_per_lookup']:>11.2f} {r['rounds_per_lookup']:>6} {r['moved_on_join']:>10.4f} "
               f"{r['moved_on_leave']:>11.4f}   ({time.perf_counter() - started:.1f}s)")
+        if "+pop" in scheme:
+            print(f"{'':<10} {r['hot_pages']} pages hot, {r['pages_copied']} copies made "
+                  f"({r['pages_copied'] / (r['stored_pages_with_copies'] - r['pages_copied']):.1%} more pages held), "
+                  f"{r['requests_with_a_copy_round']:.1%} of requests wrote copies (one more round, once per client)")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
     print(f"wrote {args.json}")

@@ -281,6 +281,11 @@ class ClusterConfig:
     etcd_tls_ca: str = ""                   # PEM CA of etcd's certificate: etcd over TLS (https:// endpoints)
     etcd_tls_cert: str = ""                 # PEM certificate this node presents to etcd (--client-cert-auth)
     etcd_tls_key: str = ""                  # its private key
+    # Replication by popularity (control/read_heat.py): a page read this often per half-life here is
+    # flagged hot in Acquire's answer, and the cluster client copies it to its other replicas.
+    hot_reads: int = 4                      # 0 = never flag a page
+    hot_half_life_s: float = 60.0
+    hot_pages_max: int = 65536              # pages whose reads are counted (the least recently read go)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -651,6 +656,9 @@ def _cluster_checks(cluster: ClusterConfig) -> list[tuple[str, bool, str]]:
          "must be letters, digits, _ . or - (or empty for the host name)"),
         ("cluster.lease_ttl_s", 2 <= cluster.lease_ttl_s <= 3600, "must be 2 to 3600 (etcd's lease granularity)"),
         ("cluster.ramp_s", cluster.ramp_s >= 0, "must not be negative (0 = full weight at once)"),
+        ("cluster.hot_reads", 0 <= cluster.hot_reads <= 1 << 20, "must be 0 (off) to 1048576"),
+        ("cluster.hot_half_life_s", 0 < cluster.hot_half_life_s <= 86400, "must be above 0 and at most 86400"),
+        ("cluster.hot_pages_max", 1 <= cluster.hot_pages_max <= 1 << 24, "must be 1 to 16777216"),
         ("cluster.etcd_timeout_s", cluster.etcd_timeout_s > 0, "must be positive"),
     ]
 

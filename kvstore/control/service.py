@@ -26,6 +26,7 @@ from kvstore.control.store_events import topic_of
 from kvstore.control.engine_index import EngineIndex
 from kvstore.control.identity import TRUSTED, Caller
 from kvstore.control.local_proof import LocalProof
+from kvstore.control.read_heat import ReadHeat
 from kvstore.control.scrubber import Scrubber
 from kvstore.control.store import PageStore
 from kvstore.control.store_types import CommitPart, Counters, Evict
@@ -59,6 +60,9 @@ class KVStoreService:
         self.tcp_tls = False                     # the TCP data plane speaks TLS (tcp.tls_cert)
         self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
         self.hbm: pb.HbmRegion | None = None     # set by the server when it holds an HBM pool
+        cluster = self.config.cluster
+        self.read_heat = (ReadHeat(cluster.hot_reads, cluster.hot_half_life_s, cluster.hot_pages_max)
+                          if cluster.endpoints and cluster.hot_reads else None)   # only a cluster replicates
         self._methods: dict[str, Callable[[Any, object | None], Any]] = {
             "Hello": self.hello, "OpenNamespace": self.open_namespace, "Lookup": self.lookup,
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
@@ -230,10 +234,11 @@ class KVStoreService:
                     "finished gets, try again, or raise dram.arena_bytes")
             return pb.AcquireResponse(page_bytes=page_bytes)
         pages = held.pinned
+        hot = self.read_heat.read(request.namespace_id, keys[:len(pages)]) if self.read_heat is not None else ()
         return pb.AcquireResponse(
             lease_id=held.lease_id, hit_pages=len(pages), offsets=[r.offset for r in pages],
             checksums=[r.checksum for r in pages], page_bytes=page_bytes, lease_ttl_ms=ttl_ms,
-            promoted_pages=min(promoted, len(pages)), data_token=held.token)
+            promoted_pages=min(promoted, len(pages)), data_token=held.token, hot_pages=hot)
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
         if request.changed_pages:

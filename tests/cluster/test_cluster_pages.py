@@ -266,6 +266,26 @@ def test_page_groups_commit_and_answer_whole_positions_across_nodes(three_nodes,
         assert pool.lookup(NS, keys) == 40
 
 
+def test_a_group_read_asks_the_next_replica_where_one_misses_or_is_lost(three_nodes, etcd):
+    cluster, nodes = three_nodes
+    sidecar = Namespace(model="cluster-test-state", page_bytes=512, page_tokens=4)
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", replicas=3, replicated_pages=8) as pool:
+        wait_members(pool, set(nodes))
+        keys, data = chain(33, 8)                            # a chain's first put: each position on all three
+        states = np.random.default_rng(33).integers(0, 255, (8, 512), dtype=np.uint8)
+        assert pool.put_group(keys, [(NS, data), (sidecar, states)]) == 8
+        owners = pool._place(encode_keys(keys), chain_start=True)
+        best = owners[0][0]
+        assert pool._node(best).delete(sidecar, keys[:1]) == 8      # the best node of position 0 loses a part
+        out, out_states = np.zeros_like(data), np.zeros_like(states)
+        assert pool.get_group([(NS, keys, out), (sidecar, keys, out_states)]) == [8, 8]
+        assert np.array_equal(out, data) and np.array_equal(out_states, states)
+        nodes[owners[0][1]].kill()                           # and the next replica of position 0 is lost
+        out, out_states = np.zeros_like(data), np.zeros_like(states)
+        assert pool.get_group([(NS, keys, out), (sidecar, keys, out_states)]) == [8, 8]
+        assert np.array_equal(out, data) and np.array_equal(out_states, states)
+
+
 def test_the_async_client_of_a_cluster_url_has_the_same_calls(three_nodes, etcd):
     import asyncio
     from kvstore_client import AsyncKVStoreClient
@@ -291,7 +311,9 @@ def test_the_async_client_of_a_cluster_url_has_the_same_calls(three_nodes, etcd)
 
 def test_route_asks_every_member(three_nodes, etcd):
     cluster, nodes = three_nodes
-    with KVStoreClient(f"etcd://{etcd.endpoint}/{cluster}") as pool:
+    # Every page on every node, so each node's own score sees the whole prefix in its store (a node scores
+    # only the store pages it holds itself: a prefix spread over nodes counts less; see route()).
+    with KVStoreClient(f"etcd://{etcd.endpoint}/{cluster}", replicated_pages=8) as pool:
         wait_members(pool, set(nodes))
         keys, data = chain(51, 8)
         assert pool.put(NS, keys, data) == 8
@@ -299,3 +321,44 @@ def test_route_asks_every_member(three_nodes, etcd):
         assert [s.engine_id for s in answer.scores] == ["engine-a", "engine-b"]
         assert all(s.prefix_pages == 8 and s.dram_pages == 8 for s in answer.scores)   # from this store
         assert answer.best_engine_id == "engine-a"
+
+
+def test_a_page_read_often_is_copied_to_its_replicas_and_read_from_any(start_node, etcd):
+    cluster = "hot-pages"
+    nodes = {name: start_node(name, cluster=cluster, **{"cluster.hot_reads": 3}) for name in ("n1", "n2", "n3")}
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", replicas=3) as pool:
+        wait_members(pool, set(nodes))
+        hot, data = chain(31, 16)
+        cold, cold_data = chain(32, 16)
+        assert pool.put(NS, hot, data) == 16 and pool.put(NS, cold, cold_data) == 16
+
+        def copies(keys: list) -> list[int]:
+            held = [pool._node(n).held(NS, keys) for n in sorted(nodes)]
+            return [sum(column) for column in zip(*held)]
+
+        assert copies(hot) == [1] * 16 and copies(cold) == [1] * 16      # each page on its best node alone
+        for reads in range(3):
+            assert copies(hot) == [1] * 16                               # not read often enough yet
+            out = np.zeros_like(data)
+            assert pool.get(NS, hot, out) == 16 and np.array_equal(out, data)
+        assert copies(hot) == [3] * 16                                   # the third read: on all three nodes
+        assert pool.get(NS, cold, np.zeros_like(cold_data)) == 16
+        assert copies(cold) == [1] * 16                                  # read once: still single
+
+        def hits() -> dict[str, int]:
+            return {n: sum(t.hits for t in answer.tiers) for n, answer in pool.node_stats().items()}
+
+        before = hits()
+        for _ in range(30):
+            out = np.zeros_like(data[:1])
+            assert pool.get(NS, hot[:1], out) == 1 and np.array_equal(out, data[:1])
+        after = hits()
+        assert all(after[n] > before[n] for n in nodes), (before, after)   # one page, read from every node
+
+        best = pool._place(encode_keys(hot[:1]), chain_start=False)[0][0]
+        nodes[best].kill()                                               # its best node lost: still every page
+        for _ in range(5):
+            out = np.zeros_like(data)
+            assert pool.get(NS, hot, out) == 16 and np.array_equal(out, data)
+        assert pool.delete(NS, hot[:1]) >= 32                            # each copy on both live nodes
+        assert [pool._node(n).held(NS, hot) for n in sorted(nodes) if n != best] == [[False] * 16] * 2

@@ -99,6 +99,9 @@ class KVStoreClient:
         self._closed = False
         self._registered: list[tuple[int, int, Any]] = []   # register_buffer's, applied to every new connection
         self._conn = NodeConnection(self._options)
+        # Told (namespace, [(key, checksum)]) of the pages a get loaded that the node flagged hot
+        # (KVStoreCluster copies them to other nodes).
+        self.on_hot: Callable[[Namespace, list[tuple[bytes, int]]], None] | None = None
 
     @property
     def transport(self) -> str:
@@ -177,10 +180,13 @@ class KVStoreClient:
         prefetch = prefetch_policy(policy)
         raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens)
         loaded = 0
+        on_hot = self.on_hot
+        hot = (lambda pages: on_hot(namespace, pages)) if on_hot is not None else None
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:
                 request = pb.AcquireRequest(namespace_id=ns_id, policy=prefetch, timeout_ms=timeout_ms, wait_ms=wait_ms)
-                return get_batch(conn.control, conn.data, request, raw_keys[start:stop], segments[start:stop], verify)
+                return get_batch(conn.control, conn.data, request, raw_keys[start:stop], segments[start:stop], verify,
+                                 hot)
 
             batch_loaded = self._on_node(
                 lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)), retry_if=_always,

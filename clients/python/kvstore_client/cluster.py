@@ -9,9 +9,12 @@ KVStoreClient's methods, arguments, results and errors, so a caller (every adapt
 which it holds. Each call is KVStoreClient's, made on every node that holds some of its pages:
 
 - Membership comes from etcd (membership.py); placement is computed here without asking
-  anyone (placement.py): each page lives on the node its own key ranks best, the leading pages
-  of a chain's first put on `replicas` nodes. A call's pages are grouped by node and every node
-  is asked at once, one round, one call per node.
+  anyone (placement.py): each page lives on the node its own key ranks best. A call's pages are
+  grouped by node and every node is asked at once, one round, one call per node.
+- Hot pages spread, cold ones stay single (hot_pages.py): a node flags the pages it serves
+  often (decayed read counts, kvstore/control/read_heat.py); a get that loaded flagged pages
+  writes them, before it returns, to their other `replicas` best nodes, and this client's later
+  reads of them go to any of those, a random one first.
 - Each page is stored naming its true parent, the page before it in the chain, whichever node
   that lives on (Reserve's parent_keys): where the parent is on the same node the page hangs
   under it (kept prefix-closed, evicted leaf first), else it is anchored at the parent's key.
@@ -53,19 +56,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
-from kvstore_client import errors, groups, lookup, placement
+from kvstore_client import checksums, errors, groups, lookup, placement
 from kvstore_client.arguments import engine_id_list, get_pages, parent_list, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
 from kvstore_client.etcd import parse_endpoint
 from kvstore_client.events import PageSnapshot
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
+from kvstore_client.hot_pages import HotPages, rotated
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.membership import Member, MembershipView, local_host_id
 from kvstore_client.pipeline import PutResult
@@ -142,14 +147,15 @@ class ClusterStaged:
 
 class KVStoreCluster:
     def __init__(self, url: str, *, timeout_s: float = 5.0, transport: str = "auto", control: str = "local",
-                 tcp_congestion: str = "", replicas: int = 3, replicated_pages: int = 32, client_name: str = "",
+                 tcp_congestion: str = "", replicas: int = 3, replicated_pages: int = 0, client_name: str = "",
                  members_wait_s: float = 5.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, rdma: RdmaOptions | None = None, etcd_tls_ca: str | None = None,
                  etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None):
         """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node). `control`:
-        how same-host nodes are asked ("local": their Unix socket; "grpc"). `replicas`, `replicated_pages`:
-        copies of a chain's leading pages (placement.py). `token`, `tls_*`: who this client is to every node.
+        how same-host nodes are asked ("local": their Unix socket; "grpc"). `replicas`: copies of a hot page
+        (hot_pages.py); `replicated_pages`: leading pages of a chain's first put written to `replicas` nodes
+        whether hot or not (placement.py; 0 = none). `token`, `tls_*`: who this client is to every node.
         `rdma`: this host's NIC settings (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are
         reached over it; None = TCP. `etcd_tls_*`: etcd over TLS (credentials.EtcdTlsFiles; each one None is read
         from KVSTORE_ETCD_TLS_CA, _CERT, _KEY). With `tls_ca`, only members whose record proves itself are
@@ -177,6 +183,8 @@ class KVStoreCluster:
         self._registered: list[tuple[int, int, Any]] = []
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvstore-cluster")
+        self._hot = HotPages()
+        self._rng = random.Random()
         trust = RecordTrust(self._credentials.tls_ca) if self._credentials.tls_ca else None
         etcd_tls = EtcdTlsFiles.resolve(ca=etcd_tls_ca, cert=etcd_tls_cert, key=etcd_tls_key)
         self._view = MembershipView(endpoints, self.cluster, timeout_s=min(timeout_s, 3.0), tls=etcd_tls, trust=trust)
@@ -254,28 +262,32 @@ class KVStoreCluster:
                                 policy=policy, timeout_ms=timeout_ms, wait_ms=wait_ms, timeout_s=call_timeout)
             return _leading_flags(loaded, len(positions))
 
-        found = self._read(raw, get_piece, leading=True)
+        found = self._read(raw, get_piece, leading=True, namespace=namespace)
+        loaded = _leading_run(found)
+        self._copy_hot(namespace, raw[:loaded], pages, call_timeout)
         del keepalive
-        return _leading_run(found)
+        return loaded
 
     def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None, *,
                timeout_s: float | None = None) -> int:
         """How many leading pages of the chain the cluster holds (by keys, or tokens hashed here)."""
         raw = lookup.chain_keys(namespace, keys, tokens)
         found = self._read(raw, lambda client, positions: _leading_flags(client.lookup(
-            namespace, keys=[raw[i] for i in positions], timeout_s=timeout_s), len(positions)), leading=True)
+            namespace, keys=[raw[i] for i in positions], timeout_s=timeout_s), len(positions)), leading=True,
+            namespace=namespace)
         return _leading_run(found)
 
     def held(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
         """Whether the cluster holds each key's page, each key on its own."""
         raw = encode_keys(keys)
         return self._read(raw, lambda client, positions: client.held(
-            namespace, [raw[i] for i in positions], timeout_s=timeout_s), leading=False)
+            namespace, [raw[i] for i in positions], timeout_s=timeout_s), leading=False, namespace=namespace)
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
         """Route asked of every serving member: each engine's best score (a node follows the KV events of the
-        engines configured to publish to it, and sees this store's pages it holds)."""
+        engines configured to publish to it, and sees this store's pages it holds: a prefix whose pages lie on
+        several nodes scores, from this store, only the leading run of the best node's)."""
         ids = engine_id_list(engine_ids)
         answers = [a for a in self._each_member(lambda c: c.route(namespace, ids, keys, tokens, timeout_s=timeout_s),
                                                 self._serving(), raise_errors=True).values() if a is not None]
@@ -412,29 +424,43 @@ class KVStoreCluster:
     def get_group(self, parts: Sequence[tuple[Namespace, Sequence[Key], Any]], verify: bool = False,
                   policy: str = "wait_complete", *, timeout_s: float | None = None) -> list[int]:
         """KVStoreClient.get_group across the nodes: each node pins its positions of every part in one
-        AcquireGroup; a part's count is its leading run, cut where another part that names the key missed."""
+        AcquireGroup; a position one replica missed (or a lost node's) is asked of the next, as a get's; a
+        part's count is its leading run, cut where another part that names the key missed."""
         if not parts:
             raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
         prepared = [get_pages(namespace, part_keys, out, None) for namespace, part_keys, out in parts]
         part_keys = [raw for raw, _, _ in prepared]
-        placed = [_pieces(self._place(raw, chain_start=True), every_owner=False) for raw in part_keys]
-        by_node: dict[str, list[tuple[int, list[int]]]] = {}
-        for part_index, pieces in enumerate(placed):
-            for node_id, positions in pieces:
-                by_node.setdefault(node_id, []).append((part_index, positions))
+        owners = [self._read_owners(raw, namespace) for raw, (namespace, _, _) in zip(part_keys, parts)]
+        loaded = [[False] * len(raw) for raw in part_keys]
+        tried = [[0] * len(raw) for raw in part_keys]
+        pending = [[p for p, nodes in enumerate(part) if nodes] for part in owners]
 
-        def get_on(node_id: str) -> list[int]:
+        def get_on(node_id: str, asked: list[tuple[int, list[int]]]) -> list[int]:
             reads = [(parts[i][0], [part_keys[i][p] for p in positions], _picked(prepared[i][1], positions))
-                     for i, positions in by_node[node_id]]
+                     for i, positions in asked]
             return self._node(node_id).get_group(reads, verify=verify, policy=policy, timeout_s=timeout_s)
 
-        nodes = sorted(by_node)
-        answers = fan_out(self._pool, [(lambda n=n: get_on(n)) for n in nodes], miss=None)
-        loaded = [[False] * len(raw) for raw in part_keys]
-        for node_id, counts in zip(nodes, answers):
-            for (part_index, positions), count in zip(by_node[node_id], counts or []):
-                for p in positions[:count]:
-                    loaded[part_index][p] = True
+        while any(pending):   # round by round, as _read: a position one replica missed asks the next
+            by_node: dict[str, list[tuple[int, list[int]]]] = {}
+            for part_index, positions in enumerate(pending):
+                for node_id, on_node in _pieces([owners[part_index][p][tried[part_index][p]:] for p in positions],
+                                                every_owner=False):
+                    by_node.setdefault(node_id, []).append((part_index, [positions[j] for j in on_node]))
+            nodes = sorted(by_node)
+            answers = fan_out(self._pool, [(lambda n=n: get_on(n, by_node[n])) for n in nodes], miss=None)
+            for node_id, counts in zip(nodes, answers):
+                for (part_index, positions), count in zip(by_node[node_id], counts or []):
+                    for p in positions[:count]:
+                        loaded[part_index][p] = True
+            for part_index, positions in enumerate(pending):
+                for p in positions:
+                    tried[part_index][p] += 1
+                part = owners[part_index]
+                sure_miss = next((p for p in range(len(part)) if not loaded[part_index][p]
+                                  and tried[part_index][p] >= len(part[p])), len(part))
+                pending[part_index] = [p for p in positions
+                                       if not loaded[part_index][p] and tried[part_index][p] < len(part[p])
+                                       and p < sure_miss]
         return groups.whole_positions(part_keys, [_leading_run(flags) for flags in loaded])
 
     # -- buffers and the client's life ------------------------------------------------
@@ -474,11 +500,12 @@ class KVStoreCluster:
         return placement.place(raw, weights, self.replicas, self.replicated_pages, chain_start)
 
     def _read(self, raw: list[bytes], ask: Callable[[KVStoreClient, list[int]], list[bool]],
-              leading: bool) -> list[bool]:
-        """Each key found or not: asked of its best node, then of its next replica (or, while its node ramps
-        up, of the node it had before) where that missed or was lost, round by round. `leading`: only keys
-        before the chain's first sure miss are asked again."""
-        owners = placement.read_order(raw, self._view.members(), time.time(), self.replicas, self.replicated_pages)
+              leading: bool, namespace: Namespace) -> list[bool]:
+        """Each key found or not: asked of its best node (a random one of its replicas for a hot page this
+        client copied), then of its next replica (or, while its node ramps up, of the node it had before)
+        where that missed or was lost, round by round. `leading`: only keys before the chain's first sure
+        miss are asked again."""
+        owners = self._read_owners(raw, namespace)
         found, tried = [False] * len(raw), [0] * len(raw)
         pending = [i for i, nodes in enumerate(owners) if nodes]
         while pending:
@@ -499,6 +526,41 @@ class KVStoreCluster:
                 again = [i for i in again if i < sure_miss]
             pending = again
         return found
+
+    def _read_owners(self, raw: list[bytes], namespace: Namespace) -> list[tuple[str, ...]]:
+        """The nodes a read asks for each key, in order (placement.read_order), a hot page this client copied
+        starting at a random one of its replicas."""
+        members, now = self._view.members(), time.time()
+        owners = placement.read_order(raw, members, now, self.replicas, self.replicated_pages)
+        spread = self._hot.spread(namespace, raw)
+        if spread and self.replicas > 1:
+            ranked = placement.place([raw[i] for i in spread], placement.placeable(members, now), self.replicas,
+                                     len(spread), chain_start=True)
+            for i, nodes in zip(spread, ranked):
+                owners[i] = rotated(nodes, self._rng) + tuple(n for n in owners[i] if n not in nodes)
+        return owners
+
+    def _copy_hot(self, namespace: Namespace, raw: list[bytes], pages: Any, timeout_s: float) -> None:
+        """Write the loaded pages that a node flagged hot (and this client has not copied yet) to each of their
+        `replicas` best nodes, from the caller's buffer, before the get returns; a node that has one answers
+        PRESENT. Best effort: a node that takes no copy leaves the page where it was, and reads fall back."""
+        flagged = self._hot.to_copy(namespace, raw) if self.replicas > 1 else []
+        hot = [i for i, checksum in flagged if checksums.of_page(pages[i]) == checksum]   # not damaged on the way
+        if not hot:
+            return
+        keys = [raw[i] for i in hot]
+        parents = [raw[i - 1] if i else None for i in hot]   # keys[0]'s parent is not known to a get
+        owners = placement.place(keys, placement.placeable(self._view.members(), time.time()), self.replicas,
+                                 len(keys), chain_start=True)
+        hot_pages = _picked(pages, hot)
+
+        def copy_to(node_id: str, positions: list[int]) -> PutResult:
+            return self._node(node_id).put(namespace, [keys[j] for j in positions], _picked(hot_pages, positions),
+                                           parents=[parents[j] for j in positions], timeout_s=timeout_s)
+
+        pieces = _pieces(owners, every_owner=True)
+        fan_out(self._pool, [_quiet(lambda piece=piece: copy_to(*piece)) for piece in pieces], miss=None)
+        self._hot.copied(namespace, keys)
 
     def _write_pieces(self, raw: list[bytes], parents: list[bytes] | None, parent: Key | None,
                       anchor: Key | None) -> list[tuple[str, list[int], list[bytes | None]]]:
@@ -575,6 +637,7 @@ class KVStoreCluster:
                                rdma=self._rdma if plane == "rdma" else None,
                                token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key,
                                tls_server_name=member.node_id if who.tls_ca else "")
+        client.on_hot = self._hot.flag
         if plane == "rdma" and client.transport != "rdma":
             log.warning("node %s advertises RDMA but it cannot be used from here: its pages move over %s",
                         member.node_id, client.transport)

@@ -23,7 +23,7 @@ moved after its lease could have expired fails the call (LeaseNotFound), never r
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvstore_client import checksums, errors
 from kvstore_client.buffers import PageSegments, Segment
@@ -255,9 +255,10 @@ def _why_not_written(index: int, commit_state: int | None) -> str:
 
 
 def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, keys: list[bytes], segments: PageSegments,
-              verify: bool) -> int:
+              verify: bool, on_hot: Callable[[list[tuple[bytes, int]]], None] | None = None) -> int:
     """Acquire the leading pages of `keys` (the request names the rest: namespace, prefetch policy, waits), move
-    them, release; returns how many were loaded.
+    them, release; returns how many were loaded. `on_hot` is told (key, checksum) of the loaded pages the
+    node flagged hot (AcquireResponse.hot_pages).
 
     Where the data path's shape says so, the keys are acquired in parts, every Acquire sent at once: the
     node pins the next part while this one is copied. Loading stops at the first part not wholly hit;
@@ -289,6 +290,8 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, keys: li
                 else:
                     leases.append(acquired.lease_id)
             check_loaded(acquired, sent_at, segments[start:start + hits], verify, changed)
+            if acquired.hot_pages and on_hot is not None:
+                on_hot([(keys[start + i], acquired.checksums[i]) for i in acquired.hot_pages if i < hits])
             loaded += hits
             if hits < stop - start:
                 break

@@ -9,10 +9,11 @@ pages are grouped by node and each node is asked once, all at once: one round, a
 RPC per node. The cost is fan-out: a long prompt touches every node (bench/placement_sim.py
 measures it beside segment placement).
 
-A chain's leading pages (system prompts, shared RAG documents) are where many conversations
-meet, so a put that starts a chain (no parent or anchor) writes its first `replicated_pages`
-pages to the `replicas` best nodes, and reads of them spread over those (a mid-chain writer
-writes only the best node, which every read falls back to).
+A page many conversations share (a system prompt's, a shared RAG document's) would load its one
+node, so such pages get copies on their `replicas` best nodes, chosen by measured popularity
+(hot_pages.py); cold pages keep one. A caller may also ask that a put that starts a chain (no
+parent or anchor) write its first `replicated_pages` pages to the `replicas` best nodes up front
+(a mid-chain writer writes only the best node, which every read falls back to).
 
 Rendezvous scoring (Schindelhauer and Schomaker's weighted form, -w / ln(u), u from the
 key's and the node's hash in (0, 1)) moves only the pages the changed node wins or loses:

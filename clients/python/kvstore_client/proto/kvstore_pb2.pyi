@@ -332,7 +332,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token", "hbm_offsets")
+    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token", "hbm_offsets", "hot_pages")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +342,7 @@ class AcquireResponse(_message.Message):
     PROMOTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HBM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    HOT_PAGES_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     hit_pages: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
@@ -351,7 +352,8 @@ class AcquireResponse(_message.Message):
     promoted_pages: int
     data_token: bytes
     hbm_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., data_token: _Optional[bytes] = ..., hbm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    hot_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., data_token: _Optional[bytes] = ..., hbm_offsets: _Optional[_Iterable[int]] = ..., hot_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids", "changed_pages")
