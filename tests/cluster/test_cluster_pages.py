@@ -355,6 +355,13 @@ def test_a_page_read_often_is_copied_to_its_replicas_and_read_from_any(start_nod
         after = hits()
         assert all(after[n] > before[n] for n in nodes), (before, after)   # one page, read from every node
 
+        victim = sorted(nodes)[0]
+        assert pool._node(victim).delete(NS, hot[:1]) == 16                # one replica loses its copies
+        for _ in range(40):
+            out = np.zeros_like(data)
+            assert pool.get(NS, hot, out) == 16 and np.array_equal(out, data)
+        assert copies(hot) == [3] * 16               # repaired by the reads: a miss there, then a flag, a copy
+
         best = pool._place(encode_keys(hot[:1]), chain_start=False)[0][0]
         nodes[best].kill()                                               # its best node lost: still every page
         for _ in range(5):

@@ -63,6 +63,19 @@ def test_hot_pages_are_copied_once_then_read_from_any_replica():
     assert hot.spread(Namespace(model="other", page_bytes=64), keys) == []
 
 
+def test_a_lost_copy_is_copied_again_when_next_flagged_and_spread_meanwhile():
+    hot = HotPages()
+    hot.flag(NS, [(b"a", 5)])
+    hot.copied(NS, [b"a"])
+    hot.lost_copy(NS, [b"a", b"never-flagged"])
+    assert hot.spread(NS, [b"a", b"never-flagged"]) == [0]       # its other copies still serve it
+    assert hot.to_copy(NS, [b"a"]) == []                           # no checksum yet to check the bytes by
+    hot.flag(NS, [(b"a", 5)])
+    assert hot.to_copy(NS, [b"a"]) == [(0, 5)]
+    hot.copied(NS, [b"a"])
+    assert hot.to_copy(NS, [b"a"]) == [] and hot.spread(NS, [b"a"]) == [0]
+
+
 def test_hot_pages_forget_the_least_recently_flagged_beyond_their_bound():
     hot = HotPages(keys_max=2)
     hot.flag(NS, [(b"a", 1), (b"b", 2)])

@@ -430,7 +430,7 @@ class KVStoreCluster:
             raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
         prepared = [get_pages(namespace, part_keys, out, None) for namespace, part_keys, out in parts]
         part_keys = [raw for raw, _, _ in prepared]
-        owners = [self._read_owners(raw, namespace) for raw, (namespace, _, _) in zip(part_keys, parts)]
+        owners = [self._read_owners(raw, namespace)[0] for raw, (namespace, _, _) in zip(part_keys, parts)]
         loaded = [[False] * len(raw) for raw in part_keys]
         tried = [[0] * len(raw) for raw in part_keys]
         pending = [[p for p, nodes in enumerate(part) if nodes] for part in owners]
@@ -505,7 +505,7 @@ class KVStoreCluster:
         client copied), then of its next replica (or, while its node ramps up, of the node it had before)
         where that missed or was lost, round by round. `leading`: only keys before the chain's first sure
         miss are asked again."""
-        owners = self._read_owners(raw, namespace)
+        owners, spread = self._read_owners(raw, namespace)
         found, tried = [False] * len(raw), [0] * len(raw)
         pending = [i for i, nodes in enumerate(owners) if nodes]
         while pending:
@@ -525,11 +525,14 @@ class KVStoreCluster:
                                  len(raw))
                 again = [i for i in again if i < sure_miss]
             pending = again
+        repair = [raw[i] for i in spread if found[i] and tried[i] > 1]   # a replica asked first missed it
+        if repair:
+            self._hot.lost_copy(namespace, repair)
         return found
 
-    def _read_owners(self, raw: list[bytes], namespace: Namespace) -> list[tuple[str, ...]]:
+    def _read_owners(self, raw: list[bytes], namespace: Namespace) -> tuple[list[tuple[str, ...]], list[int]]:
         """The nodes a read asks for each key, in order (placement.read_order), a hot page this client copied
-        starting at a random one of its replicas."""
+        starting at a random one of its replicas; and the positions of those hot pages."""
         members, now = self._view.members(), time.time()
         owners = placement.read_order(raw, members, now, self.replicas, self.replicated_pages)
         spread = self._hot.spread(namespace, raw)
@@ -538,7 +541,7 @@ class KVStoreCluster:
                                      len(spread), chain_start=True)
             for i, nodes in zip(spread, ranked):
                 owners[i] = rotated(nodes, self._rng) + tuple(n for n in owners[i] if n not in nodes)
-        return owners
+        return owners, spread
 
     def _copy_hot(self, namespace: Namespace, raw: list[bytes], pages: Any, timeout_s: float) -> None:
         """Write the loaded pages that a node flagged hot (and this client has not copied yet) to each of their

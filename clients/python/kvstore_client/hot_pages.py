@@ -6,7 +6,9 @@ hot in its Acquire answer once it is read often (kvstore/control/read_heat.py). 
 that loaded a flagged page writes it, from the bytes it just loaded (checked first against the
 checksum the node gave: a copy carries a fresh one), to the page's other `replicas` best nodes (a node that has it already answers PRESENT and nothing moves), and
 from then on reads it from any of them, so a hot prefix's reads spread over R nodes instead of
-one. A replica that lost its copy answers a miss and the read goes on to the next.
+one. A replica that lost its copy (restarted empty, or evicted it) answers a miss and the read
+goes on to the next; the page is copied again the next time a node flags it, so a lost copy is
+repaired by the reads themselves.
 
 Bounded: at most `keys_max` pages are remembered, the least recently flagged forgotten first
 (forgetting costs one more copy round, answered PRESENT, when the page is flagged again).
@@ -24,7 +26,9 @@ from kvstore_client.keys import Namespace
 KEYS_MAX = 65536
 
 
-COPIED = -1     # an entry's value once copied; until then the page's checksum (never negative)
+# An entry's value: the page's checksum (never negative) while it waits to be copied, then COPIED; LOST_COPY
+# once a replica missed it (restarted empty, or evicted it): copied again when a node next flags it.
+COPIED, LOST_COPY = -1, -2
 
 
 class HotPages:
@@ -49,7 +53,7 @@ class HotPages:
         """(position, checksum) of the keys flagged hot and not yet copied to their replicas."""
         with self._lock:
             found = [(i, self._pages.get((namespace, key), COPIED)) for i, key in enumerate(keys)]
-        return [(i, checksum) for i, checksum in found if checksum != COPIED]
+        return [(i, checksum) for i, checksum in found if checksum >= 0]
 
     def copied(self, namespace: Namespace, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -57,10 +61,17 @@ class HotPages:
                 if (namespace, key) in self._pages:
                     self._pages[(namespace, key)] = COPIED
 
+    def lost_copy(self, namespace: Namespace, keys: Sequence[bytes]) -> None:
+        """A replica missed these copied pages: copy them again the next time a node flags them."""
+        with self._lock:
+            for key in keys:
+                if self._pages.get((namespace, key)) == COPIED:
+                    self._pages[(namespace, key)] = LOST_COPY
+
     def spread(self, namespace: Namespace, keys: Sequence[bytes]) -> list[int]:
         """Positions of the keys whose reads go to any of their replicas (copied there)."""
         with self._lock:
-            return [i for i, key in enumerate(keys) if self._pages.get((namespace, key)) == COPIED]
+            return [i for i, key in enumerate(keys) if self._pages.get((namespace, key), 0) < 0]
 
 
 def rotated(owners: tuple[str, ...], rng: random.Random) -> tuple[str, ...]:
