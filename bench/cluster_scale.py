@@ -158,7 +158,8 @@ def node_lost(args) -> dict:
                 wait_members(pool, args.nodes)
                 chains = [keys for i in range(args.clients) for keys in chains_of(1000 + i, args.chains, args.pages)]
                 for keys in chains:
-                    assert pool.put(ns, keys, np.stack([page_of(k, args.page_bytes) for k in keys])) == len(keys)
+                    stored = pool.put(ns, keys, np.stack([page_of(k, args.page_bytes) for k in keys]))
+                    assert stored == len(keys), stored
                 weights = placeable(pool.members(), time.time())
                 victim = "node3"
                 predicted = []
@@ -173,8 +174,9 @@ def node_lost(args) -> dict:
                 out, kept, wrong = np.empty((args.pages, args.page_bytes), np.uint8), [], 0
                 for keys in chains:
                     loaded = pool.get(ns, keys, out)
-                    expected = np.stack([page_of(k, args.page_bytes) for k in keys[:loaded]])
-                    wrong += int(np.count_nonzero(out[:loaded] != expected))
+                    if loaded:
+                        expected = np.stack([page_of(k, args.page_bytes) for k in keys[:loaded]])
+                        wrong += int(np.count_nonzero(out[:loaded] != expected))
                     kept.append(loaded)
         finally:
             cluster.close()
