@@ -309,6 +309,30 @@ def test_the_async_client_of_a_cluster_url_has_the_same_calls(three_nodes, etcd)
     asyncio.run(run())
 
 
+def test_a_cancelled_async_cluster_get_ends_only_when_it_stopped_writing_the_buffer(three_nodes, etcd):
+    import asyncio
+    from kvstore_client import AsyncKVStoreClient
+    cluster, nodes = three_nodes
+    keys, data = chain(42, 8)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(f"etcd://{etcd.endpoint}/{cluster}", timeout_s=5) as pool:
+            with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}") as watcher:
+                wait_members(watcher, set(nodes))
+            out = np.zeros_like(data)
+            reading = asyncio.create_task(pool.get(NS, keys, out, wait_ms=10_000))
+            await asyncio.sleep(0.3)
+            reading.cancel()                                          # while the get waits for the pages
+            await asyncio.sleep(0.3)
+            assert not reading.done()                                 # its thread still holds `out`
+            assert await pool.put(NS, keys, data) == 8                # the get now copies the pages in
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            assert np.array_equal(out, data)                          # copied before the cancellation came
+
+    asyncio.run(run())
+
+
 def test_route_asks_every_member(three_nodes, etcd):
     cluster, nodes = three_nodes
     # Every page on every node, so each node's own score sees the whole prefix in its store (a node scores

@@ -46,3 +46,38 @@ def test_wait_beyond_the_node_limit_is_refused(server):
     with KVStoreClient(server.address) as client:
         with pytest.raises(errors.InvalidArgument, match="promote_wait_ms_max"):
             client.get(NS, keys, np.zeros((2, NS.page_bytes), np.uint8), wait_ms=3_600_000)
+
+
+def test_a_waiting_get_holds_up_no_other_call_of_the_same_client(server):
+    import asyncio
+    from kvstore_client import AsyncKVStoreClient
+    keys = prefix_hashes(list(range(200, 200 + 4 * 4)), page_tokens=4)
+    pages = np.random.default_rng(5).integers(0, 255, (4, NS.page_bytes), dtype=np.uint8)
+    with KVStoreClient(server.address) as client:
+        assert client.transport == "shm"                 # its calls go over the node's local channel
+        out, loaded = np.zeros_like(pages), []
+
+        def wait_for_pages() -> None:
+            try:
+                loaded.append(client.get(NS, keys, out, wait_ms=8_000, timeout_s=20))
+            except Exception as exc:    # seen by the assertion below
+                loaded.append(exc)
+
+        waiting = threading.Thread(target=wait_for_pages)
+        waiting.start()
+        time.sleep(0.2)
+        assert client.lookup(NS, keys) == 0 and client.put(NS, keys, pages) == 4   # the same client, meanwhile
+        waiting.join(30)
+        assert loaded == [4] and np.array_equal(out, pages)
+    keys = prefix_hashes(list(range(300, 300 + 4 * 4)), page_tokens=4)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(server.address) as client:
+            out = np.zeros_like(pages)
+            reading = asyncio.create_task(client.get(NS, keys, out, wait_ms=8_000, timeout_s=20))
+            await asyncio.sleep(0.2)
+            assert await client.lookup(NS, keys) == 0 and await client.put(NS, keys, pages) == 4
+            assert not reading.done() or reading.result() == 4
+            assert await reading == 4 and np.array_equal(out, pages)
+
+    asyncio.run(run())

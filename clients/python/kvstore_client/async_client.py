@@ -730,8 +730,10 @@ async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, 
                      timeout_s: float) -> int:
     """Acquire, copy the hits, post the release, then check them as pipeline.get_batch does."""
     request.namespace_id = ns_id
+    # A get that waits for commits goes over gRPC: the local channel's calls are answered one after another.
+    control = conn.grpc if request.wait_ms else conn.control
     sent_at = time.monotonic()
-    acquired = await conn.control.call("Acquire", request, timeout_s)
+    acquired = await control.call("Acquire", request, timeout_s)
     hits = acquired.hit_pages
     if not hits:
         return 0
@@ -742,6 +744,6 @@ async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, 
                                      acquired.page_bytes)
     finally:
         changed = changed_pages(acquired, landed)
-        conn.control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
+        control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
     check_loaded(acquired, sent_at, segments, verify, changed)
     return hits

@@ -2,8 +2,9 @@
 
 AsyncKVStoreClient("etcd://host:2379/<cluster>") gives one. A cluster call already runs its
 pieces on threads of its own (one per node asked), so each coroutine here hands the whole
-call to a worker thread (asyncio.to_thread) and awaits it: the event loop never blocks, and
-the call's semantics, its errors included, are KVStoreCluster's.
+call to a worker thread and awaits it: the event loop never blocks, and the call's semantics,
+its errors included, are KVStoreCluster's. A cancelled call raises CancelledError only once
+that thread has ended: until then it may still be copying into the caller's buffers.
 """
 
 from __future__ import annotations
@@ -57,8 +58,25 @@ def _in_thread(name: str) -> Callable[..., Any]:
     @functools.wraps(method)
     async def call(self: AsyncKVStoreCluster, *args: Any, **kwargs: Any) -> Any:
         cluster = await self._opened()
-        return await asyncio.to_thread(functools.partial(getattr(cluster, name), *args, **kwargs))
+        return await _to_the_end(functools.partial(getattr(cluster, name), *args, **kwargs))
     return call
+
+
+async def _to_the_end(call: Callable[[], Any]) -> Any:
+    """call() on a worker thread, awaited; a cancelled await still waits for the thread to end (its pieces may be
+    copying into the caller's buffers) before the cancellation goes on to the caller."""
+    running = asyncio.get_running_loop().run_in_executor(None, call)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        while not running.done():
+            try:
+                await asyncio.shield(running)
+            except asyncio.CancelledError:
+                continue
+            except Exception:   # the call failed after all: the caller asked for cancellation, it gets that
+                break
+        raise
 
 
 for _name in _CALLS:

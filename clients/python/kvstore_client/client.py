@@ -58,6 +58,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
+def _waiting_control(conn: NodeConnection, wait_ms: int) -> Any:
+    """The channel a get's Acquire goes over: one that waits for commits goes over gRPC, whose calls run side by
+    side on the node, not over the local channel, whose calls the node answers one after another (the wait would
+    hold up every other call of this client to the node)."""
+    return conn.grpc if wait_ms else conn.control
+
+
 def _always() -> bool:
     return True
 
@@ -185,8 +193,8 @@ class KVStoreClient:
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:
                 request = pb.AcquireRequest(namespace_id=ns_id, policy=prefetch, timeout_ms=timeout_ms, wait_ms=wait_ms)
-                return get_batch(conn.control, conn.data, request, raw_keys[start:stop], segments[start:stop], verify,
-                                 hot)
+                return get_batch(_waiting_control(conn, wait_ms), conn.data, request, raw_keys[start:stop],
+                                 segments[start:stop], verify, hot)
 
             batch_loaded = self._on_node(
                 lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)), retry_if=_always,
