@@ -21,6 +21,7 @@ import ssl
 import sys
 import threading
 import time
+from typing import Any
 
 from kvstore import __version__, config as config_module, failpoints
 from kvstore.cluster.registration import ClusterError, Registration
@@ -285,6 +286,20 @@ def _events_out(config: Config, store: PageStore):
         raise OSError(f"events_out: cannot bind {out.endpoint} / {out.replay_endpoint or '-'}: {exc}") from None
 
 
+def _advertised_events(publisher: Any, host: str) -> tuple[str, str]:
+    """The page event endpoints a cluster's members record names: as bound, a wildcard host replaced by the
+    node's advertised one (ipc:// ones stay: only clients on this host can follow them)."""
+    if publisher is None:
+        return "", ""
+
+    def named(endpoint: str) -> str:
+        for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:", "tcp://*:"):
+            if endpoint.startswith(wildcard):
+                return "tcp://" + advertise.endpoint(host.strip("[]"), int(endpoint[len(wildcard):]))
+        return endpoint
+    return named(publisher.endpoint), named(publisher.replay_endpoint) if publisher.replay_endpoint else ""
+
+
 def _subscribers(config: Config, service: KVStoreService) -> list[EventSubscriber]:
     events = config.events
     replays = events.replay_endpoints or ("",) * len(events.endpoints)
@@ -414,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     status = node.status
     if registration is not None:
         registration.serve(advertise.endpoint(grpc_host.strip("[]"), node.grpc_port), node.service.tcp_endpoint,
-                           node.rdma is not None)
+                           node.rdma is not None, _advertised_events(node.events_out, grpc_host))
         if node.metrics is not None:
             node.metrics.registry.register(registration.collector())
         status = lambda: f"{node.status()} {registration.describe()}"  # noqa: E731

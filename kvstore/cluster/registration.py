@@ -82,9 +82,10 @@ class Registration:
         log.warning("%s; serving alone (cluster.required = false) and trying to join every %.1fs",
                     problem, self._renew_interval_s)
 
-    def serve(self, grpc_address: str, tcp_endpoint: str, rdma: bool) -> None:
+    def serve(self, grpc_address: str, tcp_endpoint: str, rdma: bool, events: tuple[str, str] = ("", "")) -> None:
+        """Serving from now on, at these endpoints; `events`: the page event stream's and its replay's."""
         self._update(grpc_address=grpc_address, tcp_endpoint=tcp_endpoint, rdma=rdma, state="serving",
-                     serving_since=time.time())
+                     serving_since=time.time(), events_endpoint=events[0], events_replay_endpoint=events[1])
         self._keeper.start()
 
     def drain(self) -> None:

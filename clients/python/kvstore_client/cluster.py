@@ -351,6 +351,11 @@ class KVStoreCluster:
                                     raise_errors=True)
         return {node_id: answer for node_id, answer in answers.items() if answer is not None}
 
+    def node_client(self, node_id: str) -> KVStoreClient:
+        """The client of one member (opened on first use): what per-node tools, such as ClusterInventory's
+        snapshots, call through. Unavailable when it is not a member."""
+        return self._node(node_id)
+
     def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         """The reachable members' Stats added up (counters summed, tiers, namespaces, engines and tenants
         merged by name); node_stats() has each member's own."""

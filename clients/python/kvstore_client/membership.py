@@ -39,6 +39,8 @@ class Member:
     capacity_bytes: int = 0
     serving_since: float = 0.0    # unix time the node began serving; weight ramps from it
     ramp_s: float = 0.0
+    events_endpoint: str = ""     # its page events (events_out), "" when it publishes none
+    events_replay_endpoint: str = ""
     cert: str = ""                # PEM of the node's certificate, naming its id (record_trust.py)
     signature: str = ""           # base64: the record signed with that certificate's key
 
