@@ -131,6 +131,8 @@ class Node:
                                                 device_uuid=self.hbm.device_uuid)
             self.health = HealthState(self.grpc, config.ops.reflection)
             if self.metrics is not None:
+                if self.events_out is not None:
+                    self.metrics.registry.register(self.events_out.collector())
                 self.metrics.serve(config.ops.metrics_address)
             self.subscribers = _subscribers(config, self.service)
         except BaseException:

@@ -27,6 +27,7 @@ import collections
 import logging
 import threading
 import time
+from typing import Any
 
 import msgspec
 
@@ -92,8 +93,13 @@ class EventPublisher:
         self._buffers: dict[bytes, collections.deque[tuple[int, bytes]]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self.batches_published = 0
+        self.replays_answered = 0
+        self.batches_replayed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-out", daemon=True)
+
+    def collector(self) -> "PublisherCollector":
+        return PublisherCollector(self)
 
     def start(self) -> None:
         log.info("publishing store events endpoint=%s replay=%s replay_batches=%d", self.endpoint,
@@ -148,4 +154,31 @@ class EventPublisher:
         for seq, payload in self._buffers.get(topic, ()):
             if seq >= start:
                 self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+                self.batches_replayed += 1
+        self.replays_answered += 1
         self._replay.send_multipart((client, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""))
+
+
+class PublisherCollector:
+    """kvstore_events_out_*: what the page event publisher sent, replayed and lost, read at scrape time."""
+
+    def __init__(self, publisher: EventPublisher):
+        self._publisher = publisher
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p, journal = self._publisher, self._publisher.journal
+        yield CounterMetricFamily("kvstore_events_out_batches_published", "Event batches published (every tenant)",
+                                  value=p.batches_published)
+        yield CounterMetricFamily("kvstore_events_out_replays", "Replay requests answered", value=p.replays_answered)
+        yield CounterMetricFamily("kvstore_events_out_batches_replayed", "Event batches sent again by replay",
+                                  value=p.batches_replayed)
+        yield CounterMetricFamily("kvstore_events_out_events_dropped",
+                                  "Events lost to a full journal queue (events_out.queue_pages_max): each a gap "
+                                  "its subscribers fill from a snapshot", value=journal.dropped)
+        yield GaugeMetricFamily("kvstore_events_out_queued_events", "Events journalled, not yet published",
+                                value=journal.queued)

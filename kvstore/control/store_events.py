@@ -107,6 +107,11 @@ class StoreEvents:
                 now = ((DRAM if record.in_dram else 0) | (NVME if record.on_nvme else 0)) if record.alive else 0
                 self._sync_one(record, now)
 
+    @property
+    def queued(self) -> int:
+        """Events journalled and not yet taken by the publisher."""
+        return self._queued
+
     def dram_dropped(self, record: PageRecord) -> None:
         """Store lock held: the page's DRAM copy is going (the index has yet to clear its offset)."""
         with self._lock:

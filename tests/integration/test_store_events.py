@@ -4,10 +4,13 @@ killed and restarted."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore_client import KVStoreClient, Namespace
 from kvstore_client.events import StoreInventory
@@ -33,6 +36,13 @@ def settings(tmp_path, **more):
             "events_out.enabled": "true", "events_out.endpoint": f"ipc://{tmp_path}/events.pub",
             "events_out.replay_endpoint": f"ipc://{tmp_path}/events.replay",
             "events_out.replay_batches": 16, "events_out.batch_events_max": 8, **more}
+
+
+def scrape(server) -> dict[str, float]:
+    port = json.loads(server.ready_file.read_text())["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def keys_of(chain: int) -> list[str]:
@@ -134,6 +144,12 @@ def test_the_wire_is_vllm_kv_events(start_server, tmp_path):
             while int.from_bytes(frames[2], "big", signed=True) != -1:
                 frames = dealer.recv_multipart()
             dealer.close(linger=0)
+        metrics = scrape(server)                    # the publisher's own figures, on the node's metrics endpoint
+        assert metrics["kvstore_events_out_batches_published_total"] >= 2
+        assert metrics["kvstore_events_out_replays_total"] == 1
+        assert metrics["kvstore_events_out_batches_replayed_total"] >= 2      # AllBlocksCleared and a BlockStored
+        assert metrics["kvstore_events_out_events_dropped_total"] == 0
+        assert "kvstore_events_out_queued_events" in metrics
     finally:
         sub.close(linger=0)
         context.term()
