@@ -220,6 +220,23 @@ def test_a_replica_that_misses_a_page_is_read_from_the_next(three_nodes, etcd):
             assert pool.get(NS, keys, out) == 8 and np.array_equal(out, data)
 
 
+def test_a_replica_that_misses_one_page_still_serves_the_later_ones_it_holds(three_nodes, etcd):
+    cluster, nodes = three_nodes
+    with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", replicas=3, replicated_pages=1) as pool:
+        wait_members(pool, set(nodes))
+        for seed in range(100, 300):   # a chain whose page 0's best replica also holds a later page alone
+            keys, data = chain(seed, 12)
+            owners = pool._place(encode_keys(keys), chain_start=True)
+            best = owners[0][0]
+            if owners[1] != (best,) and (best,) in owners[2:]:
+                break
+        assert pool.put(NS, keys, data) == 12
+        assert pool._node(best).delete(NS, keys[:1]) == 1       # that replica loses page 0 only
+        out = np.zeros_like(data)
+        assert pool.get(NS, keys, out) == 12 and np.array_equal(out, data)   # page 0 from another replica
+        assert pool.lookup(NS, keys) == 12
+
+
 def test_a_delete_removes_every_page_that_extends_the_key_on_every_node(three_nodes, etcd):
     cluster, nodes = three_nodes
     with KVStoreClient(f"etcd://{etcd.endpoint}/{cluster}") as pool:

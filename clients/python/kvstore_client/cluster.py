@@ -454,12 +454,14 @@ class KVStoreCluster:
             nodes = sorted(by_node)
             answers = fan_out(self._pool, [(lambda n=n: get_on(n, by_node[n])) for n in nodes], miss=None)
             for node_id, counts in zip(nodes, answers):
-                for (part_index, positions), count in zip(by_node[node_id], counts or []):
+                for piece_index, (part_index, positions) in enumerate(by_node[node_id]):
+                    count = counts[piece_index] if counts is not None else 0
                     for p in positions[:count]:
                         loaded[part_index][p] = True
+                    asked = len(positions) if counts is None else min(count + 1, len(positions))
+                    for p in positions[:asked]:
+                        tried[part_index][p] += 1
             for part_index, positions in enumerate(pending):
-                for p in positions:
-                    tried[part_index][p] += 1
                 part = owners[part_index]
                 sure_miss = next((p for p in range(len(part)) if not loaded[part_index][p]
                                   and tried[part_index][p] >= len(part[p])), len(part))
@@ -520,10 +522,11 @@ class KVStoreCluster:
             nodes = sorted(by_node)
             answers = fan_out(self._pool, [(lambda n=n: ask(self._node(n), by_node[n])) for n in nodes], miss=None)
             for node_id, flags in zip(nodes, answers):
-                for i, hit in zip(by_node[node_id], flags or []):
+                positions = by_node[node_id]
+                for i, hit in zip(positions, flags or []):
                     found[i] = found[i] or bool(hit)
-            for i in pending:
-                tried[i] += 1
+                for i in positions[:_answered(positions, flags, leading)]:
+                    tried[i] += 1
             again = [i for i in pending if not found[i] and tried[i] < len(owners[i])]
             if leading:
                 sure_miss = next((i for i in range(len(raw)) if not found[i] and tried[i] >= len(owners[i])),
@@ -748,6 +751,14 @@ def _picked(pages: Any, positions: list[int]) -> Any:
 
 def _leading_flags(count: int, total: int) -> list[bool]:
     return [True] * int(count) + [False] * (total - int(count))
+
+
+def _answered(positions: list[int], flags: list[bool] | None, leading: bool) -> int:
+    """How many of a node's positions its answer speaks for: all of them, or, for a leading count (a get's, a
+    lookup's), those up to its first miss: the node stopped there, so the ones after are asked again."""
+    if flags is None or not leading:
+        return len(positions)
+    return min(len(positions), _leading_run(flags) + 1)
 
 
 def _leading_run(flags: Sequence[bool]) -> int:
