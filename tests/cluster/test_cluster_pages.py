@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import random
 import threading
 import time
+from typing import AsyncIterator
 
 import numpy as np
 import pytest
 
 from cluster_parts import etcd, first_page_on, start_node, wait_members  # noqa: F401
 from kvstore.admin import cli
-from kvstore_client import KVStoreClient, errors
+from kvstore_client import AsyncKVStoreClient, KVStoreClient, errors
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
 from kvstore_client.placement import placeable, rank
@@ -303,16 +306,21 @@ def test_a_group_read_asks_the_next_replica_where_one_misses_or_is_lost(three_no
         assert np.array_equal(out, data) and np.array_equal(out_states, states)
 
 
+@contextlib.asynccontextmanager
+async def async_pool(url: str, nodes: dict) -> AsyncIterator:
+    """AsyncKVStoreClient of the cluster URL, once a client's view holds every node."""
+    async with AsyncKVStoreClient(url, timeout_s=5) as pool:
+        with KVStoreCluster(url) as watcher:
+            wait_members(watcher, set(nodes))
+        yield pool
+
+
 def test_the_async_client_of_a_cluster_url_has_the_same_calls(three_nodes, etcd):
-    import asyncio
-    from kvstore_client import AsyncKVStoreClient
     cluster, nodes = three_nodes
     keys, data = chain(41, 20)
 
     async def run() -> None:
-        async with AsyncKVStoreClient(f"etcd://{etcd.endpoint}/{cluster}", timeout_s=5) as pool:
-            with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}") as watcher:
-                wait_members(watcher, set(nodes))
+        async with async_pool(f"etcd://{etcd.endpoint}/{cluster}", nodes) as pool:
             stored = await pool.put(NS, keys, data)
             assert stored == 20 and stored.complete
             out = np.zeros_like(data)
@@ -327,15 +335,11 @@ def test_the_async_client_of_a_cluster_url_has_the_same_calls(three_nodes, etcd)
 
 
 def test_a_cancelled_async_cluster_get_ends_only_when_it_stopped_writing_the_buffer(three_nodes, etcd):
-    import asyncio
-    from kvstore_client import AsyncKVStoreClient
     cluster, nodes = three_nodes
     keys, data = chain(42, 8)
 
     async def run() -> None:
-        async with AsyncKVStoreClient(f"etcd://{etcd.endpoint}/{cluster}", timeout_s=5) as pool:
-            with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}") as watcher:
-                wait_members(watcher, set(nodes))
+        async with async_pool(f"etcd://{etcd.endpoint}/{cluster}", nodes) as pool:
             out = np.zeros_like(data)
             reading = asyncio.create_task(pool.get(NS, keys, out, wait_ms=10_000))
             await asyncio.sleep(0.3)
