@@ -4,9 +4,9 @@ Each page of a cluster lives on the one node its key ranks best (placement.py), 
 pages single. A node counts the reads it serves per page, decayed over time, and flags a page
 hot in its Acquire answer once it is read often (kvstore/control/read_heat.py). A cluster client
 that loaded a flagged page writes it, from the bytes it just loaded (checked first against the
-checksum the node gave: a copy carries a fresh one), to the page's other `replicas` best nodes (a node that has it already answers PRESENT and nothing moves), and
-from then on reads it from any of them, so a hot prefix's reads spread over R nodes instead of
-one. A replica that lost its copy (restarted empty, or evicted it) answers a miss and the read
+checksum the node gave: a copy carries a fresh one), to the page's other `replicas` best nodes
+(a node that has it already answers PRESENT and nothing moves), and from then on reads it from
+any of them, so a hot prefix's reads spread over R nodes instead of one. A replica that lost its copy (restarted empty, or evicted it) answers a miss and the read
 goes on to the next; the page is copied again the next time a node flags it, so a lost copy is
 repaired by the reads themselves.
 
@@ -24,7 +24,6 @@ from typing import Sequence
 from kvstore_client.keys import Namespace
 
 KEYS_MAX = 65536
-
 
 # An entry's value: the page's checksum (never negative) while it waits to be copied, then COPIED; LOST_COPY
 # once a replica missed it (restarted empty, or evicted it): copied again when a node next flags it.
