@@ -12,7 +12,7 @@ The count is exponentially decayed, kept as (count, time of the last read) and b
 date on each read, so no sweep ever runs. The table is bounded (cluster.hot_pages_max): the page
 read longest ago goes first, which loses only counts that had decayed the most. A page read
 less than once per half-life never reaches a threshold above 2. Kept apart from the store's
-lock: one lock of its own, held for one dictionary step per page.
+lock: one lock of its own, held for one dictionary step per page of the Acquire.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from kvstore_client.events import PageSnapshot, page_snapshot
 from kvstore_client.data_path import PageColumns
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
-from kvstore_client.pipeline import (LEASE_MARGIN_S, PutResult, changed_pages, check_loaded, commit_checksums,
-                                     reserved_pages, stored_pages)
+from kvstore_client.pipeline import (LEASE_MARGIN_S, PutResult, acquire_channel, changed_pages, check_loaded,
+                                     commit_checksums, reserved_pages, stored_pages)
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import ShmDataPath
 from kvstore_client.transport_choice import candidates
@@ -730,8 +730,7 @@ async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, 
                      timeout_s: float) -> int:
     """Acquire, copy the hits, post the release, then check them as pipeline.get_batch does."""
     request.namespace_id = ns_id
-    # A get that waits for commits goes over gRPC: the local channel's calls are answered one after another.
-    control = conn.grpc if request.wait_ms else conn.control
+    control = acquire_channel(conn, request.wait_ms)
     sent_at = time.monotonic()
     acquired = await control.call("Acquire", request, timeout_s)
     hits = acquired.hit_pages

@@ -50,20 +50,13 @@ from kvstore_client.credentials import Credentials
 from kvstore_client.events import PageSnapshot, page_snapshot
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
-from kvstore_client.pipeline import PutBatch, PutResult, get_batch
+from kvstore_client.pipeline import PutBatch, PutResult, acquire_channel, get_batch
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def _waiting_control(conn: NodeConnection, wait_ms: int) -> Any:
-    """The channel a get's Acquire goes over: one that waits for commits goes over gRPC, whose calls run side by
-    side on the node, not over the local channel, whose calls the node answers one after another (the wait would
-    hold up every other call of this client to the node)."""
-    return conn.grpc if wait_ms else conn.control
 
 
 def _always() -> bool:
@@ -193,7 +186,7 @@ class KVStoreClient:
         for start, stop in self._batches(len(raw_keys)):
             def in_namespace(conn: NodeConnection, ns_id: int) -> int:
                 request = pb.AcquireRequest(namespace_id=ns_id, policy=prefetch, timeout_ms=timeout_ms, wait_ms=wait_ms)
-                return get_batch(_waiting_control(conn, wait_ms), conn.data, request, raw_keys[start:stop],
+                return get_batch(acquire_channel(conn, wait_ms), conn.data, request, raw_keys[start:stop],
                                  segments[start:stop], verify, hot)
 
             batch_loaded = self._on_node(

@@ -302,6 +302,13 @@ def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, keys: li
     return loaded
 
 
+def acquire_channel(conn: Any, wait_ms: int) -> Any:
+    """The channel a get's Acquire goes over (a node connection, sync or async): one that waits for commits goes
+    over gRPC, whose calls run side by side on the node, not over the local channel, whose calls the node answers
+    one after another (the wait would hold up every other call of this client to the node)."""
+    return conn.grpc if wait_ms else conn.control
+
+
 def _acquire_part(request: pb.AcquireRequest, keys: list[bytes]) -> pb.AcquireRequest:
     """The Acquire of `keys`, its other fields those of `request` (which names no keys)."""
     part = pb.AcquireRequest(keys=keys)
