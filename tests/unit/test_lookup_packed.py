@@ -1,6 +1,8 @@
 """Keys packed back to back in one field answer a Lookup exactly as the repeated field does, and a
 packed request's size is checked (key length, whole keys, page count) before any key is looked up."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,7 @@ from node_parts import ManualClock, close_node, drop_dram_copies, make_node, mak
 from kvstore_client import errors
 from kvstore_client.keys import Namespace, pack_keys, pack_keys_python, prefix_hashes_python
 from kvstore_client.lookup import PART_PAGES, PackedKeys, TokenChain, chain_keys, leading_hits, lookup_chain
+from kvstore_client.node_steps import drive, take_on
 from kvstore_client.proto import pb
 
 PAGE = 8192
@@ -142,6 +145,9 @@ class _Node:
         answer = self.call(name, request)
         return type("Answered", (), {"result": lambda self: answer})()
 
+    def drive(self, steps):
+        return drive(steps, take_on(SimpleNamespace(control=self)))
+
 
 @pytest.mark.parametrize("packed_node", [True, False])
 def test_leading_hits_splits_a_long_chain_and_speaks_to_older_nodes(node, packed_node):
@@ -151,7 +157,7 @@ def test_leading_hits_splits_a_long_chain_and_speaks_to_older_nodes(node, packed
         put(node, ns, keys[start:start + 50], parent=keys[start - 1] if start else b"")
     limits = pb.Limits(lookup_pages_max=128, lookup_keys_packed=packed_node)
     control = _Node(node)
-    assert leading_hits(control, limits, ns, lookup_chain(Namespace("m", PAGE), keys, None)) == 250
+    assert control.drive(leading_hits(limits, ns, lookup_chain(Namespace("m", PAGE), keys, None))) == 250
     assert len(control.sent) == 3
     assert all(bool(r.keys_packed) == packed_node and bool(r.keys) != packed_node for r in control.sent)
     assert sum(len(r.keys) or len(r.keys_packed) // r.key_bytes for r in control.sent) == 300
@@ -165,8 +171,8 @@ def test_a_token_lookup_sends_each_part_hashed_from_the_last_key_of_the_one_befo
     for start in range(0, 250, 50):
         put(node, ns, keys[start:start + 50], parent=keys[start - 1] if start else b"")
     control = _Node(node)
-    assert leading_hits(control, pb.Limits(lookup_pages_max=128, lookup_keys_packed=True), ns,
-                        lookup_chain(spec, None, tokens)) == 250
+    assert control.drive(leading_hits(pb.Limits(lookup_pages_max=128, lookup_keys_packed=True), ns,
+                                      lookup_chain(spec, None, tokens))) == 250
     assert [r.keys_packed for r in control.sent] == [b"".join(keys[s:s + 128]) for s in (0, 128, 256)]
 
 
@@ -178,6 +184,6 @@ def test_a_chain_longer_than_a_part_goes_in_parts_where_the_node_would_take_it_w
     control = _Node(svc)
     limits = svc.hello(pb.HelloRequest(), None).limits
     assert limits.lookup_pages_max > 5000
-    assert leading_hits(control, limits, ns, lookup_chain(Namespace("m", PAGE), keys, None)) == 40
+    assert control.drive(leading_hits(limits, ns, lookup_chain(Namespace("m", PAGE), keys, None))) == 40
     assert [len(r.keys_packed) // r.key_bytes for r in control.sent] == [PART_PAGES, PART_PAGES, 5000 - 2 * PART_PAGES]
     svc.store.arena.close()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from node_parts import ManualClock, make_service
 from kvstore.transport.rdma import RdmaServer
 from kvstore_client import errors
 from kvstore_client.keys import Namespace
+from kvstore_client.node_steps import drive, take_on
 from kvstore_client.pipeline import PutBatch, get_batch
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaDataPath, RdmaOptions
@@ -68,11 +71,17 @@ class Fabric:
         return RdmaDataPath(self.control, timeout_s=timeout_s, options=options, verbs=self.model)
 
     def put(self, path, keys, segments, parent=b""):
-        return PutBatch(PAGE, parent, keys, segments, True, False).run(self.control, path, self.ns_id)
+        conn = self.connection(path)
+        return drive(PutBatch(PAGE, parent, keys, segments, True, False).steps(conn, self.ns_id), take_on(conn))
 
     def get(self, path, keys, segments):
         request = pb.AcquireRequest(namespace_id=self.ns_id, policy=pb.WAIT_COMPLETE)
-        return get_batch(self.control, path, request, keys, segments, True)
+        conn = self.connection(path)
+        return drive(get_batch(request, keys, segments, True)(conn), take_on(conn))
+
+    def connection(self, path):
+        """What the SDK's steps are taken on: this control channel, and the data path under test."""
+        return SimpleNamespace(control=self.control, grpc=self.control, data=path)
 
     def close(self):
         self.server.close()

@@ -17,11 +17,13 @@ the node's TCP data plane on asyncio streams (async_tcp_transport.py). RDMA is t
 client's only: with transport="rdma" put/get raise TransportUnavailable, while lookup, route,
 delete, clear and stats work over grpc.aio.
 
-A put reserves, copies and commits one group at a time, without the sync client's overlap.
-A lost node is noticed before a call (no round trip) and the connection is opened again once;
-a call caught by the loss fails with Unavailable. `timeout_s` bounds a whole call; without it
-each message waits up to the client's timeout_s. One client serves any number of tasks of
-one event loop; it is not for use from other threads.
+Every call is the sync client's, written once with no I/O (node_calls.py) and awaited here step
+by step (node_steps.drive_async): the same messages in the same order, the same pipeline (the next
+group's Reserve in flight while this group's pages move), the same results and errors. A lost node
+is noticed before a call (no round trip) and the connection is opened again once; a call caught by
+the loss fails with Unavailable, or is made once more on a new connection where KVStoreClient would.
+`timeout_s` bounds a whole call; without it each message waits up to the client's timeout_s. One
+client serves any number of tasks of one event loop; it is not for use from other threads.
 """
 
 from __future__ import annotations
@@ -30,24 +32,21 @@ import asyncio
 import collections
 import contextlib
 import logging
-import time
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import grpc
 import grpc.aio
 
-from kvstore_client import errors, framing, groups, lookup
-from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url, keys_or_tokens, node_target,
-                                      parent_list, prefetch_policy, put_pages)
+from kvstore_client import errors, framing, node_calls
+from kvstore_client.arguments import is_cluster_url, node_target
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
-from kvstore_client.events import PageSnapshot, page_snapshot
-from kvstore_client.data_path import PageColumns
+from kvstore_client.events import PageSnapshot
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
-from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
-from kvstore_client.pipeline import (LEASE_MARGIN_S, PutResult, acquire_channel, changed_pages, check_loaded,
-                                     commit_checksums, reserved_pages, stored_pages)
+from kvstore_client.keys import Key, Namespace
+from kvstore_client.node_steps import OnNode, Steps, drive_async, lost_under, take_async_on
+from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import ShmDataPath
 from kvstore_client.transport_choice import candidates
@@ -59,6 +58,8 @@ T = TypeVar("T")
 
 class AsyncLocalChannel:
     """kvstore.v1 frames on the node's Unix socket over asyncio streams; answers are matched in order."""
+
+    answers_in_order = True
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
@@ -97,7 +98,14 @@ class AsyncLocalChannel:
         return cls(reader, writer)
 
     async def call(self, name: str, request: Any, timeout_s: float) -> Any:
-        answer = self._submit(name, request)
+        return await self._within(name, self._submit(name, request), timeout_s)
+
+    def submit(self, name: str, request: Any, timeout_s: float) -> asyncio.Future:
+        """Send now (frames leave in the order submitted); the answer is a future, settled within timeout_s."""
+        return asyncio.ensure_future(self._within(name, self._submit(name, request), timeout_s))
+
+    @staticmethod
+    async def _within(name: str, answer: asyncio.Future, timeout_s: float) -> Any:
         try:
             async with asyncio.timeout(timeout_s):
                 return await answer
@@ -161,6 +169,8 @@ class AsyncLocalChannel:
 class AsyncGrpcChannel:
     """kvstore.v1 over grpc.aio; errors mapped by errors.error_from_rpc, as in the sync client."""
 
+    answers_in_order = False
+
     def __init__(self, target: str, credentials: Credentials):
         self._metadata = credentials.metadata
         self._channel = credentials.aio_channel(target, [("grpc.max_receive_message_length", 64 << 20),
@@ -176,6 +186,9 @@ class AsyncGrpcChannel:
             return await self._stubs[name](request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise errors.error_from_rpc(exc) from None
+
+    def submit(self, name: str, request: Any, timeout_s: float) -> asyncio.Future:
+        return asyncio.ensure_future(self.call(name, request, timeout_s))
 
     def post(self, name: str, request: Any, timeout_s: float = 5.0) -> None:
         task = asyncio.ensure_future(self.call(name, request, timeout_s))
@@ -196,9 +209,11 @@ class _ArenaPages:
     """Shared memory behind the same coroutines as AsyncTcpDataPath: the copy is inline (see the module doc)."""
 
     name = "shm"
+    rdma_qp_num = 0
 
     def __init__(self, path: ShmDataPath):
         self.path = path
+        self.shape = path.shape
 
     async def put(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> list[int] | None:
         return self.path.put(lease_id, token, pages, page_bytes)
@@ -321,6 +336,8 @@ class AsyncKVStoreClient:
         self._conn: _Connection | None = None
         self._opening = asyncio.Lock()
         self._closed = False
+        # As KVStoreClient.on_hot: told (namespace, [(key, checksum)]) of loaded pages the node flagged hot.
+        self.on_hot: Callable[[Namespace, list[tuple[bytes, int]]], None] | None = None
 
     async def connect(self) -> "AsyncKVStoreClient":
         await self._connection()
@@ -331,129 +348,56 @@ class AsyncKVStoreClient:
         """The data plane pages move over: "shm" or "tcp"; "none" when they cannot (control calls only)."""
         return self._conn.data.name if self._conn is not None and self._conn.data is not None else "none"
 
-    # -- the same methods as KVStoreClient --------------------------------------------
+    # -- the same methods as KVStoreClient, each written once in node_calls.py ------------
 
     async def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
                   parent: Key | None = None, verify: bool = False, durable: bool = False, *,
                   tokens: Any = None, timeout_s: float | None = None, anchor: Key | None = None,
                   parents: Sequence[Key | None] | None = None) -> PutResult:
         """KVStoreClient.put: store pages; a PutResult counts the leading keys stored and says why it is short."""
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        raw_parents = parent_list(parents, len(raw_keys), parent, anchor)
-        before = parent if parent is not None else anchor   # the page before keys[0]; anchor: maybe not held
-        parent_key = encode_key(before) if before is not None else b""
-
-        async def put_all(conn: _Connection) -> PutResult:
-            stored, step = 0, conn.hello.limits.batch_pages_max
-            prior = parent_key
-            for start in range(0, len(raw_keys), step):
-                anchored = anchor is not None and start == 0
-                batch = await self._in_namespace(conn, namespace, lambda ns_id: _put_batch(
-                    conn, ns_id, namespace.page_bytes, prior, raw_keys[start:start + step],
-                    segments[start:start + step], verify, durable, self._timeout_s, anchored,
-                    raw_parents[start:start + step] if raw_parents is not None else []))
-                stored += batch
-                if not batch.complete:
-                    return PutResult(stored, len(raw_keys), batch.reason)
-                prior = raw_keys[min(start + step, len(raw_keys)) - 1]
-            return PutResult(stored, len(raw_keys))
-
-        try:
-            return await self._on_node(put_all, timeout_s, needs_data=True)
-        finally:
-            del keepalive
+        return await self._run(node_calls.put(namespace, keys, buffers, parent, verify, durable, tokens, anchor,
+                                              parents), timeout_s)
 
     async def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None,
                   verify: bool = False, policy: str = "wait_complete", timeout_ms: int = 0, *,
                   tokens: Any = None, timeout_s: float | None = None, wait_ms: int = 0) -> int:
         """KVStoreClient.get: copy the leading stored pages into `out`; returns how many were loaded."""
-        prefetch = prefetch_policy(policy)
-        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens)
-
-        async def get_all(conn: _Connection) -> int:
-            loaded, step = 0, conn.hello.limits.batch_pages_max
-            for start in range(0, len(raw_keys), step):
-                request = pb.AcquireRequest(keys=raw_keys[start:start + step], policy=prefetch, timeout_ms=timeout_ms,
-                                            wait_ms=wait_ms)
-                hits = await self._in_namespace(conn, namespace, lambda ns_id: _get_batch(
-                    conn, ns_id, request, segments[start:start + step], verify, self._timeout_s))
-                loaded += hits
-                if hits < len(request.keys):
-                    break
-            return loaded
-
-        try:
-            return await self._on_node(get_all, timeout_s, needs_data=True)
-        finally:
-            del keepalive
+        return await self._run(node_calls.get(namespace, keys, out, verify, policy, timeout_ms, tokens, wait_ms,
+                                              self.on_hot), timeout_s)
 
     async def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None, *,
                      timeout_s: float | None = None) -> int:
-        """As KVStoreClient.lookup: a prompt of any length in one call, its parts sent at once (lookup.py)."""
-        chain = lookup.lookup_chain(namespace, keys, tokens)
-        if tokens is not None and not chain:
-            return 0   # fewer tokens than one page
-
-        async def call(conn: _Connection) -> int:
-            async def in_namespace(ns_id: int) -> int:
-                limits = conn.hello.limits
-                answers = await asyncio.gather(*(conn.control.call("Lookup", request, self._timeout_s)
-                                                 for request in lookup.lookup_requests(limits, ns_id, chain)))
-                return lookup.leading_sum((answer.hit_pages for answer in answers), lookup.pages_per_part(limits))
-            return await self._in_namespace(conn, namespace, in_namespace)
-        return await self._on_node(call, timeout_s)
+        """KVStoreClient.lookup: a prompt of any length in one call, its parts sent at once (lookup.py)."""
+        return await self._run(node_calls.lookup(namespace, keys, tokens), timeout_s)
 
     async def held(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
-        """As KVStoreClient.held: whether the node holds each key's page, its Lookups sent at once."""
-        raw = encode_keys(keys)
-
-        async def call(conn: _Connection) -> list[bool]:
-            async def in_namespace(ns_id: int) -> list[bool]:
-                answers = await asyncio.gather(*(conn.control.call("Lookup", request, self._timeout_s)
-                                                 for request in lookup.held_requests(conn.hello.limits, ns_id, raw)))
-                return [bool(b) for answer in answers for b in answer.held]
-            return await self._in_namespace(conn, namespace, in_namespace)
-        return await self._on_node(call, timeout_s)
+        """KVStoreClient.held: whether the node holds each key's page, its Lookups sent at once."""
+        return await self._run(node_calls.held(namespace, keys), timeout_s)
 
     async def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
                     tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
-        request = pb.RouteRequest(**keys_or_tokens(keys, tokens), engine_ids=engine_id_list(engine_ids))
-        return await self._call_in(namespace, "Route", request, timeout_s)
+        """KVStoreClient.route."""
+        return await self._run(node_calls.route(namespace, engine_ids, keys, tokens), timeout_s)
 
     async def delete(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> int:
-        request = pb.DeleteRequest(keys=encode_keys(keys))
-        return (await self._call_in(namespace, "Delete", request, timeout_s)).deleted_pages
+        """KVStoreClient.delete."""
+        return await self._run(node_calls.delete(namespace, keys), timeout_s)
 
     async def clear(self, namespace: Namespace, *, timeout_s: float | None = None) -> int:
-        return (await self._call_in(namespace, "Delete", pb.DeleteRequest(all_pages=True), timeout_s)).deleted_pages
+        """KVStoreClient.clear."""
+        return await self._run(node_calls.clear(namespace), timeout_s)
 
     async def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
-        async def list_all(conn: _Connection) -> list[bytes]:
-            async def in_namespace(ns_id: int) -> list[bytes]:
-                answers = await _every_page(lambda cursor: conn.control.call(
-                    "ListKeys", pb.ListKeysRequest(namespace_id=ns_id, cursor=cursor), self._timeout_s))
-                return sorted({key for answer in answers for key in answer.keys})
-            return await self._in_namespace(conn, namespace, in_namespace)
-        return await self._on_node(list_all, timeout_s)
+        """KVStoreClient.list_keys."""
+        return await self._run(node_calls.list_keys(namespace), timeout_s)
 
     async def list_pages(self, namespace: Namespace, *, timeout_s: float | None = None) -> PageSnapshot:
         """KVStoreClient.list_pages."""
-        async def list_all(conn: _Connection) -> PageSnapshot:
-            async def in_namespace(ns_id: int) -> PageSnapshot:
-                return page_snapshot(ns_id, await _every_page(lambda cursor: conn.control.call(
-                    "ListPages", pb.ListPagesRequest(namespace_id=ns_id, cursor=cursor), self._timeout_s)))
-            return await self._in_namespace(conn, namespace, in_namespace)
-        return await self._on_node(list_all, timeout_s)
+        return await self._run(node_calls.list_pages(namespace), timeout_s)
 
     async def events_run(self, namespace: Namespace, *, timeout_s: float | None = None) -> bytes:
         """KVStoreClient.events_run."""
-        async def first(conn: _Connection) -> bytes:
-            async def in_namespace(ns_id: int) -> bytes:
-                answer = await conn.control.call("ListPages", pb.ListPagesRequest(namespace_id=ns_id, pages_max=1),
-                                                 self._timeout_s)
-                return answer.events_run
-            return await self._in_namespace(conn, namespace, in_namespace)
-        return await self._on_node(first, timeout_s)
+        return await self._run(node_calls.events_run(namespace), timeout_s)
 
     # -- page groups (groups.py) ---------------------------------------------------------
 
@@ -462,106 +406,37 @@ class AsyncKVStoreClient:
                     anchor: Key | None = None, timeout_s: float | None = None,
                     parents: Sequence[Key | None] | None = None) -> StagedPages:
         """KVStoreClient.stage: write pages into slots without making them visible, for commit_group()."""
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        raw_parents = parent_list(parents, len(raw_keys), parent, anchor) or []
-        before = anchor if anchor is not None else parent
-        before_key = encode_key(before) if before is not None else b""
-
-        async def stage_all(conn: _Connection) -> StagedPages:
-            most = conn.hello.limits.batch_pages_max
-            if len(raw_keys) > most:
-                raise errors.InvalidArgument(f"{len(raw_keys)} keys: a staged part is one write lease of at most "
-                                             f"{most} pages (limits.batch_pages_max)")
-            return await self._in_namespace(conn, namespace, lambda ns_id: _stage_batch(
-                conn, ns_id, namespace, raw_keys, segments, before_key, anchor is not None, verify, self._timeout_s,
-                raw_parents))
-
-        try:
-            return await self._on_node(stage_all, timeout_s, needs_data=True)
-        finally:
-            del keepalive
+        return await self._run(node_calls.stage(namespace, keys, buffers, parent, verify, tokens, anchor, parents),
+                               timeout_s)
 
     async def commit_group(self, parts: Sequence[StagedPages], *, timeout_s: float | None = None) -> list[PutResult]:
         """KVStoreClient.commit_group: every staged page of every part visible in one step, or none (the group's
         leases are then aborted and the node's error raised)."""
-        request = groups.commit_group_request(parts)
-        if request is not None:
-            async def commit(conn: _Connection) -> None:
-                try:
-                    await conn.control.call("CommitGroup", request, self._timeout_s)
-                except BaseException:
-                    for part in request.parts:
-                        conn.control.post("Abort", pb.AbortRequest(lease_id=part.lease_id))
-                    raise
-            await self._on_node(commit, timeout_s)
-        return groups.committed(parts)
+        return await self._run(node_calls.commit_group(parts), timeout_s)
+
+    async def abort_staged(self, parts: Sequence[StagedPages], *, timeout_s: float | None = None) -> None:
+        """KVStoreClient.abort_staged."""
+        return await self._run(node_calls.abort_staged(parts), timeout_s)
 
     async def put_group(self, keys: Sequence[Key], parts: Sequence[tuple[Namespace, Any]], parent: Key | None = None,
                         verify: bool = False, *, anchor: Key | None = None,
                         timeout_s: float | None = None) -> PutResult:
         """KVStoreClient.put_group: each key's pages of every namespace become visible together."""
-        if not parts:
-            raise errors.InvalidArgument("put_group needs at least one (namespace, pages) part")
-
-        async def put_all() -> PutResult:
-            staged: list[StagedPages] = []
-            try:
-                for namespace, buffers in parts:
-                    staged.append(await self.stage(namespace, keys, buffers, parent, verify, anchor=anchor))
-            except BaseException:
-                await self._on_node(lambda conn: _abort_staged(conn, staged), None)
-                raise
-            return min(await self.commit_group(staged), key=int)
-
-        return await _within(put_all(), timeout_s)
+        return await self._run(node_calls.put_group(keys, parts, parent, verify, anchor), timeout_s)
 
     async def lookup_group(self, keys: Sequence[Key], parts: Sequence[GroupPart], *,
                            timeout_s: float | None = None) -> GroupHits:
         """KVStoreClient.lookup_group: the prefixes every part can restore, from one snapshot of the node."""
-        async def lookup(conn: _Connection) -> GroupHits:
-            request = groups.lookup_group_request(keys, parts, conn.hello.limits)
-
-            async def in_namespaces(ns_ids: list[int]) -> GroupHits:
-                for part, ns_id in zip(request.parts, ns_ids):
-                    part.namespace_id = ns_id
-                return groups.group_hits(await conn.control.call("LookupGroup", request, self._timeout_s))
-            return await self._in_namespaces(conn, [part.namespace for part in parts], in_namespaces)
-        return await self._on_node(lookup, timeout_s)
+        return await self._run(node_calls.lookup_group(keys, parts), timeout_s)
 
     async def get_group(self, parts: Sequence[tuple[Namespace, Sequence[Key], Any]], verify: bool = False,
                         policy: str = "wait_complete", *, timeout_s: float | None = None) -> list[int]:
         """KVStoreClient.get_group: every part pinned in one step, a key loaded in every part or in none."""
-        prefetch = prefetch_policy(policy)
-        if not parts:
-            raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
-        prepared = [get_pages(namespace, part_keys, out, None) for namespace, part_keys, out in parts]
-
-        async def get_all(conn: _Connection) -> list[int]:
-            return await self._in_namespaces(conn, [namespace for namespace, _, _ in parts],
-                                             lambda ns_ids: in_namespaces(conn, ns_ids))
-
-        async def in_namespaces(conn: _Connection, ns_ids: list[int]) -> list[int]:
-            request = pb.AcquireGroupRequest(parts=[
-                pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys, policy=prefetch)
-                for ns_id, (raw_keys, _, _) in zip(ns_ids, prepared)])
-            sent_at = time.monotonic()
-            acquired = await conn.control.call("AcquireGroup", request, self._timeout_s)
-            counts = groups.whole_positions([raw_keys for raw_keys, _, _ in prepared],
-                                            [answer.hit_pages for answer in acquired.parts])
-            landed: dict[int, list[int] | None] = {}
-            try:
-                for load in groups.part_loads(acquired, counts, [segments for _, segments, _ in prepared]):
-                    landed[load[0]] = await conn.data.get(*load)
-            finally:
-                changed = groups.release(conn.control, acquired, landed)
-            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify,
-                                      changed)
-            return counts
-        return await self._on_node(get_all, timeout_s, needs_data=True)
+        return await self._run(node_calls.get_group(parts, verify, policy), timeout_s)
 
     async def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
-        return await self._on_node(
-            lambda conn: conn.control.call("Stats", pb.StatsRequest(), self._timeout_s), timeout_s)
+        """KVStoreClient.stats."""
+        return await self._run(node_calls.stats(), timeout_s)
 
     async def close(self) -> None:
         self._closed = True
@@ -577,28 +452,42 @@ class AsyncKVStoreClient:
 
     # -- the connection ---------------------------------------------------------------
 
-    async def _call_in(self, namespace: Namespace, method: str, request: Any, timeout_s: float | None) -> Any:
-        async def call(conn: _Connection) -> Any:
-            async def in_namespace(ns_id: int) -> Any:
-                request.namespace_id = ns_id
-                return await conn.control.call(method, request, self._timeout_s)
-            return await self._in_namespace(conn, namespace, in_namespace)
-        return await self._on_node(call, timeout_s)
-
-    async def _on_node(self, action: Callable[[_Connection], Awaitable[T]], timeout_s: float | None,
-                       needs_data: bool = False) -> T:
+    async def _run(self, call: Steps[T], timeout_s: float | None) -> T:
+        """Await a call (node_calls.py) to its end, all of it within `timeout_s`."""
         if timeout_s is not None and not timeout_s > 0:
             raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         try:
             async with asyncio.timeout(timeout_s):
-                conn = await self._connection()
-                if needs_data and conn.data is None:
-                    raise errors.TransportUnavailable(conn.no_data_reason)
-                return await action(conn)
+                return await drive_async(call, self._on_node)
         except TimeoutError:
             raise errors.DeadlineExceeded(f"the call did not finish within its timeout_s={timeout_s}") from None
 
+    async def _on_node(self, step: OnNode) -> Any:
+        """Take a call's OnNode step: its attempt on a standing connection; if the node was lost under it and the
+        step allows, once more on a new one (as KVStoreClient does)."""
+        conn = await self._connection()
+        try:
+            return await self._attempt(step, conn)
+        except errors.Unavailable:
+            if not step.may_retry():
+                raise
+            log.info("the connection to %s was lost during a call; calling again on a new one", self._target)
+        return await self._attempt(step, await self._connection())
+
+    @staticmethod
+    async def _attempt(step: OnNode, conn: _Connection) -> Any:
+        if step.needs_data and conn.data is None:
+            raise errors.TransportUnavailable(conn.no_data_reason)
+        try:
+            return await drive_async(step.attempt(conn), take_async_on(conn))
+        except errors.KVStoreError as exc:
+            reported = lost_under(exc, conn)
+            if reported is exc:
+                raise
+            raise reported from exc
+
     async def _connection(self) -> _Connection:
+        """The standing connection, or a new one in place of one found lost (no round trip)."""
         if self._closed:
             raise errors.InvalidArgument("this AsyncKVStoreClient is closed: open a new one")
         async with self._opening:
@@ -612,137 +501,3 @@ class AsyncKVStoreClient:
             self._conn = await _Connection.open(self._target, self._timeout_s, self._transport, self._client_name,
                                                 self._credentials)
             return self._conn
-
-    async def _in_namespaces(self, conn: _Connection, namespaces: Sequence[Namespace],
-                             action: Callable[[list[int]], Awaitable[T]]) -> T:
-        """Run action(namespace ids), each namespace opened first (all again, once, if the node forgot one)."""
-        for attempt in (1, 2):
-            ns_ids = [await self._in_namespace(conn, namespace, _same) for namespace in namespaces]
-            try:
-                return await action(ns_ids)
-            except errors.NamespaceNotFound:
-                for namespace in namespaces:
-                    conn.namespace_ids.pop(namespace, None)
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
-
-    async def _in_namespace(self, conn: _Connection, namespace: Namespace,
-                            action: Callable[[int], Awaitable[T]]) -> T:
-        """Run action(namespace id), opening the namespace first (again, once, if the node forgot it)."""
-        for attempt in (1, 2):
-            ns_id = conn.namespace_ids.get(namespace)
-            if ns_id is None:
-                opened = await conn.control.call("OpenNamespace", pb.OpenNamespaceRequest(spec=namespace.to_proto()),
-                                                 self._timeout_s)
-                ns_id = conn.namespace_ids[namespace] = opened.namespace_id
-            try:
-                return await action(ns_id)
-            except errors.NamespaceNotFound:
-                conn.namespace_ids.pop(namespace, None)
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
-
-
-async def _put_batch(conn: _Connection, ns_id: int, page_bytes: int, parent: bytes, keys: list[bytes],
-                     segments: list, verify: bool, durable: bool, timeout_s: float, anchored: bool,
-                     parent_keys: list[bytes]) -> PutResult:
-    """One Reserve, the copies, one Commit; an error aborts the lease. The count as pipeline.stored_pages says.
-    `parent_keys`: each key's parent (put's parents=), or none."""
-    control = conn.control
-    sent_at = time.monotonic()
-    reserved = await control.call("Reserve", pb.ReserveRequest(
-        namespace_id=ns_id, parent_key=parent_keys[0] if parent_keys else parent, keys=keys, page_bytes=page_bytes,
-        anchor_absent_parent=anchored, parent_keys=parent_keys), timeout_s)
-    indices = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
-    if not indices:
-        return stored_pages(reserved.states, [], durable)
-    try:
-        if time.monotonic() > sent_at + reserved.lease_ttl_ms / 1000 - LEASE_MARGIN_S:
-            raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
-                                       "raise leases.write_ttl_ms or put fewer pages per call")
-        pages = reserved_pages(reserved, indices, segments)
-        written = await conn.data.put(reserved.lease_id, reserved.data_token, pages, page_bytes)
-        sums, from_writer = commit_checksums(written, pages.segments if written is None else [], verify)
-        committed = await control.call("Commit", pb.CommitRequest(
-            lease_id=reserved.lease_id, indices=pages.indices, checksums=sums, durable=durable,
-            checksums_from_writer=from_writer), timeout_s)
-    except BaseException:
-        control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
-        raise
-    return stored_pages(reserved.states, [committed], durable)
-
-
-async def _stage_batch(conn: _Connection, ns_id: int, namespace: Namespace, keys: list[bytes], segments: list,
-                       parent: bytes, anchored: bool, verify: bool, timeout_s: float,
-                       parent_keys: list[bytes]) -> StagedPages:
-    """groups.stage_batch over the async channel and data path."""
-    sent_at = time.monotonic()
-    reserved = await conn.control.call("Reserve", pb.ReserveRequest(
-        namespace_id=ns_id, parent_key=parent_keys[0] if parent_keys else parent, keys=keys,
-        page_bytes=namespace.page_bytes, anchor_absent_parent=anchored, parent_keys=parent_keys), timeout_s)
-    try:
-        positions = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
-        pages = reserved_pages(reserved, positions, segments)
-        written = await conn.data.put(reserved.lease_id, reserved.data_token, pages, namespace.page_bytes) \
-            if positions else None
-        return groups.staged_pages(namespace, keys, reserved, positions, written, segments, verify, sent_at)
-    except BaseException:
-        if reserved.lease_id:
-            conn.control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
-        raise
-
-
-async def _abort_staged(conn: _Connection, staged: Sequence[StagedPages]) -> None:
-    for lease_id in {part.lease_id for part in staged if part.lease_id and part.slots}:
-        conn.control.post("Abort", pb.AbortRequest(lease_id=lease_id))
-    for part in staged:
-        part.slots.clear()
-
-
-async def _every_page(call: Callable[[int], Awaitable[Any]]) -> list[Any]:
-    """Every answer of a call paged by a cursor (ListKeys, ListPages): from 0 until one says no more."""
-    answers, cursor = [], 0
-    while True:
-        answers.append(await call(cursor))
-        if not answers[-1].more:
-            return answers
-        cursor = answers[-1].cursor
-
-
-async def _same(ns_id: int) -> int:
-    return ns_id
-
-
-async def _within(call: Awaitable[T], timeout_s: float | None) -> T:
-    """A call of several node calls under one timeout_s (DeadlineExceeded when it runs out)."""
-    if timeout_s is not None and not timeout_s > 0:
-        raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await call
-    except TimeoutError:
-        raise errors.DeadlineExceeded(f"the call did not finish within its timeout_s={timeout_s}") from None
-
-
-async def _get_batch(conn: _Connection, ns_id: int, request: pb.AcquireRequest, segments: list, verify: bool,
-                     timeout_s: float) -> int:
-    """Acquire, copy the hits, post the release, then check them as pipeline.get_batch does."""
-    request.namespace_id = ns_id
-    control = acquire_channel(conn, request.wait_ms)
-    sent_at = time.monotonic()
-    acquired = await control.call("Acquire", request, timeout_s)
-    hits = acquired.hit_pages
-    if not hits:
-        return 0
-    landed = None
-    try:
-        landed = await conn.data.get(acquired.lease_id, acquired.data_token,
-                                     PageColumns(range(hits), acquired.offsets[:hits], segments[:hits]),
-                                     acquired.page_bytes)
-    finally:
-        changed = changed_pages(acquired, landed)
-        control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
-    check_loaded(acquired, sent_at, segments, verify, changed)
-    return hits

@@ -22,6 +22,7 @@ import ssl
 from kvstore_client import errors
 from kvstore_client.buffers import Segment
 from kvstore_client.data_path import Page, landed_checksums
+from kvstore_client.tcp_transport import SHAPE
 from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
                                         encode_request)
 
@@ -35,6 +36,8 @@ def _view(segment: Segment) -> memoryview:
 
 class AsyncTcpDataPath:
     name = "tcp"
+    rdma_qp_num = 0
+    shape = SHAPE   # the blocking path's: the same node on the other end
 
     def __init__(self, endpoint: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.endpoint = endpoint

@@ -11,7 +11,8 @@ one data plane (`transport`, see transport_choice.py): the shared-memory arena o
 node's host, else RDMA, else TCP. With shared memory, control messages go over the
 server's Unix socket when `control="local"` (the default; see framing.py for why) or over
 gRPC; with TCP or RDMA (another host) they go over gRPC. Every data plane runs the same
-put/get pipeline (pipeline.py) over its own DataPath (data_path.py).
+put/get pipeline (pipeline.py) over its own DataPath (data_path.py). Each call is written once, with
+no I/O (node_calls.py); this client takes its steps with blocking I/O (node_steps.drive).
 
 The client outlives its node's restarts. Before each call it checks, without a round trip,
 that its connection (connection.py) still stands: the node closes the local channel, the
@@ -38,33 +39,24 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
-from kvstore_client import errors, groups, lookup
-from kvstore_client.arguments import (engine_id_list, get_pages, is_cluster_url, keys_or_tokens, node_target,
-                                      parent_list, prefetch_policy, put_pages)
+from kvstore_client import errors, node_calls
+from kvstore_client.arguments import is_cluster_url, node_target
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
-from kvstore_client.events import PageSnapshot, page_snapshot
-from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
+from kvstore_client.events import PageSnapshot
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
-from kvstore_client.pipeline import PutBatch, PutResult, acquire_channel, get_batch
+from kvstore_client.keys import Key, Namespace
+from kvstore_client.node_steps import OnNode, Steps, drive, lost_under, take_on
+from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def _always() -> bool:
-    return True
-
-
-def _never() -> bool:
-    return False
 
 
 class KVStoreClient:
@@ -117,7 +109,7 @@ class KVStoreClient:
     def server_version(self) -> str:
         return self._conn.hello.server_version
 
-    # -- public API -------------------------------------------------------------------
+    # -- public API: each call is written once, in node_calls.py ------------------------
 
     def put(self, namespace: Namespace, keys: Sequence[Key] | None = None, buffers: Any = None,
             parent: Key | None = None, verify: bool = False, durable: bool = False, *,
@@ -145,26 +137,8 @@ class KVStoreClient:
         written by another client (those count as stored, whether or not they are on NVMe
         yet). A page this call wrote that is committed but not on NVMe ends the count.
         """
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        raw_parents = parent_list(parents, len(raw_keys), parent, anchor)
-        parent_key = encode_key(parent) if parent is not None else b""
-        anchor_key = encode_key(anchor) if anchor is not None else b""
-        stored, reason = 0, ""
-        for start, stop in self._batches(len(raw_keys)):
-            batch = PutBatch(namespace.page_bytes, parent_key, raw_keys[start:stop], segments[start:stop],
-                             verify, durable, anchor=anchor_key,
-                             parents=raw_parents[start:stop] if raw_parents is not None else None)
-            anchor_key = b""
-            batch_stored = self._on_node(
-                lambda conn: conn.reopening(namespace, lambda ns_id: batch.run(conn.control, conn.data, ns_id)),
-                retry_if=lambda: not batch.slots_reserved, timeout_s=timeout_s)
-            stored += batch_stored
-            if batch_stored < stop - start:
-                reason = getattr(batch_stored, "reason", "")
-                break
-            parent_key = raw_keys[stop - 1]
-        del keepalive
-        return PutResult(stored, len(raw_keys), reason)
+        return self._run(node_calls.put(namespace, keys, buffers, parent, verify, durable, tokens, anchor, parents),
+                         timeout_s)
 
     def get(self, namespace: Namespace, keys: Sequence[Key] | None = None, out: Any = None, verify: bool = False,
             policy: str = "wait_complete", timeout_ms: int = 0, *, tokens: Any = None,
@@ -178,25 +152,8 @@ class KVStoreClient:
         committed (another client writing them now: a prefill engine handing a prompt to this
         decode engine); the count is then what was committed by the deadline.
         """
-        prefetch = prefetch_policy(policy)
-        raw_keys, segments, keepalive = get_pages(namespace, keys, out, tokens)
-        loaded = 0
-        on_hot = self.on_hot
-        hot = (lambda pages: on_hot(namespace, pages)) if on_hot is not None else None
-        for start, stop in self._batches(len(raw_keys)):
-            def in_namespace(conn: NodeConnection, ns_id: int) -> int:
-                request = pb.AcquireRequest(namespace_id=ns_id, policy=prefetch, timeout_ms=timeout_ms, wait_ms=wait_ms)
-                return get_batch(acquire_channel(conn, wait_ms), conn.data, request, raw_keys[start:stop],
-                                 segments[start:stop], verify, hot)
-
-            batch_loaded = self._on_node(
-                lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)), retry_if=_always,
-                timeout_s=timeout_s)
-            loaded += batch_loaded
-            if batch_loaded < stop - start:
-                break
-        del keepalive
-        return loaded
+        return self._run(node_calls.get(namespace, keys, out, verify, policy, timeout_ms, tokens, wait_ms,
+                                        self.on_hot), timeout_s)
 
     def lookup(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None, *,
                timeout_s: float | None = None) -> int:
@@ -205,78 +162,45 @@ class KVStoreClient:
         One call for a prompt of any length: parts beyond the node's limit go as several Lookups
         (lookup.py). Extends no lease.
         """
-        chain = lookup.lookup_chain(namespace, keys, tokens)
-        if tokens is not None and not chain:
-            return 0   # fewer tokens than one page
-        return self._on_node(lambda conn: conn.reopening(
-            namespace, lambda ns_id: lookup.leading_hits(conn.control, conn.hello.limits, ns_id, chain)), _always,
-            timeout_s=timeout_s)
+        return self._run(node_calls.lookup(namespace, keys, tokens), timeout_s)
 
     def held(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
         """Whether the node holds each key's page, each key on its own (keys of several chains at once, not
         only a leading run): one Lookup per limits.lookup_pages_max keys. Extends no lease."""
-        raw = encode_keys(keys)
-        return self._on_node(lambda conn: conn.reopening(
-            namespace, lambda ns_id: lookup.held_each(conn.control, conn.hello.limits, ns_id, raw)), _always,
-            timeout_s=timeout_s)
+        return self._run(node_calls.held(namespace, keys), timeout_s)
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
         """Score candidate engines by how much of this prefix each can reuse (its GPU, then this store)."""
-        request = pb.RouteRequest(**keys_or_tokens(keys, tokens), engine_ids=engine_id_list(engine_ids))
-        return self._on_node(lambda conn: conn.call_in(namespace, "Route", request), _always, timeout_s=timeout_s)
+        return self._run(node_calls.route(namespace, engine_ids, keys, tokens), timeout_s)
 
     def delete(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> int:
         """Remove pages and every page that extends them; returns pages removed."""
-        request = pb.DeleteRequest(keys=encode_keys(keys))
-        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never,
-                             timeout_s=timeout_s).deleted_pages
+        return self._run(node_calls.delete(namespace, keys), timeout_s)
 
     def _removing(self, namespace: Namespace, keys: Sequence[Key], *,
                   timeout_s: float | None = None) -> tuple[int, list[bytes], bool]:
-        """delete(), answering also the removed pages' keys: (pages removed, their keys, whether more were
-        removed than the keys name). A cluster's delete asks the other nodes for pages anchored at them."""
-        raw, step = encode_keys(keys), self.limits.batch_pages_max
-        removed, named, cut = 0, [], False
-        for start in range(0, len(raw), step):
-            request = pb.DeleteRequest(keys=raw[start:start + step], report_keys=True)
-            answer = self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never, timeout_s=timeout_s)
-            removed += answer.deleted_pages
-            named += answer.removed_keys
-            cut = cut or answer.removed_keys_cut
-        return removed, named, cut
+        """delete(), answering also the removed pages' keys (node_calls.removing), for a cluster's delete."""
+        return self._run(node_calls.removing(namespace, keys), timeout_s)
 
     def clear(self, namespace: Namespace, *, timeout_s: float | None = None) -> int:
         """Remove every page of the namespace; returns pages removed."""
-        request = pb.DeleteRequest(all_pages=True)
-        return self._on_node(lambda conn: conn.call_in(namespace, "Delete", request), _never,
-                             timeout_s=timeout_s).deleted_pages
+        return self._run(node_calls.clear(namespace), timeout_s)
 
     def list_keys(self, namespace: Namespace, *, timeout_s: float | None = None) -> list[bytes]:
         """Keys of every page of the namespace, in byte order, each once (several ListKeys calls for a
         large one: a page held throughout is listed; one stored or removed meanwhile may be or not)."""
-        def in_namespace(conn: NodeConnection, ns_id: int) -> list[bytes]:
-            answers = _every_page(lambda cursor: conn.control.call(
-                "ListKeys", pb.ListKeysRequest(namespace_id=ns_id, cursor=cursor)))
-            return sorted({key for answer in answers for key in answer.keys})
-        return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
-                             _always, timeout_s=timeout_s)
+        return self._run(node_calls.list_keys(namespace), timeout_s)
 
     def list_pages(self, namespace: Namespace, *, timeout_s: float | None = None) -> PageSnapshot:
         """The namespace's pages with their tiers and parent keys (several ListPages calls for a large one),
         and the sequence number of the tenant's event stream that completes them (events.StoreInventory)."""
-        def in_namespace(conn: NodeConnection, ns_id: int) -> PageSnapshot:
-            return page_snapshot(ns_id, _every_page(lambda cursor: conn.control.call(
-                "ListPages", pb.ListPagesRequest(namespace_id=ns_id, cursor=cursor))))
-        return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: in_namespace(conn, ns_id)),
-                             _always, timeout_s=timeout_s)
+        return self._run(node_calls.list_pages(namespace), timeout_s)
 
     def events_run(self, namespace: Namespace, *, timeout_s: float | None = None) -> bytes:
         """The node's run as ListPages names it (events_run): it changes when the node restarts, and with it
         the numbering of its event streams. One call, no walk."""
-        return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: conn.control.call(
-            "ListPages", pb.ListPagesRequest(namespace_id=ns_id, pages_max=1))), _always,
-            timeout_s=timeout_s).events_run
+        return self._run(node_calls.events_run(namespace), timeout_s)
 
     # -- page groups (groups.py): the parts of one position, visible and read together -----
 
@@ -287,113 +211,41 @@ class KVStoreClient:
         published with the other parts by commit_group(). At most limits.batch_pages_max keys (one lease).
         Pages staged and never committed are aborted by the node when their write lease expires.
         `parents` as put's."""
-        raw_keys, segments, keepalive = put_pages(namespace, keys, buffers, tokens, parent, anchor)
-        raw_parents = parent_list(parents, len(raw_keys), parent, anchor) or []
-        if len(raw_keys) > self.limits.batch_pages_max:
-            raise errors.InvalidArgument(f"{len(raw_keys)} keys: a staged part is one write lease of at most "
-                                         f"{self.limits.batch_pages_max} pages (limits.batch_pages_max)")
-        before = anchor if anchor is not None else parent
-        before_key = encode_key(before) if before is not None else b""
-        try:
-            return self._on_node(lambda conn: conn.reopening(namespace, lambda ns_id: groups.stage_batch(
-                conn.control, conn.data, ns_id, namespace, raw_keys, segments, before_key, anchor is not None,
-                verify, raw_parents)), _never, timeout_s=timeout_s)
-        finally:
-            del keepalive
+        return self._run(node_calls.stage(namespace, keys, buffers, parent, verify, tokens, anchor, parents),
+                         timeout_s)
 
     def commit_group(self, parts: Sequence[StagedPages], *, timeout_s: float | None = None) -> list[PutResult]:
         """Make every staged page of every part visible in one step, or none (one CommitGroup); returns each
         part's count. When the node refuses the group (a lease expired, a parent left: the error names it),
         every lease of the group is aborted, the error raised, and nothing of the group is visible."""
-        request = groups.commit_group_request(parts)
-        if request is not None:
-            try:
-                self._on_node(lambda conn: conn.control.call("CommitGroup", request), _never, timeout_s=timeout_s)
-            except BaseException:
-                self._abort_quietly([part.lease_id for part in request.parts])
-                raise
-        return groups.committed(parts)
+        return self._run(node_calls.commit_group(parts), timeout_s)
 
     def abort_staged(self, parts: Sequence[StagedPages], *, timeout_s: float | None = None) -> None:
         """Give up staged parts: their leases are aborted and their pages never become visible."""
-        lease_ids = {part.lease_id for part in parts if part.lease_id and part.slots}
-        for part in parts:
-            part.slots.clear()
-        self._abort_quietly(sorted(lease_ids), timeout_s)
+        return self._run(node_calls.abort_staged(parts), timeout_s)
 
     def put_group(self, keys: Sequence[Key], parts: Sequence[tuple[Namespace, Any]], parent: Key | None = None,
                   verify: bool = False, *, anchor: Key | None = None, timeout_s: float | None = None) -> PutResult:
         """Store the pages of several namespaces under the same keys (a KV page and its sidecar pages per
         key) so that each key's pages become visible together, in one commit; returns the leading keys
         stored in every part. `parts`: (namespace, that namespace's pages for the keys)."""
-        if not parts:
-            raise errors.InvalidArgument("put_group needs at least one (namespace, pages) part")
-        with call_deadline(timeout_s):
-            staged: list[StagedPages] = []
-            try:
-                for namespace, buffers in parts:
-                    staged.append(self.stage(namespace, keys, buffers, parent, verify, anchor=anchor))
-            except BaseException:
-                self.abort_staged(staged)
-                raise
-            results = self.commit_group(staged)
-        return min(results, key=int)
+        return self._run(node_calls.put_group(keys, parts, parent, verify, anchor), timeout_s)
 
     def lookup_group(self, keys: Sequence[Key], parts: Sequence[GroupPart], *,
                      timeout_s: float | None = None) -> GroupHits:
         """Which prefixes of `keys` can be restored in every part (each under its hit policy), answered by the
         node from one snapshot: a group committed together is seen whole or not at all. Extends no lease."""
-        request = groups.lookup_group_request(keys, parts, self.limits)
-
-        def in_namespaces(conn: NodeConnection, ns_ids: list[int]) -> GroupHits:
-            for part, ns_id in zip(request.parts, ns_ids):
-                part.namespace_id = ns_id
-            return groups.group_hits(conn.control.call("LookupGroup", request))
-        return self._on_node(lambda conn: _in_namespaces(conn, [p.namespace for p in parts], in_namespaces), _always,
-                             timeout_s=timeout_s)
+        return self._run(node_calls.lookup_group(keys, parts), timeout_s)
 
     def get_group(self, parts: Sequence[tuple[Namespace, Sequence[Key], Any]], verify: bool = False,
                   policy: str = "wait_complete", *, timeout_s: float | None = None) -> list[int]:
         """Copy the leading pages of several namespaces into their buffers, every part pinned in one step
         (one AcquireGroup), a key loaded in every part that names it or in none; returns each part's count.
         `parts`: (namespace, keys, out)."""
-        prefetch = prefetch_policy(policy)
-        if not parts:
-            raise errors.InvalidArgument("get_group needs at least one (namespace, keys, out) part")
-        prepared = [get_pages(namespace, part_keys, out, None) for namespace, part_keys, out in parts]
-        namespaces = [namespace for namespace, _, _ in parts]
-
-        def in_namespaces(conn: NodeConnection, ns_ids: list[int]) -> list[int]:
-            request = pb.AcquireGroupRequest(parts=[
-                pb.AcquireRequest(namespace_id=ns_id, keys=raw_keys, policy=prefetch)
-                for ns_id, (raw_keys, _, _) in zip(ns_ids, prepared)])
-            sent_at = time.monotonic()
-            acquired = conn.control.call("AcquireGroup", request)
-            landed: dict[int, list[int] | None] = {}
-            try:
-                counts = groups.whole_positions([raw_keys for raw_keys, _, _ in prepared],
-                                                [answer.hit_pages for answer in acquired.parts])
-                for load in groups.part_loads(acquired, counts, [segments for _, segments, _ in prepared]):
-                    landed[load[0]] = conn.data.get(*load)
-            finally:
-                changed = groups.release(conn.control, acquired, landed)
-            groups.check_group_loaded(acquired, counts, [segments for _, segments, _ in prepared], sent_at, verify,
-                                      changed)
-            return counts
-        return self._on_node(lambda conn: _in_namespaces(conn, namespaces, in_namespaces), _always,
-                             timeout_s=timeout_s)
-
-    def _abort_quietly(self, lease_ids: Sequence[int], timeout_s: float | None = None) -> None:
-        """Abort write leases; one the node no longer holds (expired, or the node restarted) is gone already."""
-        for lease_id in lease_ids:
-            try:
-                self._on_node(lambda conn: conn.control.call("Abort", pb.AbortRequest(lease_id=lease_id)), _never,
-                              timeout_s=timeout_s)
-            except errors.KVStoreError as exc:
-                log.info("staged lease %#x not aborted (%s): the node ends it at its TTL", lease_id, exc)
+        return self._run(node_calls.get_group(parts, verify, policy), timeout_s)
 
     def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
-        return self._on_node(lambda conn: conn.control.call("Stats", pb.StatsRequest()), _always, timeout_s=timeout_s)
+        return self._run(node_calls.stats(), timeout_s)
 
     def register_buffer(self, address: int, nbytes: int, owner: Any = None) -> None:
         """Register [address, address + nbytes) (an engine's host KV pool) with the data plane once.
@@ -426,14 +278,19 @@ class KVStoreClient:
 
     # -- the connection ---------------------------------------------------------------
 
-    def _on_node(self, action: Callable[[NodeConnection], T], retry_if: Callable[[], bool],
-                 timeout_s: float | None = None) -> T:
-        """Run `action` on a standing connection; if the node was lost under it and retry_if(), once more on a
-        new one. With `timeout_s`, every message of both attempts must be answered within it from now."""
+    def _run(self, call: Steps[T], timeout_s: float | None) -> T:
+        """Drive a call (node_calls.py) to its end. With `timeout_s`, every message it sends must be answered
+        within it from now."""
         with call_deadline(timeout_s):
-            return self._on_node_once_more(action, retry_if)
+            return drive(call, self._on_node)
 
-    def _on_node_once_more(self, action: Callable[[NodeConnection], T], retry_if: Callable[[], bool]) -> T:
+    def _on_node(self, step: OnNode) -> Any:
+        """Take a call's OnNode step: its attempt driven on a connection (_with_connection)."""
+        return self._with_connection(lambda conn: drive(step.attempt(conn), take_on(conn)), step.may_retry)
+
+    def _with_connection(self, action: Callable[[NodeConnection], T], retry_if: Callable[[], bool]) -> T:
+        """Run action(connection) on a standing connection; if the node was lost under it and retry_if(), once more
+        on a new one."""
         conn = self._enter_connection()
         try:
             return _attempt(action, conn)
@@ -486,11 +343,6 @@ class KVStoreClient:
         if self._closed:
             raise errors.InvalidArgument("this KVStoreClient is closed: open a new one")
 
-    def _batches(self, count: int) -> Iterator[tuple[int, int]]:
-        step = self.limits.batch_pages_max
-        for start in range(0, count, step):
-            yield start, min(start + step, count)
-
     # -- for tests and tools that speak the protocol directly -------------------------
 
     @property
@@ -513,42 +365,15 @@ class KVStoreClient:
         return self._conn.namespace_id(namespace)
 
 
-def _every_page(call: Callable[[int], Any]) -> list[Any]:
-    """Every answer of a call paged by a cursor (ListKeys, ListPages): from 0 until one says no more."""
-    answers, cursor = [], 0
-    while True:
-        answers.append(call(cursor))
-        if not answers[-1].more:
-            return answers
-        cursor = answers[-1].cursor
-
-
 def _attempt(action: Callable[[NodeConnection], T], conn: NodeConnection) -> T:
-    """Run `action`; an error raised because the connection was lost under it becomes Unavailable.
-
-    A restarted node may answer a call with what only makes sense there (a lease it never
-    gave: LeaseNotFound); the connection then reads as lost, and the call as Unavailable. A
-    deadline is not a lost node: DeadlineExceeded stays as it is.
-    """
+    """Run `action`; an error raised because the connection was lost under it becomes Unavailable (lost_under)."""
     try:
         return action(conn)
-    except (errors.Unavailable, errors.DeadlineExceeded):
-        raise
     except errors.KVStoreError as exc:
-        if conn.alive():
+        reported = lost_under(exc, conn)
+        if reported is exc:
             raise
-        raise errors.Unavailable(f"the connection to the node was lost during the call "
-                                 f"({type(exc).__name__}: {exc})") from exc
-
-
-def _in_namespaces(conn: NodeConnection, namespaces: Sequence[Namespace],
-                   action: Callable[[NodeConnection, list[int]], T]) -> T:
-    """Run action(conn, namespace ids), each namespace opened first (again, once, if the node forgot it)."""
-    def nest(rest: Sequence[Namespace], ids: list[int]) -> T:
-        if not rest:
-            return action(conn, ids)
-        return conn.reopening(rest[0], lambda ns_id: nest(rest[1:], [*ids, ns_id]))
-    return nest(list(namespaces), [])
+        raise reported from exc
 
 
 def _register_on(conn: NodeConnection, buffers: Sequence[tuple[int, int, Any]]) -> None:

@@ -16,11 +16,12 @@ import logging
 import threading
 from typing import Any, Callable, TypeVar
 
-from kvstore_client import errors
+from kvstore_client import errors, node_calls
 from kvstore_client.channel import GrpcChannel, LocalChannel
 from kvstore_client.credentials import Credentials
 from kvstore_client.data_path import DataPath
 from kvstore_client.keys import Namespace
+from kvstore_client.node_steps import Steps, drive, take_on
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
 from kvstore_client.shm_transport import ShmDataPath
@@ -60,7 +61,7 @@ class NodeConnection:
             self._close()
             raise
         self.control: Any = self.local if self.local is not None and options.control == "local" else self.grpc
-        self._namespace_ids: dict[Namespace, int] = {}
+        self.namespace_ids: dict[Namespace, int] = {}   # opened on this connection (node_calls.in_namespace)
         self._lock = threading.Lock()
         self._users = 0
         self._retired = False
@@ -76,27 +77,20 @@ class NodeConnection:
     # -- namespaces -------------------------------------------------------------------
 
     def namespace_id(self, namespace: Namespace) -> int:
-        namespace_id = self._namespace_ids.get(namespace)
-        if namespace_id is None:
-            request = pb.OpenNamespaceRequest(spec=namespace.to_proto())
-            namespace_id = self.control.call("OpenNamespace", request).namespace_id
-            self._namespace_ids[namespace] = namespace_id
-        return namespace_id
+        """The namespace's id on this connection, opened first where it is not yet."""
+        return self.reopening(namespace, lambda ns_id: ns_id)
 
     def reopening(self, namespace: Namespace, action: Callable[[int], T]) -> T:
-        """Run action(namespace id); if the node does not know the namespace (it restarted), open it again, retry once."""
-        try:
-            return action(self.namespace_id(namespace))
-        except errors.NamespaceNotFound:
-            self._namespace_ids.pop(namespace, None)
-            return action(self.namespace_id(namespace))
+        """Run action(namespace id) as node_calls.in_namespace runs an attempt: the namespace opened first, and
+        again, with one retry, if the node does not know it (it restarted)."""
+        def body(ns_id: int) -> Steps[T]:
+            return action(ns_id)
+            yield   # no steps of its own
+        return drive(node_calls.in_namespace(self, namespace, body), take_on(self))
 
     def call_in(self, namespace: Namespace, method: str, request: Any) -> Any:
-        """Call a namespace-scoped method, its namespace_id filled in."""
-        def call(namespace_id: int) -> Any:
-            request.namespace_id = namespace_id
-            return self.control.call(method, request)
-        return self.reopening(namespace, call)
+        """Call a namespace-scoped method, its namespace_id filled in (for tests and tools)."""
+        return drive(node_calls.call_in(self, namespace, method, request), take_on(self))
 
     # -- lifetime ---------------------------------------------------------------------
 

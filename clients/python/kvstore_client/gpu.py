@@ -79,7 +79,7 @@ class GpuPages:
         for start, stop in self._batches(len(raw_keys)):
             request = pb.AcquireRequest(keys=raw_keys[start:stop], policy=_PREFETCH_POLICIES[policy],
                                         timeout_ms=timeout_ms)
-            batch_loaded = self._client._on_node(
+            batch_loaded = self._client._with_connection(
                 lambda conn: conn.reopening(namespace, lambda ns_id: self._get_batch(
                     conn, ns_id, request, plan, blocks[start:stop])), retry_if=lambda: True)
             loaded += batch_loaded
@@ -99,7 +99,7 @@ class GpuPages:
         stored = 0
         for start, stop in self._batches(len(raw_keys)):
             batch = _PutBatch(raw_keys[start:stop], parent_key, blocks[start:stop], durable)
-            batch_stored = self._client._on_node(
+            batch_stored = self._client._with_connection(
                 lambda conn: conn.reopening(namespace, lambda ns_id: self._put_batch(conn, ns_id, batch, plan)),
                 retry_if=lambda: not batch.slots_reserved)
             stored += batch_stored

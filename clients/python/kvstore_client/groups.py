@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from kvstore_client import checksums, errors
 from kvstore_client.buffers import Segment
 from kvstore_client.keys import Key, Namespace, encode_keys
+from kvstore_client.node_steps import Post, PutPages, Steps, call
 from kvstore_client.pipeline import (LEASE_MARGIN_S, STORED_STATES, PutResult, changed_pages, check_loaded,
                                      commit_checksums, reserved_pages)
 from kvstore_client.proto import pb
@@ -88,24 +89,24 @@ class StagedPages:
                                 checksums=sums if None not in sums else [], checksums_from_writer=self.from_writer)
 
 
-def stage_batch(control: Any, data: Any, ns_id: int, namespace: Namespace, keys: list[bytes],
-                segments: list[list[Segment]], parent: bytes, anchored: bool, verify: bool,
-                parent_keys: Sequence[bytes] = ()) -> StagedPages:
-    """Reserve the keys and copy every page given a slot into it; commit nothing (sync channels).
-    `parent_keys`: each key's parent (put's parents=), or none."""
+def stage_batch(conn: Any, ns_id: int, namespace: Namespace, keys: list[bytes], segments: list[list[Segment]],
+                parent: bytes, anchored: bool, verify: bool, parent_keys: Sequence[bytes] = ()) -> Steps[StagedPages]:
+    """Reserve the keys and copy every page given a slot into it; commit nothing (steps of an attempt:
+    node_steps.py). `parent_keys`: each key's parent (put's parents=), or none."""
     sent_at = time.monotonic()
-    reserved = control.call("Reserve", pb.ReserveRequest(
+    reserved = yield from call("Reserve", pb.ReserveRequest(
         namespace_id=ns_id, parent_key=parent_keys[0] if parent_keys else parent, keys=keys,
-        page_bytes=namespace.page_bytes, rdma_qp_num=data.rdma_qp_num, anchor_absent_parent=anchored,
+        page_bytes=namespace.page_bytes, rdma_qp_num=conn.data.rdma_qp_num, anchor_absent_parent=anchored,
         parent_keys=parent_keys))
     try:
         positions = [i for i, state in enumerate(reserved.states) if state == pb.RESERVED]
         pages = reserved_pages(reserved, positions, segments)
-        written = data.put(reserved.lease_id, reserved.data_token, pages, namespace.page_bytes) if positions else None
+        written = (yield PutPages(reserved.lease_id, reserved.data_token, pages, namespace.page_bytes)) \
+            if positions else None
         return staged_pages(namespace, keys, reserved, positions, written, segments, verify, sent_at)
     except BaseException:
         if reserved.lease_id:
-            control.post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
+            yield Post("Abort", pb.AbortRequest(lease_id=reserved.lease_id))
         raise
 
 
@@ -221,7 +222,7 @@ def part_loads(acquired: pb.AcquireGroupResponse, counts: Sequence[int],
             for answer, count, part in zip(acquired.parts, counts, segments) if count]
 
 
-def release(control: Any, acquired: pb.AcquireGroupResponse, landed: dict[int, list[int] | None]) -> dict[int, list[int]]:
+def release(acquired: pb.AcquireGroupResponse, landed: dict[int, list[int] | None]) -> Steps[dict[int, list[int]]]:
     """Release a group read's leases; a lease with pages that changed in shared memory (`landed`: each lease's
     hashes of what its copy landed, where the data path took them) names them in a Release of its own.
     Returns the changed page indices by lease."""
@@ -229,10 +230,10 @@ def release(control: Any, acquired: pb.AcquireGroupResponse, landed: dict[int, l
                for answer in acquired.parts if answer.lease_id}
     plain = [lease_id for lease_id, pages in changed.items() if not pages]
     if plain:
-        control.post("Release", pb.ReleaseRequest(lease_ids=plain))
+        yield Post("Release", pb.ReleaseRequest(lease_ids=plain))
     for lease_id, pages in changed.items():
         if pages:
-            control.post("Release", pb.ReleaseRequest(lease_ids=[lease_id], changed_pages=pages))
+            yield Post("Release", pb.ReleaseRequest(lease_ids=[lease_id], changed_pages=pages))
     return changed
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvstore_client import errors
 from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed
+from kvstore_client.node_steps import Answer, Send, Steps
 from kvstore_client.proto import pb
 from kvstore_client.tokens import token_array
 
@@ -94,12 +95,20 @@ def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) 
     return PackedKeys(*packed) if packed is not None else encode_keys(keys)
 
 
-def leading_hits(control: Any, limits: pb.Limits, namespace_id: int, chain: Chain) -> int:
+def leading_hits(limits: pb.Limits, namespace_id: int, chain: Chain) -> Steps[int]:
     """Leading pages of `chain` the node holds, over as many Lookups as its limit needs, each sent
-    as soon as its part is ready."""
+    as soon as its part is ready (steps of an attempt: node_steps.py)."""
     part_pages = pages_per_part(limits)
-    parts = [control.submit("Lookup", request) for request in lookup_requests(limits, namespace_id, chain)]
-    return leading_sum((part.result().hit_pages for part in parts), part_pages)
+    parts = []
+    for request in lookup_requests(limits, namespace_id, chain):
+        parts.append((yield Send("Lookup", request)))
+    hits = 0
+    for part in parts:
+        part_hits = (yield Answer(part)).hit_pages
+        hits += part_hits
+        if part_hits < part_pages:   # the chain ends in this part
+            break
+    return hits
 
 
 def pages_per_part(limits: pb.Limits) -> int:
@@ -122,10 +131,15 @@ def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> Itera
         yield _request(namespace_id, part)
 
 
-def held_each(control: Any, limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> list[bool]:
-    """Whether each key is held, its parts submitted at once and read in order."""
-    parts = [control.submit("Lookup", request) for request in held_requests(limits, namespace_id, keys)]
-    return [bool(b) for part in parts for b in part.result().held]
+def held_each(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> Steps[list[bool]]:
+    """Whether each key is held, its parts sent at once and read in order."""
+    parts = []
+    for request in held_requests(limits, namespace_id, keys):
+        parts.append((yield Send("Lookup", request)))
+    held = []
+    for part in parts:
+        held += [bool(b) for b in (yield Answer(part)).held]
+    return held
 
 
 def held_requests(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> list[pb.LookupRequest]:

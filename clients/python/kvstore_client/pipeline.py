@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 
 from kvstore_client import checksums, errors
 from kvstore_client.buffers import PageSegments, Segment
-from kvstore_client.data_path import DataPath, PageColumns
+from kvstore_client.data_path import PageColumns
+from kvstore_client.node_steps import CONTROL, GRPC, Answer, GetPages, Post, PutPages, Send, Steps
 from kvstore_client.proto import pb
 
 # A transfer into or out of a leased slot must end this long before the lease can expire.
@@ -52,19 +53,20 @@ class PutBatch:
         # elsewhere (its pages may have been copied into a node that is gone).
         self.slots_reserved = False
 
-    def run(self, control: Any, data: DataPath, ns_id: int) -> PutResult:
-        """Store the batch; returns how many leading keys are now stored (see stored_pages)."""
-        keys, in_order = self.keys, control.answers_in_order
-        groups = data.shape.reserve_groups(len(keys), self.page_bytes)
-        run = data.shape.run_pages(self.page_bytes)
+    def steps(self, conn: Any, ns_id: int) -> Steps[PutResult]:
+        """Store the batch (an attempt: node_steps.py); returns how many leading keys are now stored (see stored_pages)."""
+        keys, in_order, shape = self.keys, conn.control.answers_in_order, conn.data.shape
+        groups = shape.reserve_groups(len(keys), self.page_bytes)
+        run = shape.run_pages(self.page_bytes)
         states: list[int] = []
         commits: list[Any] = []
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
-        sent_at, next_reserve = time.monotonic(), self._reserve(control, data, ns_id, *groups[0], 0)
+        sent_at, next_reserve = time.monotonic(), (yield self._reserve(conn, ns_id, *groups[0], 0))
         unread = next_reserve   # a Reserve sent whose answer (and the lease it may open) is not read yet
         try:
             for number, (start, _) in enumerate(groups):
-                reserved, unread = next_reserve.result(), None
+                reserved = yield Answer(next_reserve)
+                unread = None
                 group_states = list(reserved.states)
                 states += group_states
                 indices = _reserved_indices(group_states)
@@ -76,56 +78,57 @@ class PutBatch:
                 if not last and chain_goes_on:
                     extend = reserved.lease_id if in_order and indices else 0
                     next_start, next_stop = groups[number + 1]
-                    sent_at, next_reserve = time.monotonic(), self._reserve(
-                        control, data, ns_id, next_start, next_stop, extend)
+                    sent_at, next_reserve = time.monotonic(), (yield self._reserve(
+                        conn, ns_id, next_start, next_stop, extend))
                     unread = next_reserve
                 group_run = last_run_pages(run, len(indices)) if last else run
                 for first in range(0, len(indices), group_run):
                     after = commits[-1] if commits and not in_order else None
-                    commits.append(self._move_and_commit(control, data, reserved, start,
-                                                         indices[first:first + group_run],
-                                                         move_until[reserved.lease_id], after))
+                    commits.append((yield from self._move_and_commit(reserved, start, indices[first:first + group_run],
+                                                                     move_until[reserved.lease_id], after)))
                 if not chain_goes_on:
                     break
-            answers = [commit.result() for commit in commits]
+            answers = []
+            for commit in commits:
+                answers.append((yield Answer(commit)))
         except BaseException:
             leases = set(move_until)
             if unread is not None:   # sent ahead: its lease, if it opened one, is aborted too
                 try:
-                    leases.add(unread.result().lease_id)
+                    leases.add((yield Answer(unread)).lease_id)
                 except Exception:   # it failed as well, and holds nothing
                     pass
             for lease_id in leases - {0}:
-                control.post("Abort", pb.AbortRequest(lease_id=lease_id))
+                yield Post("Abort", pb.AbortRequest(lease_id=lease_id))
             raise
         return stored_pages(states, answers, self.durable)
 
-    def _reserve(self, control: Any, data: DataPath, ns_id: int, start: int, stop: int, lease_id: int) -> Any:
-        """Submit the Reserve of keys[start:stop] (lease_id 0 opens a lease, else extends it)."""
+    def _reserve(self, conn: Any, ns_id: int, start: int, stop: int, lease_id: int) -> Send:
+        """The Reserve of keys[start:stop] (lease_id 0 opens a lease, else extends it)."""
         if self.parents is not None:
             parent, parent_keys = self.parents[start], self.parents[start:stop]
         else:
             parent, parent_keys = self.keys[start - 1] if start else self.parent, []
         request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=self.keys[start:stop],
-                                    page_bytes=self.page_bytes, lease_id=lease_id, rdma_qp_num=data.rdma_qp_num,
+                                    page_bytes=self.page_bytes, lease_id=lease_id, rdma_qp_num=conn.data.rdma_qp_num,
                                     anchor_absent_parent=self.anchored and not start, parent_keys=parent_keys)
-        return control.submit("Reserve", request)
+        return Send("Reserve", request)
 
-    def _move_and_commit(self, control: Any, data: DataPath, reserved: pb.ReserveResponse, start: int,
-                         indices: Sequence[int], move_until: float, after: Any) -> Any:
-        """Move a run of reserved pages (keys[start + i] for i in indices) into their slots, then submit its
+    def _move_and_commit(self, reserved: pb.ReserveResponse, start: int, indices: Sequence[int], move_until: float,
+                         after: Any) -> Steps[Any]:
+        """Move a run of reserved pages (keys[start + i] for i in indices) into their slots, then send its
         Commit, once `after` (the Commit before it, on a channel without order) has answered."""
         if time.monotonic() > move_until:
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
         pages = reserved_pages(reserved, indices, self.segments, start)
-        written = data.put(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
+        written = yield PutPages(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
         sums, from_writer = commit_checksums(written, pages.segments if written is None else [], self.verify)
         if after is not None:
-            after.result()
-        return control.submit("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=pages.indices,
-                                                         checksums=sums, durable=self.durable,
-                                                         checksums_from_writer=from_writer))
+            yield Answer(after)
+        return (yield Send("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=pages.indices,
+                                                      checksums=sums, durable=self.durable,
+                                                      checksums_from_writer=from_writer)))
 
 
 # A last group at least this long is committed in halves (below it, one more message costs more
@@ -254,59 +257,64 @@ def _why_not_written(index: int, commit_state: int | None) -> str:
     return f"page {index} was reserved but never committed"
 
 
-def get_batch(control: Any, data: DataPath, request: pb.AcquireRequest, keys: list[bytes], segments: PageSegments,
-              verify: bool, on_hot: Callable[[list[tuple[bytes, int]]], None] | None = None) -> int:
-    """Acquire the leading pages of `keys` (the request names the rest: namespace, prefetch policy, waits), move
-    them, release; returns how many were loaded. `on_hot` is told (key, checksum) of the loaded pages the
-    node flagged hot (AcquireResponse.hot_pages).
+def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegments, verify: bool,
+              on_hot: Callable[[list[tuple[bytes, int]]], None] | None = None) -> Callable[[Any], Steps[int]]:
+    """The attempt (node_steps.py) that acquires the leading pages of `keys` (the request names the rest:
+    namespace, prefetch policy, waits), moves them and releases them; it returns how many were loaded.
+    `on_hot` is told (key, checksum) of the loaded pages the node flagged hot (AcquireResponse.hot_pages).
 
     Where the data path's shape says so, the keys are acquired in parts, every Acquire sent at once: the
     node pins the next part while this one is copied. Loading stops at the first part not wholly hit;
-    the leases of the parts after it are released unread.
+    the leases of the parts after it are released unread. An Acquire that waits for commits goes over
+    gRPC (acquire_channel).
     """
-    request.rdma_qp_num = data.rdma_qp_num
-    # A part waiting for commits or promotion would add its wait to the parts before it: one Acquire then.
-    whole = request.wait_ms or request.timeout_ms
-    part = len(keys) if whole else data.shape.acquire_part_pages(len(keys))
-    bounds = [(start, min(start + part, len(keys))) for start in range(0, len(keys), part)]
-    calls = [(time.monotonic(), control.submit("Acquire", _acquire_part(request, keys[start:stop])))
-             for start, stop in bounds]
-    loaded, leases, answered = 0, [], 0
-    try:
-        for (start, stop), (sent_at, call) in zip(bounds, calls):
-            acquired = call.result()
-            answered += 1
-            hits = acquired.hit_pages
-            if not hits:
-                break
-            landed = None
-            try:
-                pages = PageColumns(range(hits), acquired.offsets[:hits], segments[start:start + hits])
-                landed = data.get(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
-            finally:
-                changed = changed_pages(acquired, landed)
-                if changed:   # named with its one lease, so the node drops those pages
-                    control.post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
-                else:
-                    leases.append(acquired.lease_id)
-            check_loaded(acquired, sent_at, segments[start:start + hits], verify, changed)
-            if acquired.hot_pages and on_hot is not None:
-                on_hot([(keys[start + i], acquired.checksums[i]) for i in acquired.hot_pages if i < hits])
-            loaded += hits
-            if hits < stop - start:
-                break
-    finally:
-        leases += _leases_of(calls[answered:])
-        if leases:
-            control.post("Release", pb.ReleaseRequest(lease_ids=leases))
-    return loaded
+    def attempt(conn: Any) -> Steps[int]:
+        request.rdma_qp_num = conn.data.rdma_qp_num
+        # A part waiting for commits or promotion would add its wait to the parts before it: one Acquire then.
+        whole = request.wait_ms or request.timeout_ms
+        part = len(keys) if whole else conn.data.shape.acquire_part_pages(len(keys))
+        bounds = [(start, min(start + part, len(keys))) for start in range(0, len(keys), part)]
+        over = acquire_channel(request.wait_ms)
+        calls = []
+        for start, stop in bounds:
+            calls.append((time.monotonic(), (yield Send("Acquire", _acquire_part(request, keys[start:stop]), over))))
+        loaded, leases, answered = 0, [], 0
+        try:
+            for (start, stop), (sent_at, sent) in zip(bounds, calls):
+                acquired = yield Answer(sent)
+                answered += 1
+                hits = acquired.hit_pages
+                if not hits:
+                    break
+                landed = None
+                try:
+                    pages = PageColumns(range(hits), acquired.offsets[:hits], segments[start:start + hits])
+                    landed = yield GetPages(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
+                finally:
+                    changed = changed_pages(acquired, landed)
+                    if changed:   # named with its one lease, so the node drops those pages
+                        yield Post("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id], changed_pages=changed))
+                    else:
+                        leases.append(acquired.lease_id)
+                check_loaded(acquired, sent_at, segments[start:start + hits], verify, changed)
+                if acquired.hot_pages and on_hot is not None:
+                    on_hot([(keys[start + i], acquired.checksums[i]) for i in acquired.hot_pages if i < hits])
+                loaded += hits
+                if hits < stop - start:
+                    break
+        finally:
+            leases += yield from _leases_of(calls[answered:])
+            if leases:
+                yield Post("Release", pb.ReleaseRequest(lease_ids=leases))
+        return loaded
+    return attempt
 
 
-def acquire_channel(conn: Any, wait_ms: int) -> Any:
-    """The channel a get's Acquire goes over (a node connection, sync or async): one that waits for commits goes
-    over gRPC, whose calls run side by side on the node, not over the local channel, whose calls the node answers
-    one after another (the wait would hold up every other call of this client to the node)."""
-    return conn.grpc if wait_ms else conn.control
+def acquire_channel(wait_ms: int) -> str:
+    """The channel a get's Acquire goes over: one that waits for commits goes over gRPC, whose calls run side by
+    side on the node, not over the local channel, whose calls the node answers one after another (the wait would
+    hold up every other call of this client to the node)."""
+    return GRPC if wait_ms else CONTROL
 
 
 def _acquire_part(request: pb.AcquireRequest, keys: list[bytes]) -> pb.AcquireRequest:
@@ -316,12 +324,12 @@ def _acquire_part(request: pb.AcquireRequest, keys: list[bytes]) -> pb.AcquireRe
     return part
 
 
-def _leases_of(calls: list[tuple[float, Any]]) -> list[int]:
+def _leases_of(calls: list[tuple[float, Any]]) -> Steps[list[int]]:
     """The leases Acquires not read yet opened (they are answered in any case), to be released unread."""
     leases = []
-    for _, call in calls:
+    for _, sent in calls:
         try:
-            lease_id = call.result().lease_id
+            lease_id = (yield Answer(sent)).lease_id
         except errors.KVStoreError:   # nothing was pinned for it, or the node is gone with its leases
             continue
         if lease_id:
