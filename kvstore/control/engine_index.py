@@ -172,7 +172,49 @@ class EngineIndex:
                             places[position] = None
             return result
 
+    def heard_of(self, engine_ids: Sequence[str]) -> bool:
+        """Whether any of these engines has told this node of a page it holds (one not heard of holds nothing)."""
+        with self._lock:
+            return any(engine in self._blocks for engine in engine_ids)
+
+    def leading(self, keys: Sequence[bytes], engine_ids: Sequence[str], tokens: Sequence[int] | None = None,
+                page_tokens: int = 0) -> list[tuple[int, int]]:
+        """For each engine, the leading pages of `keys` it holds in its GPU, and in its GPU or host memory, as
+        holders() places them. The walk ends where every engine's run has ended (at most len(keys) steps,
+        which the Lookup's limit bounds)."""
+        with self._lock:
+            if not self._lookahead:
+                return self._leading_runs(keys, engine_ids)
+        runs = []   # lookahead pages count only where the next page or the tokens follow: holders() decides
+        for places in self.holders(keys, engine_ids, tokens, page_tokens).values():
+            gpu = next((i for i, place in enumerate(places) if place != GPU), len(places))
+            held = next((i for i, place in enumerate(places) if place is None), len(places))
+            runs.append((gpu, held))
+        return runs
+
     # -- with the lock held -------------------------------------------------------------
+
+    def _leading_runs(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> list[tuple[int, int]]:
+        runs = {engine: [0, 0] for engine in engine_ids}
+        held_open = {engine for engine in engine_ids if engine in self._blocks}   # one never heard of holds nothing
+        gpu_open = set(held_open)
+        for key in keys:
+            if not held_open:
+                break
+            holding = self._holders.get(key, {})
+            for engine in tuple(held_open):
+                places = holding.get(engine)
+                if not places:
+                    held_open.discard(engine)
+                    gpu_open.discard(engine)
+                    continue
+                runs[engine][1] += 1
+                if engine in gpu_open:
+                    if GPU in places:
+                        runs[engine][0] += 1
+                    else:
+                        gpu_open.discard(engine)
+        return [(runs[engine][0], runs[engine][1]) for engine in engine_ids]
 
     def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:
         place = MEDIUMS.get(event.medium)

@@ -200,6 +200,21 @@ class PageIndex:
         held = self._pages
         return [i for i, key in enumerate(keys) if (namespace_id, key) in held]
 
+    def places_each(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+        """Where each key's page is, each key on its own: 0 not held, 1 in DRAM, 2 on NVMe only (one byte a key).
+        With key_bytes, `keys` is one buffer of keys that long, back to back."""
+        if key_bytes:
+            if len(keys) % key_bytes:
+                raise ValueError(f"packed keys are {len(keys)} bytes, not a multiple of key_bytes={key_bytes}")
+            keys = list(struct.unpack(f"{key_bytes}s" * (len(keys) // key_bytes), keys))
+        pages = self._pages
+        places = bytearray(len(keys))
+        for i, key in enumerate(keys):
+            record = pages.get((namespace_id, key))
+            if record is not None:
+                places[i] = 1 if record.offset != NO_SLOT else 2
+        return bytes(places)
+
     def leading_offsets(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> list[int]:
         """The DRAM offsets (NO_SLOT: on NVMe only) of leading(namespace_id, keys). With key_bytes,
         `keys` is one buffer of keys that long, back to back (cut here by struct, in C)."""

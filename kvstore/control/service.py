@@ -112,21 +112,38 @@ class KVStoreService:
 
     def lookup(self, request: pb.LookupRequest, owner: object | None) -> pb.LookupResponse:
         namespace = self.store.namespace(request.namespace_id)
+        engine_ids = route.check_engine_ids(request.engine_ids, self.config.route.engines_max) \
+            if request.engine_ids else []
+        route.check_block_tokens(namespace.page_tokens, {e: self.engines.block_tokens(e) for e in engine_ids})
+        followed = self.engines.heard_of(engine_ids)   # the others hold nothing this node knows of
         if request.each_key:
-            if request.tokens or request.keys_packed or request.key_bytes:
-                raise errors.InvalidArgument("each_key asks about keys: send them in keys, not as tokens or packed")
-            keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
-            held = self.store.held_each(request.namespace_id, keys)
+            if request.tokens:
+                raise errors.InvalidArgument("each_key asks about keys: send them in keys or keys_packed, not as tokens")
+            if request.keys_packed or request.key_bytes:
+                packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
+                held = self.store.tiers_each(request.namespace_id, packed, key_bytes)
+                keys = [packed[i:i + key_bytes] for i in range(0, len(packed), key_bytes)] if followed else []
+            else:
+                keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
+                held = self.store.tiers_each(request.namespace_id, keys)
             leading = held.find(0)
-            return pb.LookupResponse(hit_pages=len(held) if leading < 0 else leading, held=held)
-        if request.keys_packed or request.key_bytes:
+            answer = pb.LookupResponse(hit_pages=len(held) if leading < 0 else leading, held=held)
+        elif request.keys_packed or request.key_bytes:
             packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
             tiers_packed = self.store.tiers_packed(request.namespace_id, packed, key_bytes)
-            return pb.LookupResponse(hit_pages=len(tiers_packed), tiers_packed=tiers_packed)
-        keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
-        tiers = self.store.tiers(request.namespace_id, keys)
-        last_key = keys[-1] if request.tokens and keys else b""
-        return pb.LookupResponse(hit_pages=len(tiers), tiers=tiers, last_key=last_key)
+            answer = pb.LookupResponse(hit_pages=len(tiers_packed), tiers_packed=tiers_packed)
+            keys = [packed[i:i + key_bytes] for i in range(0, len(packed), key_bytes)] if followed else []
+        else:
+            keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
+            tiers = self.store.tiers(request.namespace_id, keys)
+            last_key = keys[-1] if request.tokens and keys else b""
+            answer = pb.LookupResponse(hit_pages=len(tiers), tiers=tiers, last_key=last_key)
+        if engine_ids:   # the engines' own caches, from their KV events (Route's view, as leading runs)
+            runs = self.engines.leading(keys, engine_ids, list(request.tokens) or None, namespace.page_tokens) \
+                if followed else [(0, 0)] * len(engine_ids)
+            answer.engines.extend(pb.EnginePrefix(engine_id=engine_id, gpu_pages=gpu, held_pages=held)
+                                  for engine_id, (gpu, held) in zip(engine_ids, runs))
+        return answer
 
     def reserve(self, request: pb.ReserveRequest, owner: object | None) -> pb.ReserveResponse:
         namespace = self.store.namespace(request.namespace_id)

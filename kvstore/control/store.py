@@ -50,6 +50,8 @@ from kvstore_client.proto import pb
 log = logging.getLogger(__name__)
 
 _DRAM_BYTE = bytes([pb.DRAM])
+# index.places_each's bytes (0 not held, 1 DRAM, 2 NVMe only) as Tier values, 0 for not held.
+_TIER_OF_PLACE = bytes([0, pb.DRAM, pb.NVME]) + bytes(253)
 
 
 class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbing):
@@ -182,14 +184,12 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
             return _DRAM_BYTE * len(offsets)
         return bytes(pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets)
 
-    def held_each(self, ns_id: int, keys: list[bytes]) -> bytes:
-        """One byte per key, 1 when its page is held here (any tier), each key on its own."""
-        with self._lock:
-            positions = self.index.positions_held(ns_id, keys)
-        held = bytearray(len(keys))
-        for position in positions:
-            held[position] = 1
-        return bytes(held)
+    def tiers_each(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+        """One byte per key, each key on its own: 0 when its page is not held here, else the tier it is read
+        from (a Tier: DRAM when it is in both). With key_bytes, keys of that length back to back."""
+        with self._lock:   # bounded: at most the Lookup's keys, one table probe each, in C
+            places = self.index.places_each(ns_id, keys, key_bytes=key_bytes)
+        return places.translate(_TIER_OF_PLACE)
 
     def group_presence(self, ns_ids: list[int], keys: list[bytes]) -> tuple[int, list[list[bool]]]:
         """One snapshot of a page group (groups.py): the leading pages of the first namespace, and whether

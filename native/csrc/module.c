@@ -9,6 +9,7 @@
  *   copy_out(base, offsets, pages) -> None                   copy slots out into pages' segments
  *   copy_out_hashed(base, offsets, pages) -> list[int]       the same, and the xxh3 of each copy
  *   xxh3_64(buffer) -> int                                   XXH3_64bits of a buffer
+ *   key_hashes(keys) -> bytes                                BLAKE2b-64 of each bytes key, 8 bytes each (placement)
  *   xxh3_64_kernel(buffer, kernel, cuts) -> int              the same by a named kernel, maybe streamed (tests)
  *   PageIndex, IndexRecord                                   the page index (page_index.c)
  *
@@ -22,6 +23,7 @@
 
 #include "copy_hash.h"
 #include "page_index.h"
+#include "placement_hash.h"
 #include "prefix_hash.h"
 #include "xxh3.h"
 
@@ -528,6 +530,53 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(sum);
 }
 
+/* BLAKE2b with an 8-byte digest of each key of a list of bytes, as uint64s back to back (little-endian): what
+ * placement.py's pure-Python path computes key by key with hashlib. The list is read through a tuple copy
+ * this call owns, so nothing can change it while the GIL is released. */
+static PyObject *py_key_hashes(PyObject *self, PyObject *args) {
+    PyObject *keys_arg;
+    if (!PyArg_ParseTuple(args, "O", &keys_arg))
+        return NULL;
+    PyObject *keys = PySequence_Tuple(keys_arg);
+    if (keys == NULL)
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(keys);
+    const uint8_t **data = PyMem_Malloc(sizeof *data * (size_t)(count ? count : 1));
+    size_t *sizes = PyMem_Malloc(sizeof *sizes * (size_t)(count ? count : 1));
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 8 * count);
+    if (data == NULL || sizes == NULL || out == NULL) {
+        PyMem_Free(data);
+        PyMem_Free(sizes);
+        Py_XDECREF(out);
+        Py_DECREF(keys);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
+        if (!PyBytes_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "key_hashes: key %zd is %.80s, not bytes", i, Py_TYPE(key)->tp_name);
+            PyMem_Free(data);
+            PyMem_Free(sizes);
+            Py_DECREF(out);
+            Py_DECREF(keys);
+            return NULL;
+        }
+        data[i] = (const uint8_t *)PyBytes_AS_STRING(key);
+        sizes[i] = (size_t)PyBytes_GET_SIZE(key);
+    }
+    uint8_t *hashes = (uint8_t *)PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t h = blake2b_64(data[i], sizes[i]);
+        memcpy(hashes + 8 * i, &h, 8);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(data);
+    PyMem_Free(sizes);
+    Py_DECREF(keys);
+    return out;
+}
+
 /* xxh3's kernels by name, for xxh3_64_kernel. */
 static const struct {
     const char *name;
@@ -613,6 +662,8 @@ static PyMethodDef methods[] = {
     {"copy_out_hashed", py_copy_out_hashed, METH_VARARGS,
      "copy_out_hashed(base, offsets, pages) -> list[int]: copy_out, and XXH3_64bits of what landed in each page"},
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "xxh3_64(buffer) -> int: XXH3_64bits of the buffer"},
+    {"key_hashes", py_key_hashes, METH_VARARGS,
+     "key_hashes(keys) -> bytes: BLAKE2b with an 8-byte digest of each bytes key, back to back"},
     {"xxh3_64_kernel", py_xxh3_64_kernel, METH_VARARGS,
      "xxh3_64_kernel(buffer, kernel, cuts) -> int: XXH3_64bits by kernel 'scalar', 'sse2' or 'avx2', one-shot if cuts is None, "
      "else streamed in the pieces between the ascending offsets cuts"},

@@ -889,6 +889,44 @@ static PyObject *index_positions_held(index_t *self, PyObject *args, PyObject *k
     return out;
 }
 
+/* places_each(ns_id, keys, key_bytes=0) -> bytes: where each key's page is, each key on its own: 0 not held,
+ * 1 in DRAM, 2 on NVMe only (a residency query's answer, one byte a key, no object per key). */
+static PyObject *index_places_each(index_t *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"namespace_id", "keys", "key_bytes", NULL};
+    PyObject *ns_id, *obj;
+    Py_ssize_t key_bytes = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n", names, &ns_id, &obj, &key_bytes))
+        return NULL;
+    int64_t ns = ns_lookup(self, ns_id, 0);   /* before the keys are read, as in leading_common */
+    if (ns < 0 && PyErr_Occurred())
+        return NULL;
+    keys_arg_t keys;
+    if (keys_open(&keys, obj, key_bytes) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, keys.count);
+    if (!out) {
+        keys_close(&keys);
+        return NULL;
+    }
+    uint8_t *places = (uint8_t *)PyBytes_AS_STRING(out);
+    memset(places, 0, (size_t)keys.count);
+    for (Py_ssize_t i = 0; i < keys.count && ns >= 0; i++) {
+        const uint8_t *data;
+        size_t len;
+        if (keys_get(&keys, i, &data, &len) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+        pkey_t k;
+        key_encode(&k, data, len);
+        uint32_t page = table_find(self, (uint32_t)ns, &k, NULL);
+        if (page != NONE)
+            places[i] = self->pages[page].offset != NO_SLOT ? 1 : 2;
+    }
+    keys_close(&keys);
+    return out;
+}
+
 /* Apply fn to the page of every record in a sequence. */
 #define FOR_RECORDS(seq_obj, page_var, ...)                                                        \
     do {                                                                                            \
@@ -1577,6 +1615,7 @@ GUARDED_O(index_get)
 GUARDED_KW(index_add)
 GUARDED_KW(index_add_chain)
 GUARDED_KW(index_positions_held)
+GUARDED_KW(index_places_each)
 GUARDED_KW(index_leading)
 GUARDED_KW(index_leading_offsets)
 GUARDED_O(index_touch_all)
@@ -1618,6 +1657,8 @@ static PyMethodDef index_methods[] = {
      "records=False, their number), each the next's parent, added and touched together"},
     {"positions_held", (PyCFunction)(void (*)(void))guarded_index_positions_held, METH_VARARGS | METH_KEYWORDS,
      "positions_held(namespace_id, keys) -> positions of the keys whose pages are held, in order"},
+    {"places_each", (PyCFunction)(void (*)(void))guarded_index_places_each, METH_VARARGS | METH_KEYWORDS,
+     "places_each(namespace_id, keys, key_bytes=0) -> bytes: 0 not held, 1 in DRAM, 2 on NVMe only, a key each"},
     {"leading", (PyCFunction)(void (*)(void))guarded_index_leading, METH_VARARGS | METH_KEYWORDS,
      "leading(namespace_id, keys, key_bytes=0) -> records of the leading keys present; keys may be one "
      "bytes-like of key_bytes-long keys"},

@@ -414,3 +414,46 @@ def test_a_page_read_often_is_copied_to_its_replicas_and_read_from_any(start_nod
             assert pool.get(NS, hot, out) == 16 and np.array_equal(out, data)
         assert pool.delete(NS, hot[:1]) >= 32                            # each copy on both live nodes
         assert [pool._node(n).held(NS, hot) for n in sorted(nodes) if n != best] == [[False] * 16] * 2
+
+
+def test_residency_names_each_pages_tier_and_node_and_each_engines_prefix(start_node, etcd, tmp_path):
+    """One call across the cluster: the leading pages held, each read from its node's tier, and the prefix each
+    engine holds (from the events the node following it heard); a killed node ends the store's run."""
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils
+    from vllm_publisher import BLOCK, FakeEngine
+
+    kv_cache_utils.init_none_hash(sha256_cbor)
+    engines = [FakeEngine(tmp_path, "e1"), FakeEngine(tmp_path, "e2", int_hashes=False)]
+    follows = {"events.engine_ids": "e1,e2", "events.endpoints": ",".join(e.endpoint for e in engines),
+               "events.replay_endpoints": ",".join(e.replay for e in engines)}
+    cluster = "residency"
+    nodes = {name: start_node(name, cluster=cluster, **(follows if name == "n1" else {})) for name in ("n1", "n2", "n3")}
+    ns = Namespace(model="residency", page_bytes=PAGE_BYTES, page_tokens=BLOCK)
+    tokens = random.Random(5).choices(range(32000), k=96 * BLOCK)
+    keys = prefix_hashes(tokens, page_tokens=BLOCK)
+    try:
+        engines[0].prefill(tokens)
+        engines[1].prefill(tokens[:40 * BLOCK])
+        with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", replicas=1) as pool:
+            wait_members(pool, set(nodes))
+            assert pool.put(ns, keys[:64], np.zeros((64, PAGE_BYTES), np.uint8)) == 64
+            placed = [nodes_of[0] for nodes_of in pool._place(encode_keys(keys[:64]), chain_start=True)]
+            deadline = time.monotonic() + 20
+            while True:
+                answer = pool.residency(ns, tokens=tokens, engine_ids=["e1", "e2", "e3"])
+                if answer.engines["e2"].gpu_pages == 40 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert answer.pages == 64 and answer.tier_pages()["dram"] == 64
+            assert list(answer.nodes) == placed and len(answer.node_pages()) == 3
+            assert {e: (h.gpu_pages, h.held_pages) for e, h in answer.engines.items()} == {
+                "e1": (96, 96), "e2": (40, 40), "e3": (0, 0)}
+            cut = placed.index("n3")
+            nodes["n3"].kill()
+            wait_members(pool, {"n1", "n2"})
+            after = pool.residency(ns, keys=keys, engine_ids=["e1"])
+            assert after.pages == cut and "n3" not in after.nodes and after.engines["e1"].gpu_pages == 96
+    finally:
+        for engine in engines:
+            engine.close()

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore_client import AsyncKVStoreClient, InvalidArgument, KVStoreClient, Namespace, errors, prefix_hashes
+from kvstore_client import AsyncKVStoreClient, InvalidArgument, KVStoreClient, Namespace, errors, node_steps, prefix_hashes
 
 PAGE = 8192
 
@@ -271,3 +271,58 @@ def test_per_call_timeout_bounds_a_tcp_get(start_server, ns, monkeypatch):
             out = np.zeros((1, PAGE), np.uint8)
             assert await client.get(ns, ["g0"], out, timeout_s=30) == 1 and np.array_equal(out, pages(1))
     asyncio.run(run())
+
+
+def _recording(take_for, sent):
+    """A shell's step-taker that also notes each message sent or posted and each page move, by kind."""
+    def take_for_conn(conn):
+        take = take_for(conn)
+
+        def noted(step):
+            if isinstance(step, (node_steps.Send, node_steps.Post)):
+                sent.append((type(step).__name__, step.method, list(getattr(step.request, "keys", []))))
+            elif isinstance(step, (node_steps.PutPages, node_steps.GetPages)):
+                sent.append((type(step).__name__, len(step.pages)))
+            return take(step)
+        return noted
+    return take_for_conn
+
+
+def test_both_clients_send_the_same_messages_for_every_call(server, monkeypatch):
+    """One core (node_calls.py) under two shells: the same calls send the same messages in the same order and
+    move the same pages, whether blocking or awaited."""
+    from kvstore_client import async_client, client as sync_client
+    sync_sent, async_sent = [], []
+    monkeypatch.setattr(sync_client, "take_on", _recording(node_steps.take_on, sync_sent))
+    monkeypatch.setattr(async_client, "take_async_on", _recording(node_steps.take_async_on, async_sent))
+    def script(ns_kv, ns_side, prefix):
+        keys = [f"{prefix}-{i}" for i in range(640)]   # the first put long enough to go in several Commits
+        return [("put", (ns_kv, keys[:600], pages(600)), {}),
+                ("put", (ns_kv, keys[600:], pages(40)), {"parent": keys[599]}),
+                ("lookup", (ns_kv, keys), {}), ("held", (ns_kv, keys[::7]), {}),
+                ("get", (ns_kv, keys, np.zeros((640, PAGE), np.uint8)), {}),
+                ("put_group", (keys[:4], [(ns_kv, pages(4)), (ns_side, pages(4))]), {}),
+                ("get_group", ([(ns_kv, keys[:4], np.zeros((4, PAGE), np.uint8)),
+                                (ns_side, keys[:4], np.zeros((4, PAGE), np.uint8))],), {}),
+                ("list_keys", (ns_kv,), {}), ("delete", (ns_kv, keys[635:636]), {}), ("clear", (ns_side,), {})]
+
+    def normalised(sent, prefix):
+        """What was sent, the client's own key prefix taken out."""
+        return [item[:2] + (tuple(key.replace(prefix.encode(), b"P-") for key in item[2]),) if len(item) == 3
+                else item for item in sent]
+
+    def spaces(who):
+        return Namespace(model=f"parity-kv-{who}", page_bytes=PAGE), Namespace(model=f"parity-side-{who}",
+                                                                              page_bytes=PAGE)
+
+    with KVStoreClient(server.address) as client:
+        sync_answers = [getattr(client, name)(*args, **kwargs) for name, args, kwargs in script(*spaces("s"), "s")]
+
+    async def run():
+        async with AsyncKVStoreClient(server.address) as client:
+            return [await getattr(client, name)(*args, **kwargs) for name, args, kwargs in script(*spaces("a"), "a")]
+    async_answers = asyncio.run(run())
+    assert [str(a).replace("a-", "P-") for a in async_answers] == [str(a).replace("s-", "P-") for a in sync_answers]
+    assert sync_answers[2] == 640 and sync_answers[4] == 640 and sync_answers[-2] == 5
+    assert sum(item[1] == "Commit" for item in sync_sent) > 2
+    assert normalised(async_sent, "a-") == normalised(sync_sent, "s-")

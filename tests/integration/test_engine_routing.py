@@ -9,57 +9,25 @@ call publish() is absent: it needs a GPU model runner.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
 
 import numpy as np
 import pytest
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core import kv_cache_utils
 
-from kvstore_client import KVStoreClient, Namespace, errors, prefix_hashes
+from vllm_publisher import BLOCK, FakeEngine
+
+from kvstore_client import AsyncKVStoreClient, KVStoreClient, Namespace, errors, prefix_hashes
+from kvstore_client.residency import EngineHeld
 from kvstore_client.proto import pb
 
-BLOCK = 16
 PAGE_BYTES = 4096
 NS = Namespace(model="route-test", page_bytes=PAGE_BYTES, page_tokens=BLOCK)
-
-
-class FakeEngine:
-    """What a vLLM engine publishes for the prompts it prefills: one BlockStored per prefill, chained."""
-
-    def __init__(self, workdir, name: str, int_hashes: bool = True):
-        self.endpoint = f"ipc://{workdir}/{name}-pub"
-        self.replay = f"ipc://{workdir}/{name}-replay"
-        self.publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=self.endpoint,
-                                           replay_endpoint=self.replay, buffer_steps=100)
-        self.int_hashes = int_hashes
-        self.hashes: list = []
-
-    def block_hashes(self, tokens):
-        hashes, parent = [], None
-        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
-            parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, tokens[start:start + BLOCK])
-            hashes.append(kv_cache_utils.maybe_convert_block_hash(parent) if self.int_hashes else bytes(parent))
-        return hashes
-
-    def prefill(self, tokens, cached_blocks=0):
-        """Publish the blocks of `tokens` past the first `cached_blocks` (already announced)."""
-        hashes = self.block_hashes(tokens)
-        new = hashes[cached_blocks:]
-        self.publish(BlockStored(
-            block_hashes=new, parent_block_hash=hashes[cached_blocks - 1] if cached_blocks else None,
-            token_ids=list(tokens[cached_blocks * BLOCK:len(hashes) * BLOCK]), block_size=BLOCK,
-            lora_id=None, medium="GPU", lora_name=None))
-        return hashes
-
-    def publish(self, *events):
-        self.publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
-
-    def close(self):
-        self.publisher.shutdown()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -141,6 +109,44 @@ def test_subscriber_joining_late_catches_up_through_replay(start_server, engines
     with KVStoreClient(server.address, timeout_s=10) as client:
         _, s = routed(client, tokens, ["e1"], lambda s: s["e1"].engine_gpu_pages == 6)
         assert s["e1"].prefix_pages == 6 and s["e1"].engine_gpu_pages == 6
+
+
+def resident(client, tokens, engine_ids, until, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = client.residency(NS, tokens=tokens, engine_ids=engine_ids)
+        if until(answer) or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.05)
+
+
+def test_residency_says_how_much_of_a_prompt_each_engine_and_tier_holds(start_server, engines):
+    """One call for a prompt longer than one Lookup: the store's leading pages with each one's tier, and each
+    engine's leading pages in its own GPU (from its events), however the chain is split."""
+    e1, e2 = engines
+    server = start_server({"events.engine_ids": "e1,e2", "events.endpoints": f"{e1.endpoint},{e2.endpoint}",
+                           "events.replay_endpoints": f"{e1.replay},{e2.replay}", "limits.lookup_pages_max": 1000})
+    tokens = np.random.default_rng(11).integers(0, 32000, 2500 * BLOCK).tolist()   # 2,500 pages: 3 Lookups
+    keys = prefix_hashes(tokens, BLOCK)
+    e1.prefill(tokens)                     # all 2,500 pages
+    e2.prefill(tokens[:1200 * BLOCK])      # a run that ends inside the second Lookup
+    with KVStoreClient(server.address, timeout_s=10) as client:
+        assert client.put(NS, keys[:2100], np.zeros((2100, PAGE_BYTES), np.uint8)) == 2100
+        answer = resident(client, tokens, ["e1", "e2", "e3"],
+                          lambda a: a.engines["e1"].gpu_pages == 2500 and a.engines["e2"].gpu_pages == 1200)
+        assert answer.pages == 2100 and answer.tier_pages() == {"hbm": 0, "dram": 2100, "nvme": 0}
+        assert answer.engines == {"e1": EngineHeld(2500, 2500), "e2": EngineHeld(1200, 1200), "e3": EngineHeld(0, 0)}
+        assert client.residency(NS, keys=keys[:10]).engines == {}            # no engine asked: none answered
+        e1.publish(BlockRemoved(block_hashes=e1.block_hashes(tokens)[2000:], medium="GPU"))
+        answer = resident(client, tokens, ["e1"], lambda a: a.engines["e1"].gpu_pages == 2000)
+        assert answer.engines["e1"] == EngineHeld(2000, 2000) and answer.pages == 2100
+
+        async def through_async():
+            async with AsyncKVStoreClient(server.address, timeout_s=10) as aclient:
+                return await aclient.residency(NS, tokens=tokens, engine_ids=["e1", "e2"])
+        assert asyncio.run(through_async()) == client.residency(NS, tokens=tokens, engine_ids=["e1", "e2"])
+        with pytest.raises(errors.InvalidArgument, match="same engine twice"):
+            client.residency(NS, keys=keys[:4], engine_ids=["e1", "e1"])
 
 
 def test_route_refuses_bad_requests(client):

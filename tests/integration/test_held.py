@@ -40,3 +40,18 @@ def test_each_key_takes_keys_only(server):
         ns_id = client._namespace_id(NS)
         with pytest.raises(errors.InvalidArgument, match="each_key asks about keys"):
             client._grpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, tokens=[1] * 16, each_key=True))
+
+
+def test_each_key_packed_answers_each_pages_tier(server):
+    """A residency question: keys of one length back to back, each answered with the tier it is read from."""
+    with KVStoreClient(server.address) as client:
+        asked, expected = stored_and_asked(client)
+        ns_id = client._namespace_id(NS)
+        padded = [key.encode().ljust(4, b"_") for key in asked]   # keys of one length, for keys_packed
+        assert client.put(NS, [padded[0], padded[5]], np.zeros((2, PAGE), np.uint8)) == 2
+        answer = client._grpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, keys_packed=b"".join(padded),
+                                                              key_bytes=4, each_key=True))
+        assert list(answer.held) == [pb.DRAM, 0, 0, 0, 0, pb.DRAM] and answer.hit_pages == 1
+        by_list = client._grpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=[k.encode() for k in asked],
+                                                               each_key=True))
+        assert [bool(b) for b in by_list.held] == expected and set(by_list.held) <= {0, pb.DRAM}

@@ -103,7 +103,7 @@ def exercise(svc, pages: int) -> dict[str, list[float]]:
     lock.phase = "reads and stats"
     for _ in range(8):
         store.tiers(big, keys)
-        store.held_each(big, keys)
+        store.tiers_each(big, keys)
         store.snapshot(0, 64)
         store.tenant_stats()
         lease = store.hold_chain(big, keys[:256], 10_000, None)

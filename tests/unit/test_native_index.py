@@ -408,3 +408,18 @@ def test_a_page_read_past_two_to_the_32_times_stays_readable():
     assert record.hits == 2**32 - 1 and record.pins == 1
     record.hits = 2**70
     assert record.hits == 2**32 - 1
+
+
+@pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
+                                                                    marks=needs_native)])
+def test_places_each_says_where_each_key_is_on_its_own(implementation):
+    index = implementation(lambda r: None, lambda r: None)
+    root = index.add((1, b"r"), None, 0, 4096, 0)
+    on_nvme = index.add((1, b"n"), root, 4096, 4096, 1)
+    index.set_on_nvme(on_nvme, True)
+    assert index.evict_dram(4096, True) is on_nvme                      # now on NVMe only
+    assert index.places_each(1, [b"r", b"x", b"n"]) == b"\x01\x00\x02"   # DRAM, not held, NVMe only
+    assert index.places_each(1, b"rxn", key_bytes=1) == b"\x01\x00\x02"
+    assert index.places_each(9, [b"r"]) == b"\x00" and index.places_each(1, []) == b""
+    with pytest.raises(ValueError, match="multiple of key_bytes"):
+        index.places_each(1, b"rxn", key_bytes=2)

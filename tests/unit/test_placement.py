@@ -8,6 +8,7 @@ import pytest
 
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.membership import Member
+from kvstore_client import native, placement
 from kvstore_client.placement import RAMP_FLOOR, place, placeable, rank, weight
 
 KEYS = [random.Random(i).randbytes(32) for i in range(4000)]
@@ -111,3 +112,13 @@ def test_a_read_asks_a_ramping_nodes_keys_of_the_node_they_had_before():
     assert all(order == ("new", before[k]) for k, order in zip(KEYS, orders) if order[0] == "new")
     assert all(order == (before[k],) for k, order in zip(KEYS, orders) if order[0] != "new")
     assert read_order(KEYS, group, now + 100, 1, 0) == [(o,) for o in owners(placeable(group, now + 100))]
+
+
+@pytest.mark.skipif(not native.available(), reason="kvstore_native is not built")
+def test_the_native_key_hashes_are_hashlibs_blake2b_of_eight_bytes():
+    """Placement's key hash in one C call equals the pure path's (hashlib) for every length, across blocks."""
+    rng = random.Random(9)
+    keys = [rng.randbytes(n) for n in [*range(0, 300), 1000, 4096]] + [rng.randbytes(64).hex().encode()]
+    assert placement.key_hashes(keys).tolist() == [placement._hash64(k) for k in keys]
+    with pytest.raises(TypeError, match="not bytes"):
+        native.key_hashes([b"a", "b"])

@@ -85,6 +85,28 @@ def test_hot_pages_forget_the_least_recently_flagged_beyond_their_bound():
     assert hot.to_copy(NS, [b"a", b"b", b"c"]) == [(2, 3)]
 
 
+def test_the_per_namespace_counts_a_read_skips_by_stay_those_of_the_entries():
+    """spread() and to_copy() answer [] at once for a namespace with no entry of their kind: the counts they
+    read are kept through every flag, copy, lost copy and eviction."""
+    rng, spaces = random.Random(4), [NS, Namespace(model="other", page_bytes=64)]
+    hot = HotPages(keys_max=16)
+    for _ in range(2000):
+        namespace, keys = rng.choice(spaces), [b"k%d" % rng.randrange(40) for _ in range(rng.randrange(1, 5))]
+        step = rng.randrange(3)
+        if step == 0:
+            hot.flag(namespace, [(key, rng.randrange(100)) for key in keys])
+        elif step == 1:
+            hot.copied(namespace, keys)
+        else:
+            hot.lost_copy(namespace, keys)
+        for space in spaces:
+            values = [value for (ns, _), value in hot._pages.items() if ns == space]
+            assert hot._spread[space] == sum(v < 0 for v in values)
+            assert hot._waiting[space] == sum(v >= 0 for v in values)
+            every = [key for (ns, key) in hot._pages if ns == space]
+            assert hot.spread(space, every) == [i for i, v in enumerate(values) if v < 0]
+
+
 def test_rotated_reads_start_at_every_replica():
     rng, owners = random.Random(7), ("n1", "n2", "n3")
     firsts = {rotated(owners, rng)[0] for _ in range(60)}

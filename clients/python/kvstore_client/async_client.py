@@ -48,6 +48,7 @@ from kvstore_client.keys import Key, Namespace
 from kvstore_client.node_steps import OnNode, Steps, drive_async, lost_under, take_async_on
 from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
+from kvstore_client.residency import Residency
 from kvstore_client.shm_transport import ShmDataPath
 from kvstore_client.transport_choice import candidates
 
@@ -373,6 +374,11 @@ class AsyncKVStoreClient:
     async def held(self, namespace: Namespace, keys: Sequence[Key], *, timeout_s: float | None = None) -> list[bool]:
         """KVStoreClient.held: whether the node holds each key's page, its Lookups sent at once."""
         return await self._run(node_calls.held(namespace, keys), timeout_s)
+
+    async def residency(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None,
+                        engine_ids: Sequence[str] = (), *, timeout_s: float | None = None) -> Residency:
+        """KVStoreClient.residency: the store's prefix by tier and each named engine's, in one call."""
+        return await self._run(node_calls.residency(namespace, keys, tokens, engine_ids), timeout_s)
 
     async def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
                     tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from kvstore_client.cluster import KVStoreCluster
 
-_CALLS = ("put", "get", "lookup", "held", "route", "delete", "clear", "list_keys", "list_pages", "events_run",
+_CALLS = ("put", "get", "lookup", "held", "residency", "route", "delete", "clear", "list_keys", "list_pages", "events_run",
           "node_list_pages", "stats", "node_stats", "stage", "commit_group", "abort_staged", "put_group",
           "lookup_group", "get_group", "register_buffer")
 

@@ -53,6 +53,7 @@ from kvstore_client.node_steps import OnNode, Steps, drive, lost_under, take_on
 from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
+from kvstore_client.residency import Residency
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,19 @@ class KVStoreClient:
         """Whether the node holds each key's page, each key on its own (keys of several chains at once, not
         only a leading run): one Lookup per limits.lookup_pages_max keys. Extends no lease."""
         return self._run(node_calls.held(namespace, keys), timeout_s)
+
+    def residency(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None,
+                  engine_ids: Sequence[str] = (), *, timeout_s: float | None = None) -> Residency:
+        """Where a prompt's pages are (residency.py): the leading pages this node holds and the tier each is read
+        from, and for each of `engine_ids` the leading pages it holds in its own memory (from its KV events).
+        By keys or token ids; one call for a prompt of any length. Extends no lease."""
+        return self._run(node_calls.residency(namespace, keys, tokens, engine_ids), timeout_s)
+
+    def _tiers_each(self, namespace: Namespace, chain: Any, engine_ids: list[str], *,
+                    timeout_s: float | None = None) -> tuple[bytes, dict]:
+        """Where each page of a chain (lookup.packed_chain's) is on this node, one byte a key (0: not held, else its
+        Tier), and each engine's leading pages of it: a cluster's residency asks every node this."""
+        return self._run(node_calls.tiers_each(namespace, chain, engine_ids), timeout_s)
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:

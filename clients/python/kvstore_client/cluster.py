@@ -63,6 +63,8 @@ from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from kvstore_client import checksums, errors, groups, lookup, placement
 from kvstore_client.arguments import engine_id_list, get_pages, parent_list, put_pages
 from kvstore_client.client import KVStoreClient
@@ -76,6 +78,7 @@ from kvstore_client.membership import Member, MembershipView, local_host_id
 from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
+from kvstore_client.residency import EngineHeld, Residency
 from kvstore_client.record_trust import RecordTrust
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DELETE_ROUNDS_MAX = 64    # a chain's pieces hang off each other across nodes a few levels deep, not 64
+NOT_HELD = 255            # a residency answer's "no tier", above every Tier
 
 # What a lost or leaving node answers with: the call on it reads as a miss.
 NODE_LOST = (errors.Unavailable, errors.DeadlineExceeded, errors.Draining, errors.TransportUnavailable)
@@ -282,6 +286,36 @@ class KVStoreCluster:
         raw = encode_keys(keys)
         return self._read(raw, lambda client, positions: client.held(
             namespace, [raw[i] for i in positions], timeout_s=timeout_s), leading=False, namespace=namespace)
+
+    def residency(self, namespace: Namespace, keys: Sequence[Key] | None = None, tokens: Any = None,
+                  engine_ids: Sequence[str] = (), *, timeout_s: float | None = None) -> Residency:
+        """Where a prompt's pages are across the cluster (residency.py): the leading pages the cluster holds, the
+        tier and node each is read from, and each engine's leading pages in its own memory, the most any node
+        heard of (a node follows the engines configured to publish to it).
+
+        One round: the chain is hashed once, and every serving member is asked, at once, where each of its
+        pages is (Lookup each_key, in parts) and how much of it the engines hold. No placement is computed: a
+        page counts wherever it is (its best node, a replica, a node it had before a join), read from the
+        fastest tier that holds it, the lower node id on a tie. A member that does not answer holds nothing."""
+        chain = lookup.packed_chain(namespace, keys, tokens)
+        ids = engine_id_list(engine_ids)
+        members = self._serving()
+        answers = self._each_member(lambda c: c._tiers_each(namespace, chain, ids, timeout_s=timeout_s), members,
+                                    raise_errors=True)
+        held = [(node_id, answer) for node_id, answer in sorted(answers.items()) if answer is not None]
+        if not held and members:
+            raise errors.Unavailable(f"no member of cluster {self.cluster!r} answers")
+        if not held or not len(chain):
+            return Residency(0, b"", {e: EngineHeld(0, 0) for e in ids})
+        tiers = np.stack([np.frombuffer(answer[0], dtype=np.uint8) for _, answer in held])
+        tiers = np.where(tiers == 0, NOT_HELD, tiers)            # a lower Tier is a faster one
+        fastest, at = tiers.min(axis=0), tiers.argmin(axis=0)
+        missing = np.flatnonzero(fastest == NOT_HELD)
+        pages = int(missing[0]) if missing.size else len(fastest)
+        nodes = tuple(np.array([node_id for node_id, _ in held], dtype=object)[at[:pages]])
+        engines = {e: EngineHeld(max(answer[1][e].gpu_pages for _, answer in held),
+                                 max(answer[1][e].held_pages for _, answer in held)) for e in ids}
+        return Residency(pages, fastest[:pages].tobytes(), engines, nodes)
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:

@@ -35,6 +35,10 @@ class HotPages:
         self._keys_max = keys_max
         # (namespace, key) -> the checksum its node gave, until this client copied it: then COPIED
         self._pages: collections.OrderedDict[tuple[Namespace, bytes], int] = collections.OrderedDict()
+        # Per namespace, how many of its entries wait to be copied and how many are copied (or lost a copy): a
+        # read of a namespace with none of either asks nothing per key.
+        self._waiting: collections.Counter[Namespace] = collections.Counter()
+        self._spread: collections.Counter[Namespace] = collections.Counter()
         self._lock = threading.Lock()
 
     def flag(self, namespace: Namespace, pages: Sequence[tuple[bytes, int]]) -> None:
@@ -43,14 +47,17 @@ class HotPages:
             for key, checksum in pages:
                 page = (namespace, key)
                 if self._pages.get(page) != COPIED:
-                    self._pages[page] = checksum
+                    self._set(page, checksum)
                 self._pages.move_to_end(page)
             while len(self._pages) > self._keys_max:
-                self._pages.popitem(last=False)
+                page, value = self._pages.popitem(last=False)
+                (self._spread if value < 0 else self._waiting)[page[0]] -= 1
 
     def to_copy(self, namespace: Namespace, keys: Sequence[bytes]) -> list[tuple[int, int]]:
         """(position, checksum) of the keys flagged hot and not yet copied to their replicas."""
         with self._lock:
+            if not self._waiting[namespace]:
+                return []
             found = [(i, self._pages.get((namespace, key), COPIED)) for i, key in enumerate(keys)]
         return [(i, checksum) for i, checksum in found if checksum >= 0]
 
@@ -58,19 +65,29 @@ class HotPages:
         with self._lock:
             for key in keys:
                 if (namespace, key) in self._pages:
-                    self._pages[(namespace, key)] = COPIED
+                    self._set((namespace, key), COPIED)
 
     def lost_copy(self, namespace: Namespace, keys: Sequence[bytes]) -> None:
         """A replica missed these copied pages: copy them again the next time a node flags them."""
         with self._lock:
             for key in keys:
                 if self._pages.get((namespace, key)) == COPIED:
-                    self._pages[(namespace, key)] = LOST_COPY
+                    self._set((namespace, key), LOST_COPY)
 
     def spread(self, namespace: Namespace, keys: Sequence[bytes]) -> list[int]:
         """Positions of the keys whose reads go to any of their replicas (copied there)."""
         with self._lock:
+            if not self._spread[namespace]:
+                return []
             return [i for i, key in enumerate(keys) if self._pages.get((namespace, key), 0) < 0]
+
+    def _set(self, page: tuple[Namespace, bytes], value: int) -> None:
+        """An entry's new value, its namespace's counts kept (the lock held)."""
+        before = self._pages.get(page)
+        if before is not None:
+            (self._spread if before < 0 else self._waiting)[page[0]] -= 1
+        (self._spread if value < 0 else self._waiting)[page[0]] += 1
+        self._pages[page] = value
 
 
 def rotated(owners: tuple[str, ...], rng: random.Random) -> tuple[str, ...]:

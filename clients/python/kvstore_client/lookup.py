@@ -28,6 +28,7 @@ from kvstore_client import errors
 from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed
 from kvstore_client.node_steps import Answer, Send, Steps
 from kvstore_client.proto import pb
+from kvstore_client.residency import EngineHeld, Leading, Residency
 from kvstore_client.tokens import token_array
 
 HEX_KEY_BYTES = 64   # a token chain's key: a SHA-256 digest in hex
@@ -83,6 +84,14 @@ def chain_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) ->
     return chain.unpacked() if isinstance(chain, PackedKeys) else chain
 
 
+def packed_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Chain:
+    """lookup_chain with its tokens hashed now, whole (one native call), for a chain several nodes are asked."""
+    chain = lookup_chain(namespace, keys, tokens)
+    if isinstance(chain, TokenChain):
+        return next(iter(chain.parts(max(len(chain), 1))), PackedKeys(b"", HEX_KEY_BYTES))
+    return chain
+
+
 def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Chain:
     """The keys a lookup names, packed where they have one length; tokens as a TokenChain."""
     if (keys is None) == (tokens is None):
@@ -131,6 +140,41 @@ def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> Itera
         yield _request(namespace_id, part)
 
 
+def residency_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str]) -> Steps[Residency]:
+    """How long a prefix of `chain` the node holds, each page's tier, and each engine's prefix (residency.py),
+    over as many Lookups as the node's limit needs, all sent at once."""
+    parts = []
+    for request in lookup_requests(limits, namespace_id, chain):
+        request.engine_ids.extend(engine_ids)
+        size = len(request.keys_packed) // request.key_bytes if request.key_bytes else len(request.keys)
+        parts.append((size, (yield Send("Lookup", request))))
+    leading = Leading(engine_ids)
+    for size, part in parts:
+        leading.add(size, (yield Answer(part)))
+        if leading.done():
+            break
+    return leading.residency()
+
+
+def tiers_each_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str]
+                  ) -> Steps[tuple[bytes, dict[str, EngineHeld]]]:
+    """Where each page of `chain` is on the node, each on its own (one byte a key: 0 not held, else its Tier),
+    and each engine's leading pages of it, over as many Lookups (each_key) as the node's limit needs, all sent
+    at once (the node answers one part while the next is on its way)."""
+    parts = []
+    for request in lookup_requests(limits, namespace_id, chain):
+        request.each_key = True
+        request.engine_ids.extend(engine_ids)
+        size = len(request.keys_packed) // request.key_bytes if request.key_bytes else len(request.keys)
+        parts.append((size, (yield Send("Lookup", request))))
+    engines, tiers = Leading(engine_ids), []
+    for size, part in parts:
+        answer = yield Answer(part)
+        tiers.append(answer.held)
+        engines.add_engines(size, answer.engines)
+    return b"".join(tiers), engines.engines_held()
+
+
 def held_each(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> Steps[list[bool]]:
     """Whether each key is held, its parts sent at once and read in order."""
     parts = []
@@ -147,16 +191,6 @@ def held_requests(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> li
     part = pages_per_part(limits)
     return [pb.LookupRequest(namespace_id=namespace_id, keys=keys[start:start + part], each_key=True)
             for start in range(0, len(keys), part)]
-
-
-def leading_sum(hit_pages: Iterable[int], part_pages: int) -> int:
-    """The chain's leading hits from its parts' answers, in order: up to the first part not wholly present."""
-    hits = 0
-    for part_hits in hit_pages:
-        hits += part_hits
-        if part_hits < part_pages:
-            break
-    return hits
 
 
 def _request(namespace_id: int, part: PackedKeys | list) -> pb.LookupRequest:

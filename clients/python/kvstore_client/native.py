@@ -31,3 +31,4 @@ def available() -> bool:
 # the SDK takes the Python path for them.
 pack_keys = getattr(module, "pack_keys", None)
 prefix_hashes_packed = getattr(module, "prefix_hashes_packed", None)
+key_hashes = getattr(module, "key_hashes", None)

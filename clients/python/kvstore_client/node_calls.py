@@ -24,10 +24,11 @@ from kvstore_client.arguments import (engine_id_list, get_pages, keys_or_tokens,
 from kvstore_client.events import PageSnapshot, page_snapshot
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace, encode_key, encode_keys
-from kvstore_client.lookup import held_each, leading_hits, lookup_chain
+from kvstore_client.lookup import Chain, held_each, leading_hits, lookup_chain, residency_of, tiers_each_of
 from kvstore_client.node_steps import GetPages, OnNode, Steps, call
 from kvstore_client.pipeline import PutBatch, PutResult, get_batch
 from kvstore_client.proto import pb
+from kvstore_client.residency import Leading, Residency
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,25 @@ def held(namespace: Namespace, keys: Sequence[Key]) -> Steps[list[bool]]:
     raw = encode_keys(keys)
     return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: held_each(
         conn.hello.limits, ns_id, raw))))
+
+
+def residency(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any, engine_ids: Sequence[str]
+              ) -> Steps[Residency]:
+    """KVStoreClient.residency: the store's prefix by tier and each engine's, one attempt (lookup.residency_of)."""
+    chain = lookup_chain(namespace, keys, tokens)
+    ids = engine_id_list(engine_ids)
+    if tokens is not None and not chain:
+        return Leading(ids).residency()   # fewer tokens than one page
+    return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: residency_of(
+        conn.hello.limits, ns_id, chain, ids))))
+
+
+def tiers_each(namespace: Namespace, chain: Chain, engine_ids: list[str]) -> Steps[tuple[bytes, dict]]:
+    """Where each page of a chain is on the node, and the engines' prefixes of it (lookup.tiers_each_of)."""
+    if not len(chain):
+        return b"", Leading(engine_ids).engines_held()
+    return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: tiers_each_of(
+        conn.hello.limits, ns_id, chain, engine_ids))))
 
 
 def route(namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None, tokens: Any

@@ -17,9 +17,9 @@ parent or anchor) write its first `replicated_pages` pages to the `replicas` bes
 
 Rendezvous scoring (Schindelhauer and Schomaker's weighted form, -w / ln(u), u from the
 key's and the node's hash in (0, 1)) moves only the pages the changed node wins or loses:
-about 1/N when one of N equal nodes joins or leaves. The key is hashed once (BLAKE2b) and
-mixed with each node's salt in numpy, so placing 8,000 pages over 8 nodes costs
-milliseconds. A node's weight is its capacity times a ramp that grows linearly from
+about 1/N when one of N equal nodes joins or leaves. The key is hashed once (BLAKE2b, 8-byte
+digest; all keys of a call in one native call where kvstore_native is built) and mixed with
+each node's salt in numpy, so placing 8,000 pages over 8 nodes costs about a millisecond. A node's weight is its capacity times a ramp that grows linearly from
 `RAMP_FLOOR` to 1 over the node's ramp_s after it starts serving, so an empty node does not
 take every new write at once; while it ramps, a read that misses a key there asks the node the key
 had before it came (read_order).
@@ -32,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvstore_client import native
 from kvstore_client.errors import InvalidArgument
 from kvstore_client.membership import Member
 
@@ -85,12 +86,20 @@ def _hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def key_hashes(keys: Sequence[bytes]) -> np.ndarray:
+    """_hash64 of each key: in one native call where kvstore_native is built (8,192 keys in a fraction of a
+    millisecond, against several key by key)."""
+    if native.key_hashes is not None:
+        return np.frombuffer(native.key_hashes(keys), dtype=np.uint64)
+    return np.fromiter((_hash64(k) for k in keys), dtype=np.uint64, count=len(keys))
+
+
 def _scores(keys: Sequence[bytes], node_ids: Sequence[str], weights: Sequence[float]) -> np.ndarray:
     """scores[i, j]: key i's rendezvous score on node j (splitmix64 of key hash ^ node salt)."""
-    key_hashes = np.fromiter((_hash64(k) for k in keys), dtype=np.uint64, count=len(keys))
+    hashed = key_hashes(keys)
     salts = np.array([_hash64(b"node:" + n.encode()) for n in node_ids], dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = key_hashes[:, None] ^ salts[None, :]
+        z = hashed[:, None] ^ salts[None, :]
         z = (z ^ (z >> np.uint64(30))) * _MIX_1
         z = (z ^ (z >> np.uint64(27))) * _MIX_2
         z = z ^ (z >> np.uint64(31))

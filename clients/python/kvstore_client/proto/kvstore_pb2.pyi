@@ -206,7 +206,7 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes", "each_key")
+    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes", "each_key", "engine_ids")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class LookupRequest(_message.Message):
     KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     EACH_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -221,21 +222,34 @@ class LookupRequest(_message.Message):
     keys_packed: bytes
     key_bytes: int
     each_key: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., each_key: _Optional[bool] = ...) -> None: ...
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., each_key: _Optional[bool] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EnginePrefix(_message.Message):
+    __slots__ = ("engine_id", "gpu_pages", "held_pages")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    gpu_pages: int
+    held_pages: int
+    def __init__(self, engine_id: _Optional[str] = ..., gpu_pages: _Optional[int] = ..., held_pages: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_pages", "tiers", "last_key", "tiers_packed", "held")
+    __slots__ = ("hit_pages", "tiers", "last_key", "tiers_packed", "held", "engines")
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAST_KEY_FIELD_NUMBER: _ClassVar[int]
     TIERS_PACKED_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     hit_pages: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     last_key: bytes
     tiers_packed: bytes
     held: bytes
-    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ..., held: _Optional[bytes] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EnginePrefix]
+    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ..., held: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EnginePrefix, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent", "parent_keys")
