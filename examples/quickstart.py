@@ -35,13 +35,15 @@ def host_pool(pages: int) -> np.ndarray:
     return pool
 
 
-def start_node(workdir: str) -> tuple[subprocess.Popen, str]:
+def start_node(workdir: str, *settings: str) -> tuple[subprocess.Popen, str]:
+    """A node on loopback (each of `settings`, "section.key=value", set on its command line)."""
     ready = os.path.join(workdir, "ready.json")
+    extra = [arg for setting in settings for arg in ("--set", setting)]
     node = subprocess.Popen([sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                              "--shm-socket", os.path.join(workdir, "kvstore.sock"), "--ready-file", ready,
                              "--arena-bytes", "1GiB", "--set", "server.log_level=WARNING",
                              "--set", f"nvme.paths={os.path.join(workdir, 'nvme-0')}",
-                             "--set", "ops.metrics_address=127.0.0.1:0"])
+                             "--set", "ops.metrics_address=127.0.0.1:0", *extra])
     while not os.path.exists(ready):
         if node.poll() is not None:
             raise SystemExit("kvstore-server failed to start")

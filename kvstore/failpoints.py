@@ -7,6 +7,7 @@ is one lookup in an empty dict. A test arms points through the configuration
     commit.after_publish=kill@3            SIGKILL this process the 3rd time the point is reached
     writedown.before_lmdb_commit=kill%0.2  SIGKILL with probability 0.2 each time (seeded)
     promote.after_read=error@1             raise FailpointError once, the 1st time
+    acquire.each_page=sleep:5              sleep 5 ms for each page an Acquire answers (a slow tier's stand-in)
 
 Several specs are separated by commas. The crash tests (tests/fault/test_crash_failpoints.py)
 kill the node at every point and check what a restart serves.
@@ -18,6 +19,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 NAMES = (
     "reserve.after_allocate",        # slots taken for a write lease, nothing written yet
@@ -30,6 +32,7 @@ NAMES = (
     "evict.after_victims",           # DRAM or NVMe victims chosen and unlinked
     "delete.before_nvme",            # pages gone from the index, still on NVMe
     "recovery.after_scan",           # start-up: headers read, orphans not yet dropped
+    "acquire.each_page",             # an Acquire's pages pinned, not yet answered (sleep: a slow tier)
 )
 
 
@@ -38,10 +41,10 @@ class FailpointError(RuntimeError):
 
 
 class _Armed:
-    __slots__ = ("action", "countdown", "probability")
+    __slots__ = ("action", "countdown", "probability", "sleep_s")
 
-    def __init__(self, action: str, countdown: int, probability: float):
-        self.action, self.countdown, self.probability = action, countdown, probability
+    def __init__(self, action: str, countdown: int, probability: float, sleep_s: float = 0.0):
+        self.action, self.countdown, self.probability, self.sleep_s = action, countdown, probability, sleep_s
 
 
 _armed: dict[str, _Armed] = {}
@@ -58,6 +61,15 @@ def arm(specs: str, seed: int = 0) -> None:
         name, _, trigger = spec.partition("=")
         if name not in NAMES:
             raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(NAMES)}")
+        if trigger.startswith("sleep:"):
+            try:
+                sleep_ms = float(trigger.removeprefix("sleep:"))
+            except ValueError:
+                sleep_ms = -1.0
+            if not 0 < sleep_ms <= 10_000:
+                raise ValueError(f"failpoint spec {spec!r}: want name=sleep:MS, MS in (0, 10000]")
+            _armed[name] = _Armed("sleep", 0, 0.0, sleep_ms / 1000)
+            continue
         action, at, count = trigger.partition("@")
         if at:
             armed = _Armed(action, int(count), 0.0)
@@ -65,17 +77,21 @@ def arm(specs: str, seed: int = 0) -> None:
             action, _, probability = trigger.partition("%")
             armed = _Armed(action, 0, float(probability))
         if action not in ("kill", "error") or (at and armed.countdown < 1) or (not at and not 0 < armed.probability <= 1):
-            raise ValueError(f"failpoint spec {spec!r}: want name=kill@N, name=error@N, name=kill%P or name=error%P")
+            raise ValueError(f"failpoint spec {spec!r}: want name=kill@N, name=error@N, name=kill%P, name=error%P "
+                             "or name=sleep:MS")
         _armed[name] = armed
 
 
-def hit(name: str) -> None:
-    """Reached a failpoint: do what it is armed with, if anything."""
+def hit(name: str, times: int = 1) -> None:
+    """Reached a failpoint (`times` over, for a point per page): do what it is armed with, if anything."""
     if not _armed:
         return
     assert name in NAMES, f"unregistered failpoint {name}"
     armed = _armed.get(name)
     if armed is None:
+        return
+    if armed.action == "sleep":
+        time.sleep(armed.sleep_s * times)
         return
     with _lock:
         if armed.countdown:

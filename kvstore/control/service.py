@@ -18,13 +18,14 @@ import secrets
 import time
 from typing import Any, Callable
 
-from kvstore import __version__
+from kvstore import __version__, failpoints
 from kvstore.control import checks, route, tenancy
 from kvstore_client import groups
 from kvstore.control.controller import CacheController
 from kvstore.control.store_events import topic_of
 from kvstore.control.engine_index import EngineIndex
 from kvstore.control.identity import TRUSTED, Caller
+from kvstore.control.load_rates import LoadRates
 from kvstore.control.local_proof import LocalProof
 from kvstore.control.read_heat import ReadHeat
 from kvstore.control.scrubber import Scrubber
@@ -63,6 +64,7 @@ class KVStoreService:
         cluster = self.config.cluster
         self.read_heat = (ReadHeat(cluster.hot_reads, cluster.hot_half_life_s, cluster.hot_pages_max)
                           if cluster.endpoints and cluster.hot_reads else None)   # only a cluster replicates
+        self.load_rates = LoadRates()   # what an Acquire's pages cost lately, per tier (fetch or recompute)
         self._methods: dict[str, Callable[[Any, object | None], Any]] = {
             "Hello": self.hello, "OpenNamespace": self.open_namespace, "Lookup": self.lookup,
             "Reserve": self.reserve, "Commit": self.commit, "Abort": self.abort,
@@ -138,6 +140,8 @@ class KVStoreService:
             tiers = self.store.tiers(request.namespace_id, keys)
             last_key = keys[-1] if request.tokens and keys else b""
             answer = pb.LookupResponse(hit_pages=len(tiers), tiers=tiers, last_key=last_key)
+        if request.load_rates:
+            answer.load_rates.extend(self.load_rates.answer())
         if engine_ids:   # the engines' own caches, from their KV events (Route's view, as leading runs)
             runs = self.engines.leading(keys, engine_ids, list(request.tokens) or None, namespace.page_tokens) \
                 if followed else [(0, 0)] * len(engine_ids)
@@ -217,17 +221,19 @@ class KVStoreService:
         self._touch_rdma(request.rdma_qp_num)
         if commit_wait_s:
             self.store.wait_committed(request.namespace_id, keys, time.monotonic() + commit_wait_s)
+        started = time.monotonic()   # after any wait for commits: that is a writer's time, not the tier's
         # Every leading page is pinned first, so promoting the tail never evicts the head.
         lease = self.store.hold_chain(request.namespace_id, keys, ttl_ms, owner)
-        return self._answer_acquire(request, keys, lease, ttl_ms, namespace.page_bytes)
+        return self._answer_acquire(request, keys, lease, ttl_ms, namespace.page_bytes, started)
 
     def _answer_acquire(self, request: pb.AcquireRequest, keys: list[bytes], lease: Any, ttl_ms: int,
-                        page_bytes: int) -> pb.AcquireResponse:
+                        page_bytes: int, started: float) -> pb.AcquireResponse:
         """Bring a held chain's pages into DRAM as the request's policy allows, keep the leading ones in
-        DRAM under the lease and answer with them."""
+        DRAM under the lease and answer with them; what that cost per page goes into load_rates."""
         store = self.store
         deadline = time.monotonic() + checks.promote_wait_s(request, self.config)   # not used up by a commit wait
         promoted = from_dram = short = 0
+        promote_s = 0.0
         try:
             missing = store.missing(lease)
             from_dram = lease.pinned.index(missing[0]) if missing else len(lease.pinned)
@@ -236,11 +242,13 @@ class KVStoreService:
                 if request.policy == pb.BEST_EFFORT or not controller.take_waiter():
                     store.want(lease)
                 else:
+                    promote_started = time.monotonic()
                     try:
                         promoted, short = controller.promote(missing, deadline)
                         store.wait_settled(missing, deadline)   # pages another get is promoting
                     finally:
                         controller.leave_waiter()
+                        promote_s = time.monotonic() - promote_started
         finally:
             held = store.trim_read_lease(lease, len(keys), from_dram)
         if held is None:
@@ -251,11 +259,15 @@ class KVStoreService:
                     "finished gets, try again, or raise dram.arena_bytes")
             return pb.AcquireResponse(page_bytes=page_bytes)
         pages = held.pinned
+        failpoints.hit("acquire.each_page", len(pages))
+        promoted = min(promoted, len(pages))
+        self.load_rates.observe(pb.DRAM, len(pages), time.monotonic() - started - promote_s)
+        self.load_rates.observe(pb.NVME, promoted, promote_s)
         hot = self.read_heat.read(request.namespace_id, keys[:len(pages)]) if self.read_heat is not None else ()
         return pb.AcquireResponse(
             lease_id=held.lease_id, hit_pages=len(pages), offsets=[r.offset for r in pages],
             checksums=[r.checksum for r in pages], page_bytes=page_bytes, lease_ttl_ms=ttl_ms,
-            promoted_pages=min(promoted, len(pages)), data_token=held.token, hot_pages=hot)
+            promoted_pages=promoted, data_token=held.token, hot_pages=hot)
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
         if request.changed_pages:
@@ -322,7 +334,7 @@ class KVStoreService:
         answers: list[pb.AcquireResponse] = []
         try:
             for part, keys, lease, size in zip(request.parts, part_keys, leases, page_bytes):
-                answers.append(self._answer_acquire(part, keys, lease, ttl_ms, size))
+                answers.append(self._answer_acquire(part, keys, lease, ttl_ms, size, time.monotonic()))
         except BaseException:   # no lease of a group that is not answered outlives the call
             self.store.release([answer.lease_id for answer in answers if answer.lease_id])
             self.store.drop_held(leases[len(answers) + 1:])

@@ -141,6 +141,22 @@ def test_misses_load_nothing_past_the_first_gap(server):
     assert backend.get(keys[3], pool.get_dummy_flat_data_page()) is None
 
 
+def test_a_hit_slower_to_load_than_to_prefill_is_answered_as_a_miss(start_server):
+    """Fetch or recompute through SGLang's own factory: with kvstore_recompute_s_per_token, batch_exists answers
+    only the leading pages that load faster than SGLang would prefill them. A slow node (every page an Acquire
+    answers costs 10 ms more: the test-only failpoint) answers none at 20 us a token; a fast one answers all."""
+    for settings, expected in (({"testing.failpoints": "acquire.each_page=sleep:10"}, 0), ({}, 6)):
+        server = start_server(settings)
+        pool = SGLangHostPool("page_first", pages=12, page_size=PAGE)
+        pool.fill_random(seed=5)
+        plain, weighing = create(server, pool), create(server, pool, kvstore_recompute_s_per_token=20e-6)
+        keys = prefix_hashes(tokens(6 * PAGE, seed=5), PAGE)
+        assert plain.batch_set_v1(keys, host_indices(0, 6)) == [True] * 6
+        assert weighing.batch_get_v1(keys, host_indices(6, 6)) == [True] * 6   # a read measures the tier
+        assert plain.batch_exists(keys) == 6
+        assert weighing.batch_exists(keys) == expected
+
+
 def test_prefix_keys_chain_batches(server):
     """With hicache_storage_pass_prefix_keys, a batch hangs off the page before it."""
     pool = SGLangHostPool("page_first", pages=8, page_size=PAGE)
@@ -322,6 +338,7 @@ def test_namespace_carries_model_layout_and_page_bytes(server):
     ({"kvstore_tagret": "x"}, "unknown setting(s) kvstore_tagret"),
     ({"kvstore_control": "tcp"}, "kvstore_control must be"),
     ({"kvstore_timeout_s": 0}, "kvstore_timeout_s must be a positive number"),
+    ({"kvstore_recompute_s_per_token": -1}, "kvstore_recompute_s_per_token must be seconds a token"),
 ])
 def test_bad_extra_config_stops_start_up_naming_the_key(server, bad, message):
     pool = SGLangHostPool("page_first", pages=2, page_size=PAGE)

@@ -45,6 +45,7 @@ from kvstore_client.credentials import Credentials
 from kvstore_client.events import PageSnapshot
 from kvstore_client.groups import GroupHits, GroupPart, StagedPages
 from kvstore_client.keys import Key, Namespace
+from kvstore_client.load_estimate import TransferRate
 from kvstore_client.node_steps import OnNode, Steps, drive_async, lost_under, take_async_on
 from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
@@ -242,6 +243,7 @@ class _Connection:
         self.no_data_reason = ""                         # why data is None, for put/get to say
         self.arena_channel: LocalChannel | None = None   # the arena came over it; open while the mapping is used
         self.namespace_ids: dict[Namespace, int] = {}
+        self.transfer = TransferRate()                   # what its gets moved a second lately (load_estimate.py)
 
     @classmethod
     async def open(cls, target: str, timeout_s: float, transport: str, client_name: str,

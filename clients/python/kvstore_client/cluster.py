@@ -78,6 +78,7 @@ from kvstore_client.membership import Member, MembershipView, local_host_id
 from kvstore_client.pipeline import PutResult
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
+from kvstore_client.load_estimate import LoadCosts
 from kvstore_client.residency import EngineHeld, Residency
 from kvstore_client.record_trust import RecordTrust
 
@@ -315,7 +316,7 @@ class KVStoreCluster:
         nodes = tuple(np.array([node_id for node_id, _ in held], dtype=object)[at[:pages]])
         engines = {e: EngineHeld(max(answer[1][e].gpu_pages for _, answer in held),
                                  max(answer[1][e].held_pages for _, answer in held)) for e in ids}
-        return Residency(pages, fastest[:pages].tobytes(), engines, nodes)
+        return Residency(pages, fastest[:pages].tobytes(), engines, nodes, _slowest([a[2] for _, a in held]))
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
@@ -781,6 +782,15 @@ def _picked(pages: Any, positions: list[int]) -> Any:
     if last - first + 1 == len(positions):
         return pages[first:last + 1]
     return [pages[i] for i in positions]
+
+
+def _slowest(costs: list[LoadCosts]) -> LoadCosts:
+    """One estimate for pages spread over nodes: each tier's cost on its slowest node, the slowest data plane
+    measured, the longest round trip (the nodes are asked at once)."""
+    tiers = {tier for cost in costs for tier in cost.seconds_per_page}
+    planes = [cost.plane_bytes_per_s for cost in costs if cost.plane_bytes_per_s > 0]
+    return LoadCosts({tier: max(cost.seconds_per_page.get(tier, 0.0) for cost in costs) for tier in tiers},
+                     min(planes, default=0.0), max(cost.round_trip_s for cost in costs))
 
 
 def _leading_flags(count: int, total: int) -> list[bool]:

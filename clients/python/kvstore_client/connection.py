@@ -21,6 +21,7 @@ from kvstore_client.channel import GrpcChannel, LocalChannel
 from kvstore_client.credentials import Credentials
 from kvstore_client.data_path import DataPath
 from kvstore_client.keys import Namespace
+from kvstore_client.load_estimate import TransferRate
 from kvstore_client.node_steps import Steps, drive, take_on
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
@@ -62,6 +63,7 @@ class NodeConnection:
             raise
         self.control: Any = self.local if self.local is not None and options.control == "local" else self.grpc
         self.namespace_ids: dict[Namespace, int] = {}   # opened on this connection (node_calls.in_namespace)
+        self.transfer = TransferRate()   # what its gets moved a second lately (load_estimate.py)
         self._lock = threading.Lock()
         self._users = 0
         self._retired = False

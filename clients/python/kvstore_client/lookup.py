@@ -20,6 +20,7 @@ keys_packed, go as the repeated field.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Iterable, Iterator, Sequence, Union
 
 import numpy as np
@@ -28,6 +29,7 @@ from kvstore_client import errors
 from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed
 from kvstore_client.node_steps import Answer, Send, Steps
 from kvstore_client.proto import pb
+from kvstore_client.load_estimate import LoadCosts, TransferRate
 from kvstore_client.residency import EngineHeld, Leading, Residency
 from kvstore_client.tokens import token_array
 
@@ -140,39 +142,53 @@ def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> Itera
         yield _request(namespace_id, part)
 
 
-def residency_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str]) -> Steps[Residency]:
-    """How long a prefix of `chain` the node holds, each page's tier, and each engine's prefix (residency.py),
-    over as many Lookups as the node's limit needs, all sent at once."""
+def residency_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str],
+                 transfer: TransferRate | None = None) -> Steps[Residency]:
+    """How long a prefix of `chain` the node holds, each page's tier, each engine's prefix, and what loading it
+    would cost (residency.py), over as many Lookups as the node's limit needs, all sent at once. `transfer`:
+    this connection's recent data-plane rate, the client's half of the cost."""
     parts = []
+    sent_at = time.monotonic()
     for request in lookup_requests(limits, namespace_id, chain):
         request.engine_ids.extend(engine_ids)
+        request.load_rates = not parts   # the node's costs once, with the first part
         size = len(request.keys_packed) // request.key_bytes if request.key_bytes else len(request.keys)
         parts.append((size, (yield Send("Lookup", request))))
-    leading = Leading(engine_ids)
+    leading, rates, round_trip_s = Leading(engine_ids), [], 0.0
     for size, part in parts:
-        leading.add(size, (yield Answer(part)))
+        answer = yield Answer(part)
+        if not rates:
+            rates, round_trip_s = list(answer.load_rates), time.monotonic() - sent_at
+        leading.add(size, answer)
         if leading.done():
             break
-    return leading.residency()
+    plane = transfer.bytes_per_s() if transfer is not None else 0.0
+    return leading.residency(LoadCosts({rate.tier: rate.seconds_per_page for rate in rates}, plane, round_trip_s))
 
 
-def tiers_each_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str]
-                  ) -> Steps[tuple[bytes, dict[str, EngineHeld]]]:
+def tiers_each_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str],
+                  transfer: TransferRate | None = None) -> Steps[tuple[bytes, dict[str, EngineHeld], LoadCosts]]:
     """Where each page of `chain` is on the node, each on its own (one byte a key: 0 not held, else its Tier),
-    and each engine's leading pages of it, over as many Lookups (each_key) as the node's limit needs, all sent
-    at once (the node answers one part while the next is on its way)."""
+    each engine's leading pages of it, and what loading from the node costs, over as many Lookups (each_key)
+    as the node's limit needs, all sent at once (the node answers one part while the next is on its way)."""
     parts = []
+    sent_at = time.monotonic()
     for request in lookup_requests(limits, namespace_id, chain):
         request.each_key = True
         request.engine_ids.extend(engine_ids)
+        request.load_rates = not parts
         size = len(request.keys_packed) // request.key_bytes if request.key_bytes else len(request.keys)
         parts.append((size, (yield Send("Lookup", request))))
-    engines, tiers = Leading(engine_ids), []
+    engines, tiers, rates, round_trip_s = Leading(engine_ids), [], None, 0.0
     for size, part in parts:
         answer = yield Answer(part)
+        if rates is None:
+            rates, round_trip_s = list(answer.load_rates), time.monotonic() - sent_at
         tiers.append(answer.held)
         engines.add_engines(size, answer.engines)
-    return b"".join(tiers), engines.engines_held()
+    plane = transfer.bytes_per_s() if transfer is not None else 0.0
+    costs = LoadCosts({rate.tier: rate.seconds_per_page for rate in rates or ()}, plane, round_trip_s)
+    return b"".join(tiers), engines.engines_held(), costs
 
 
 def held_each(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> Steps[list[bool]]:

@@ -28,6 +28,7 @@ from kvstore_client.lookup import Chain, held_each, leading_hits, lookup_chain, 
 from kvstore_client.node_steps import GetPages, OnNode, Steps, call
 from kvstore_client.pipeline import PutBatch, PutResult, get_batch
 from kvstore_client.proto import pb
+from kvstore_client.load_estimate import NO_COSTS, LoadCosts
 from kvstore_client.residency import Leading, Residency
 
 log = logging.getLogger(__name__)
@@ -104,15 +105,16 @@ def residency(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any, eng
     if tokens is not None and not chain:
         return Leading(ids).residency()   # fewer tokens than one page
     return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: residency_of(
-        conn.hello.limits, ns_id, chain, ids))))
+        conn.hello.limits, ns_id, chain, ids, getattr(conn, "transfer", None)))))
 
 
-def tiers_each(namespace: Namespace, chain: Chain, engine_ids: list[str]) -> Steps[tuple[bytes, dict]]:
-    """Where each page of a chain is on the node, and the engines' prefixes of it (lookup.tiers_each_of)."""
+def tiers_each(namespace: Namespace, chain: Chain, engine_ids: list[str]) -> Steps[tuple[bytes, dict, LoadCosts]]:
+    """Where each page of a chain is on the node, the engines' prefixes of it and what loading costs
+    (lookup.tiers_each_of)."""
     if not len(chain):
-        return b"", Leading(engine_ids).engines_held()
+        return b"", Leading(engine_ids).engines_held(), NO_COSTS
     return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: tiers_each_of(
-        conn.hello.limits, ns_id, chain, engine_ids))))
+        conn.hello.limits, ns_id, chain, engine_ids, getattr(conn, "transfer", None)))))
 
 
 def route(namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None, tokens: Any

@@ -270,6 +270,7 @@ def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegme
     """
     def attempt(conn: Any) -> Steps[int]:
         request.rdma_qp_num = conn.data.rdma_qp_num
+        transfer = getattr(conn, "transfer", None)
         # A part waiting for commits or promotion would add its wait to the parts before it: one Acquire then.
         whole = request.wait_ms or request.timeout_ms
         part = len(keys) if whole else conn.data.shape.acquire_part_pages(len(keys))
@@ -289,7 +290,10 @@ def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegme
                 landed = None
                 try:
                     pages = PageColumns(range(hits), acquired.offsets[:hits], segments[start:start + hits])
+                    moving = time.monotonic()
                     landed = yield GetPages(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
+                    if transfer is not None:   # this data plane's rate, for fetch-or-recompute (load_estimate.py)
+                        transfer.moved(hits * acquired.page_bytes, time.monotonic() - moving)
                 finally:
                     changed = changed_pages(acquired, landed)
                     if changed:   # named with its one lease, so the node drops those pages

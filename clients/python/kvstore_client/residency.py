@@ -18,6 +18,7 @@ import collections
 import dataclasses
 from typing import Sequence
 
+from kvstore_client.load_estimate import NO_COSTS, LoadCosts, pages_worth_loading
 from kvstore_client.proto import pb
 
 TIER_NAMES = {pb.HBM: "hbm", pb.DRAM: "dram", pb.NVME: "nvme"}
@@ -37,6 +38,17 @@ class Residency:
     tiers: bytes                        # the tier (a pb.Tier) each of those pages is read from
     engines: dict[str, EngineHeld]      # per engine asked about, in the order asked
     nodes: tuple[str, ...] = ()         # a cluster's: the node each of those pages is read from
+    costs: LoadCosts = NO_COSTS         # what loading them costs lately (load_estimate.py)
+
+    def load_seconds(self, page_bytes: int, pages: int | None = None) -> float:
+        """The estimated time to load the first `pages` (all) of the leading pages, 0 for none."""
+        count = self.pages if pages is None else min(pages, self.pages)
+        return float(self.costs.cumulative(self.tiers[:count], page_bytes)[-1]) if count else 0.0
+
+    def worth_loading(self, page_bytes: int, page_tokens: int, recompute_s_per_token: float) -> int:
+        """The leading pages worth loading rather than recomputing (load_estimate.pages_worth_loading): 0 when
+        loading them is slower than a prefill that takes `recompute_s_per_token` a token."""
+        return pages_worth_loading(self.tiers, self.costs, page_bytes, page_tokens, recompute_s_per_token)
 
     def tier_pages(self) -> dict[str, int]:
         """How many of the leading pages are read from each tier: {"hbm": .., "dram": .., "nvme": ..}."""
@@ -78,5 +90,5 @@ class Leading:
     def engines_held(self) -> dict[str, EngineHeld]:
         return {engine_id: EngineHeld(run[0], run[1]) for engine_id, run in self.engines.items()}
 
-    def residency(self) -> Residency:
-        return Residency(len(self.tiers), bytes(self.tiers), self.engines_held())
+    def residency(self, costs: LoadCosts = NO_COSTS) -> Residency:
+        return Residency(len(self.tiers), bytes(self.tiers), self.engines_held(), costs=costs)

@@ -90,6 +90,10 @@ class KVStoreConnector(RemoteConnector):
         if target is not None:
             ours[prefix + "target"] = target
         self.settings = AdapterSettings.from_mapping(ours, prefix, f"LMCache plugin {self.plugin_name!r}")
+        if self.settings.recompute_s_per_token:
+            raise ValueError(f"LMCache plugin {self.plugin_name!r}: {prefix}recompute_s_per_token is not taken here: "
+                             "LMCache asks about one chunk at a time, so the plugin cannot weigh a prefix's load "
+                             "against its prefill (SGLang's backend can)")
         self.chunk_tokens = metadata.chunk_size
         self.page_bytes = self.remote_metadata_bytes + self.full_chunk_size_bytes
         self._kv_shape = tuple(metadata.kv_shape)

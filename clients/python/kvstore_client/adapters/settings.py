@@ -22,6 +22,9 @@ class AdapterSettings:
     control: str = "local"      # "local" (Unix socket, same host) or "grpc"
     tenant: str = ""            # keeps one tenant's pages apart from another's
     salt: str = ""              # a deployment's salt (the namespace's hash_seed): shares no page with other salts
+    # The engine's prefill cost a token here (seconds): a hit is answered only as far as loading it is faster than
+    # prefilling it (fetch or recompute, load_estimate.py); 0 answers every hit.
+    recompute_s_per_token: float = 0.0
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None, prefix: str, where: str) -> "AdapterSettings":
@@ -47,7 +50,12 @@ class AdapterSettings:
         salt = values.get("salt", cls.salt)
         if not isinstance(salt, str):
             raise ValueError(f"{where}: {prefix}salt must be a string, got {salt!r}")
-        return cls(target=target, timeout_s=float(timeout_s), control=control, tenant=tenant, salt=salt)
+        recompute = values.get("recompute_s_per_token", cls.recompute_s_per_token)
+        if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0 <= recompute < 1:
+            raise ValueError(f"{where}: {prefix}recompute_s_per_token must be seconds a token, 0 to 1 (0: off), "
+                             f"got {recompute!r}")
+        return cls(target=target, timeout_s=float(timeout_s), control=control, tenant=tenant, salt=salt,
+                   recompute_s_per_token=float(recompute))
 
 
 class ClientPerThread:

@@ -332,11 +332,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """How many leading keys are stored (one Lookup, which extends no lease)."""
+        """How many leading keys are stored (one Lookup, which extends no lease); with recompute_s_per_token set,
+        how many of them load faster than SGLang would prefill them (fetch or recompute): SGLang loads what this
+        answers and prefills the rest."""
         namespace = self._require_namespace(flat=not self.zero_copy)
         if not keys:
             return 0
-        return self._clients.get().lookup(namespace, keys=keys)
+        client, per_token = self._clients.get(), self.settings.recompute_s_per_token
+        if not per_token:
+            return client.lookup(namespace, keys=keys)
+        here = client.residency(namespace, keys=keys)
+        return here.worth_loading(namespace.page_bytes, self.mem_pool_host.page_size, per_token)
 
     def clear(self) -> bool:
         """Remove every page of this backend's namespace (other ranks' and models' stay)."""

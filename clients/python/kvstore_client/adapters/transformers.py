@@ -75,17 +75,24 @@ class TransformersKVPages:
         """How many leading full pages of `tokens` the store holds (no data moves)."""
         return self.client.lookup(self.namespace, tokens=list(tokens))
 
-    def load(self, tokens: Sequence[int], pages_max: int | None = None) -> tuple[Any, int]:
+    def load(self, tokens: Sequence[int], pages_max: int | None = None,
+             recompute_s_per_token: float = 0.0) -> tuple[Any, int]:
         """(DynamicCache of the leading cached pages of `tokens`, tokens it covers); (None, 0) on a miss.
 
         `pages_max` caps the pages loaded; a caller that must prefill at least one token
-        passes (len(tokens) - 1) // page_tokens.
+        passes (len(tokens) - 1) // page_tokens. With `recompute_s_per_token` (what this model's
+        prefill costs a token here, as the caller measured it), the store is asked first where the
+        pages are and what loading them costs (client.residency), and only the leading pages whose
+        loading is faster than prefilling them are loaded: none, on a tier slower than the model.
         """
         import torch
         from transformers import DynamicCache
 
         ns = self.namespace
         keys = prefix_hashes(list(tokens), ns.page_tokens, ns.hash_seed)[:pages_max]
+        if keys and recompute_s_per_token > 0:
+            here = self.client.residency(ns, keys=keys)
+            keys = keys[:here.worth_loading(ns.page_bytes, ns.page_tokens, recompute_s_per_token)]
         if not keys:
             return None, 0
         dtype = getattr(torch, ns.kv_dtype)

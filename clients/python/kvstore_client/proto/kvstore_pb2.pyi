@@ -206,7 +206,7 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes", "each_key", "engine_ids")
+    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes", "each_key", "engine_ids", "load_rates")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class LookupRequest(_message.Message):
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     EACH_KEY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_RATES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -223,7 +224,18 @@ class LookupRequest(_message.Message):
     key_bytes: int
     each_key: bool
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., each_key: _Optional[bool] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    load_rates: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., each_key: _Optional[bool] = ..., engine_ids: _Optional[_Iterable[str]] = ..., load_rates: _Optional[bool] = ...) -> None: ...
+
+class TierRate(_message.Message):
+    __slots__ = ("tier", "seconds_per_page", "pages")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    seconds_per_page: float
+    pages: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., seconds_per_page: _Optional[float] = ..., pages: _Optional[float] = ...) -> None: ...
 
 class EnginePrefix(_message.Message):
     __slots__ = ("engine_id", "gpu_pages", "held_pages")
@@ -236,20 +248,22 @@ class EnginePrefix(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., gpu_pages: _Optional[int] = ..., held_pages: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_pages", "tiers", "last_key", "tiers_packed", "held", "engines")
+    __slots__ = ("hit_pages", "tiers", "last_key", "tiers_packed", "held", "engines", "load_rates")
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAST_KEY_FIELD_NUMBER: _ClassVar[int]
     TIERS_PACKED_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_RATES_FIELD_NUMBER: _ClassVar[int]
     hit_pages: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     last_key: bytes
     tiers_packed: bytes
     held: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EnginePrefix]
-    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ..., held: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EnginePrefix, _Mapping]]] = ...) -> None: ...
+    load_rates: _containers.RepeatedCompositeFieldContainer[TierRate]
+    def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ..., held: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EnginePrefix, _Mapping]]] = ..., load_rates: _Optional[_Iterable[_Union[TierRate, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent", "parent_keys")
