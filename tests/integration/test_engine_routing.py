@@ -10,6 +10,7 @@ call publish() is absent: it needs a GPU model runner.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from vllm.v1.core import kv_cache_utils
 from vllm_publisher import BLOCK, FakeEngine
 
 from kvstore_client import AsyncKVStoreClient, KVStoreClient, Namespace, errors, prefix_hashes
+from kvstore_client.load_estimate import NO_COSTS
 from kvstore_client.residency import EngineHeld
 from kvstore_client.proto import pb
 
@@ -144,7 +146,11 @@ def test_residency_says_how_much_of_a_prompt_each_engine_and_tier_holds(start_se
         async def through_async():
             async with AsyncKVStoreClient(server.address, timeout_s=10) as aclient:
                 return await aclient.residency(NS, tokens=tokens, engine_ids=["e1", "e2"])
-        assert asyncio.run(through_async()) == client.residency(NS, tokens=tokens, engine_ids=["e1", "e2"])
+        through_sync = client.residency(NS, tokens=tokens, engine_ids=["e1", "e2"])
+        answered_async = asyncio.run(through_async())
+        # the costs carry each connection's own measured round trip: equal in kind, not in value
+        assert answered_async.costs.round_trip_s > 0 and through_sync.costs.round_trip_s > 0
+        assert dataclasses.replace(answered_async, costs=NO_COSTS) == dataclasses.replace(through_sync, costs=NO_COSTS)
         with pytest.raises(errors.InvalidArgument, match="same engine twice"):
             client.residency(NS, keys=keys[:4], engine_ids=["e1", "e1"])
 
