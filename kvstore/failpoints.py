@@ -33,6 +33,7 @@ NAMES = (
     "delete.before_nvme",            # pages gone from the index, still on NVMe
     "recovery.after_scan",           # start-up: headers read, orphans not yet dropped
     "acquire.each_page",             # an Acquire's pages pinned, not yet answered (sleep: a slow tier)
+    "hbm.before_publish",            # pages copied into the HBM pool, the copies not yet answered
 )
 
 

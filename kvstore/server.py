@@ -30,6 +30,7 @@ from kvstore.control.event_subscriber import EventSubscriber
 from kvstore.control.store_events import StoreEvents
 from kvstore.control import native_index, recovery
 from kvstore.control.grpc_server import create_server
+from kvstore.control.hbm_mover import HbmMover
 from kvstore.control.identity import Authenticator
 from kvstore.control.local_server import LocalServer
 from kvstore.control.controller import CacheController
@@ -76,6 +77,7 @@ class Node:
         self.rdma = None
         self.nvme: NvmeTier | None = None
         self.hbm = None
+        self.hbm_mover: HbmMover | None = None
         self.metrics: Metrics | None = None
         try:
             try:
@@ -129,6 +131,8 @@ class Node:
                 self.hbm = open_pool(config.hbm.device, config.hbm.pool_bytes, config.testing.hbm_on_host)
                 self.service.hbm = pb.HbmRegion(ipc_handle=self.hbm.ipc_handle, nbytes=self.hbm.nbytes,
                                                 device_uuid=self.hbm.device_uuid)
+                self.service.hbm_mover = self.hbm_mover = HbmMover(
+                    self.store, self.hbm, config.hbm.promote_hits, self.service.limits.page_bytes_max)
             self.health = HealthState(self.grpc, config.ops.reflection)
             if self.metrics is not None:
                 if self.events_out is not None:
@@ -166,6 +170,8 @@ class Node:
             self.local.start()
         if self.controller:
             self.controller.start()
+        if self.hbm_mover is not None:
+            self.hbm_mover.start()
         self.scrubber.start()
         self._reaper.start()
         for subscriber in self.subscribers:
@@ -180,6 +186,8 @@ class Node:
             return "the lease reaper thread died"
         if self.controller and not self.controller.alive():
             return "the cache controller thread died"
+        if self.hbm_mover is not None and not self.hbm_mover.alive():
+            return "the HBM mover thread died"
         if not self.scrubber.alive():
             return "the scrubber thread died"
         self.store.open_leases()  # takes the store's lock: a stuck lock stops the watchdog
@@ -219,6 +227,8 @@ class Node:
             self.controller.stop()
         if self.nvme is not None:
             self.nvme.close()
+        if self.hbm_mover is not None:
+            self.hbm_mover.stop()
         if self.hbm is not None:
             self.hbm.close()
         if self.metrics is not None:

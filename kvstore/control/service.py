@@ -24,6 +24,7 @@ from kvstore_client import groups
 from kvstore.control.controller import CacheController
 from kvstore.control.store_events import topic_of
 from kvstore.control.engine_index import EngineIndex
+from kvstore.control.hbm_mover import HbmMover
 from kvstore.control.identity import TRUSTED, Caller
 from kvstore.control.load_rates import LoadRates
 from kvstore.control.local_proof import LocalProof
@@ -61,6 +62,7 @@ class KVStoreService:
         self.tcp_tls = False                     # the TCP data plane speaks TLS (tcp.tls_cert)
         self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
         self.hbm: pb.HbmRegion | None = None     # set by the server when it holds an HBM pool
+        self.hbm_mover: HbmMover | None = None   # with it: what brings pages into the pool
         cluster = self.config.cluster
         self.read_heat = (ReadHeat(cluster.hot_reads, cluster.hot_half_life_s, cluster.hot_pages_max)
                           if cluster.endpoints and cluster.hot_reads else None)   # only a cluster replicates
@@ -224,10 +226,10 @@ class KVStoreService:
         started = time.monotonic()   # after any wait for commits: that is a writer's time, not the tier's
         # Every leading page is pinned first, so promoting the tail never evicts the head.
         lease = self.store.hold_chain(request.namespace_id, keys, ttl_ms, owner)
-        return self._answer_acquire(request, keys, lease, ttl_ms, namespace.page_bytes, started)
+        return self._answer_acquire(request, keys, lease, ttl_ms, namespace.page_bytes, started, owner)
 
     def _answer_acquire(self, request: pb.AcquireRequest, keys: list[bytes], lease: Any, ttl_ms: int,
-                        page_bytes: int, started: float) -> pb.AcquireResponse:
+                        page_bytes: int, started: float, owner: object | None = None) -> pb.AcquireResponse:
         """Bring a held chain's pages into DRAM as the request's policy allows, keep the leading ones in
         DRAM under the lease and answer with them; what that cost per page goes into load_rates."""
         store = self.store
@@ -264,10 +266,22 @@ class KVStoreService:
         self.load_rates.observe(pb.DRAM, len(pages), time.monotonic() - started - promote_s)
         self.load_rates.observe(pb.NVME, promoted, promote_s)
         hot = self.read_heat.read(request.namespace_id, keys[:len(pages)]) if self.read_heat is not None else ()
+        hbm_offsets = self._hbm_offsets(pages, owner)
         return pb.AcquireResponse(
             lease_id=held.lease_id, hit_pages=len(pages), offsets=[r.offset for r in pages],
             checksums=[r.checksum for r in pages], page_bytes=page_bytes, lease_ttl_ms=ttl_ms,
-            promoted_pages=promoted, data_token=held.token, hot_pages=hot)
+            promoted_pages=promoted, data_token=held.token, hot_pages=hot, hbm_offsets=hbm_offsets)
+
+    def _hbm_offsets(self, pages: list, owner: object | None) -> list[int]:
+        """For a reader on this host (it maps the arena, so it may open the pool) that may see every tenant's pages
+        (the pool holds them all: tenancy.scoped keeps its handle from tenants): where each leased page is in the
+        pool, or -1; and the pages are offered to the mover. [] for every other reader."""
+        if (self.hbm_mover is None or not isinstance(owner, Caller) or owner.arena is None
+                or not owner.identity.admin):
+            return []
+        offsets = self.store.hbm_offsets(pages)
+        self.hbm_mover.offer(pages)
+        return offsets
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:
         if request.changed_pages:
@@ -334,7 +348,7 @@ class KVStoreService:
         answers: list[pb.AcquireResponse] = []
         try:
             for part, keys, lease, size in zip(request.parts, part_keys, leases, page_bytes):
-                answers.append(self._answer_acquire(part, keys, lease, ttl_ms, size, time.monotonic()))
+                answers.append(self._answer_acquire(part, keys, lease, ttl_ms, size, time.monotonic(), owner))
         except BaseException:   # no lease of a group that is not answered outlives the call
             self.store.release([answer.lease_id for answer in answers if answer.lease_id])
             self.store.drop_held(leases[len(answers) + 1:])
@@ -365,6 +379,12 @@ class KVStoreService:
             tier=pb.DRAM, capacity_bytes=dram["capacity_bytes"], used_bytes=dram["used_bytes"],
             pages=dram["dram_pages"], hits=c.dram_hits, misses=c.misses, evictions=c.evictions,
             promotions=c.promotions, demotions=c.demotions, bytes_in=c.promoted_bytes, bytes_out=c.demoted_bytes)]
+        if self.hbm_mover is not None:
+            copies, used, capacity = self.store.hbm_usage()
+            h = self.store.hbm_counters
+            tiers.insert(0, pb.TierStats(tier=pb.HBM, capacity_bytes=capacity, used_bytes=used, pages=copies,
+                                         hits=h.hits, evictions=h.demotions, promotions=h.promotions,
+                                         bytes_in=h.promoted_bytes, corrupt_pages=self.hbm_mover.corrupt_sources))
         nvme = self.controller.nvme_usage() if self.controller else None
         if nvme is not None:
             tiers.append(pb.TierStats(

@@ -33,6 +33,7 @@ from kvstore.control.leases import LeaseTable
 from kvstore.control.native_index import make_page_index
 from kvstore.control.quotas import SlabShares, TenantLedger
 from kvstore.control.store_events import StoreEvents
+from kvstore.control.store_hbm import HbmCopies
 from kvstore.control.store_leases import LeaseEnds
 from kvstore.control.store_memory import DramSlots
 from kvstore.control.store_reads import ReadHolds
@@ -49,12 +50,12 @@ from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
 
-_DRAM_BYTE = bytes([pb.DRAM])
+_DRAM_BYTE, _HBM_BYTE = bytes([pb.DRAM]), bytes([pb.HBM])
 # index.places_each's bytes (0 not held, 1 DRAM, 2 NVMe only) as Tier values, 0 for not held.
 _TIER_OF_PLACE = bytes([0, pb.DRAM, pb.NVME]) + bytes(253)
 
 
-class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbing):
+class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbing, HbmCopies):
     """The state and the lock; namespaces, lookups, deletes and Stats here, the rest in its parts:
     store_writes (reserve and commit), store_reads (holds and promotion), store_leases (leases
     ending), store_writedown (the controller's claims), store_memory (DRAM slots and eviction),
@@ -102,6 +103,7 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         self.events: StoreEvents | None = None
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
         self.draining = False
+        self._init_hbm(config.hbm.pool_bytes, config.dram.slab_bytes)
 
     @property
     def evict_first(self) -> Evict:
@@ -169,27 +171,33 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
                 self.events.sync(self.index.records())
 
     def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
-        """The tier of each leading page held here (DRAM when it is in both)."""
+        """The tier of each leading page held here (HBM, else DRAM when it is in both, else NVMe)."""
         with self._lock:
             offsets = self.index.leading_offsets(ns_id, keys)
-        if NO_SLOT not in offsets:   # the usual answer, without a per-page step
+            in_hbm = self._hbm_leading(ns_id, keys[:len(offsets)])
+        if NO_SLOT not in offsets and not in_hbm:   # the usual answer, without a per-page step
             return [pb.DRAM] * len(offsets)
-        return [pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets]
+        return [pb.HBM] * in_hbm + [pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets[in_hbm:]]
 
     def tiers_packed(self, ns_id: int, keys_packed: bytes, key_bytes: int) -> bytes:
         """tiers() of keys of one length back to back, as one byte (a Tier) per leading page held."""
         with self._lock:   # the C index reads the buffer whole: no object per key
             offsets = self.index.leading_offsets(ns_id, keys_packed, key_bytes=key_bytes)
-        if NO_SLOT not in offsets:
+            in_hbm = self._hbm_leading(ns_id, _packed(keys_packed, key_bytes, len(offsets))) \
+                if self._hbm_per_namespace[ns_id] else 0
+        if NO_SLOT not in offsets and not in_hbm:
             return _DRAM_BYTE * len(offsets)
-        return bytes(pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets)
+        return _HBM_BYTE * in_hbm + bytes(pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets[in_hbm:])
 
     def tiers_each(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
         """One byte per key, each key on its own: 0 when its page is not held here, else the tier it is read
-        from (a Tier: DRAM when it is in both). With key_bytes, keys of that length back to back."""
+        from (a Tier: HBM over DRAM over NVMe). With key_bytes, keys of that length back to back."""
         with self._lock:   # bounded: at most the Lookup's keys, one table probe each, in C
-            places = self.index.places_each(ns_id, keys, key_bytes=key_bytes)
-        return places.translate(_TIER_OF_PLACE)
+            places = self.index.places_each(ns_id, keys, key_bytes=key_bytes).translate(_TIER_OF_PLACE)
+            if self._hbm_per_namespace[ns_id]:
+                listed = _packed(keys, key_bytes, len(keys) // key_bytes) if key_bytes else keys
+                places = self._hbm_mark_each(ns_id, listed, places)
+        return places
 
     def group_presence(self, ns_ids: list[int], keys: list[bytes]) -> tuple[int, list[list[bool]]]:
         """One snapshot of a page group (groups.py): the leading pages of the first namespace, and whether
@@ -339,6 +347,7 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
                     assert self.allocator.tenant_of(record.offset) == holder, "a page sits in another tenant's slab"
                     assert self.arena.holder(record.offset - record.offset % self.arena.slab_bytes) == holder, \
                         "a page's slab is mapped from another tenant's memfd"
+        self.check_hbm()
 
     def _sync_events(self, records: Iterable[PageRecord]) -> None:
         """Tell the page events journal these pages' tiers (lock held); nothing when events are off."""
@@ -350,3 +359,8 @@ def _page_row(record: PageRecord) -> tuple[bytes, bytes, bool, bool]:
     """A ListPages row: (key, parent key or the absent parent it is anchored at, in DRAM, on NVMe)."""
     parent = record.parent.page_id[1] if record.parent is not None else (record.anchor or b"")
     return record.page_id[1], parent, record.in_dram, record.on_nvme
+
+
+def _packed(keys: bytes, key_bytes: int, count: int) -> list[bytes]:
+    """The first `count` keys of keys of one length back to back."""
+    return [bytes(keys[i * key_bytes:(i + 1) * key_bytes]) for i in range(count)]

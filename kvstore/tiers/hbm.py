@@ -6,12 +6,13 @@ page in HBM reaches an engine's cache with a device-to-device copy. The pool is 
 hbm.pool_bytes 0 the node has no HBM tier and nothing else changes; with it set and no GPU, the
 node does not start.
 
-Built so far: the pool, its export (HelloResponse.hbm) and the per-page descriptor clients read
-(AcquireResponse.hbm_offsets). Not built yet: the controller's promotion into the pool and
-demotion out of it; until then no page is placed in HBM and every read comes from the arena.
+What goes into the pool, and when, is the HBM tier's (control/store_hbm.py and
+control/hbm_mover.py): a page's bytes are written in with `write` from a buffer of the node's own,
+after they were checked against the page's commit checksum, and read back with `read` only to check.
 
 The device calls are behind PoolDevice: CudaPool (cupy) on a GPU, HostPool (a memfd whose
-"IPC handle" is its /proc path, opened by kvstore_client.gpu_device.HostDevice) in tests.
+"IPC handle" is its /proc path, opened by kvstore_client.gpu_device.HostDevice) in tests and on
+hosts without a GPU (testing.hbm_on_host): the same seam, so the tier above it runs for real.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import logging
 import os
 from typing import Protocol
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -27,6 +30,12 @@ class PoolDevice(Protocol):
     nbytes: int
     ipc_handle: bytes
     device_uuid: bytes
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Copy host bytes to [offset, offset + len(data)) of the pool; returns once they are there."""
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A host copy of [offset, offset + nbytes) of the pool."""
 
     def close(self) -> None: ...
 
@@ -56,6 +65,19 @@ class CudaPool:
                               f"(hbm.pool_bytes): {exc}") from None
             self.ipc_handle = bytes(runtime.ipcGetMemHandle(self.address))
         self.device_uuid = bytes(runtime.getDeviceProperties(index).get("uuid", b""))
+        self._cupy = cupy
+
+    def write(self, offset: int, data: memoryview) -> None:
+        source = np.frombuffer(data, dtype=np.uint8)
+        with self._cupy.cuda.Device(self.index):   # synchronous: the bytes are in the pool on return
+            self._runtime.memcpy(self.address + offset, source.ctypes.data, source.nbytes,
+                                 self._runtime.memcpyHostToDevice)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        out = np.empty(nbytes, dtype=np.uint8)
+        with self._cupy.cuda.Device(self.index):
+            self._runtime.memcpy(out.ctypes.data, self.address + offset, nbytes, self._runtime.memcpyDeviceToHost)
+        return out.tobytes()
 
     def close(self) -> None:
         self._runtime.free(self.address)
@@ -70,6 +92,12 @@ class HostPool:
         self.nbytes = nbytes
         self.ipc_handle = f"/proc/{os.getpid()}/fd/{self.fd}".encode()
         self.device_uuid = b"host-%d" % index
+
+    def write(self, offset: int, data: memoryview) -> None:
+        os.pwrite(self.fd, data, offset)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return os.pread(self.fd, nbytes, offset)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -19,7 +19,7 @@ from kvstore_client.gpu import GpuPages
 from kvstore_client.gpu_device import HostDevice
 from kvstore_client.proto import pb
 
-POOL = 1 << 20
+POOL = 4 << 20
 HBM = {"hbm.pool_bytes": POOL, "testing.hbm_on_host": "true"}
 
 
@@ -86,6 +86,6 @@ def test_an_hbm_pool_without_a_gpu_stops_start_up_naming_the_setting(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
                              "--shm-socket", str(tmp_path / "kvstore.sock"), "--set", "dram.slab_bytes=4MiB",
                              "--set", "dram.arena_bytes=16MiB", "--set", "nvme.enabled=false",
-                             "--set", "hbm.pool_bytes=1MiB"], capture_output=True, text=True, timeout=60)
+                             "--set", "hbm.pool_bytes=4MiB"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr
     assert "hbm.pool_bytes is set but cupy is not installed" in result.stderr
