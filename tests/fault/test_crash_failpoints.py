@@ -154,7 +154,9 @@ class Harness:
     def settings(self, policy: str) -> dict[str, object]:
         return {"nvme.enabled": "true", "nvme.paths": ",".join(map(str, self.shards)), "nvme.map_bytes": "32MiB",
                 "dram.arena_bytes": "4MiB", "dram.slab_bytes": "256KiB", "limits.page_bytes_max": "64KiB",
-                "controller.write_policy": policy, "controller.high_watermark": 0.5}
+                "controller.write_policy": policy, "controller.high_watermark": 0.5,
+                # An HBM pool on a host memfd: every page read is copied in, so kills land during moves too.
+                "hbm.pool_bytes": "1MiB", "testing.hbm_on_host": "true", "hbm.promote_hits": 1}
 
     def cycle(self, index: int, plan: Plan) -> None:
         seed = self.rng.randrange(1 << 31)

@@ -293,6 +293,28 @@ def test_hello_offers_a_tenant_no_region_of_every_tenants_pages(start_server, to
     assert channel(node, tokens.ops).call("Hello", pb.HelloRequest()).HasField("hbm")
 
 
+def test_a_tenant_reading_on_the_nodes_host_is_named_no_hbm_offset(start_server, tokens):
+    """The pool holds every tenant's copies, so a tenant is given neither its handle nor an offset in it, and
+    its reads bring nothing in (its pages are never copied where only admins can read them)."""
+    import os
+    node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"{os.getuid()}:alice",
+                         "hbm.pool_bytes": "4MiB", "testing.hbm_on_host": "true", "hbm.promote_hits": 1})
+    keys = ["h0", "h1", "h2"]
+    with KVStoreClient(node.address, token=tokens.alice) as alice:
+        assert alice.transport == "shm" and not alice._conn.hello.HasField("hbm")
+        assert alice.put(NS, keys, pages(3)) == 3
+        for _ in range(3):
+            out = np.zeros((3, PAGE), np.uint8)
+            assert alice.get(NS, keys, out, verify=True) == 3
+            answer = alice._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=[k.encode() for k in keys]))
+            assert answer.hit_pages == 3 and list(answer.hbm_offsets) == []
+            alice._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[answer.lease_id]))
+        time.sleep(0.5)
+        assert list(alice.residency(NS, keys=keys).tiers) == [pb.DRAM] * 3
+    hbm = next(t for t in channel(node, tokens.ops).call("Stats", pb.StatsRequest()).tiers if t.tier == pb.HBM)
+    assert hbm.pages == 0 and hbm.promotions == 0 and hbm.capacity_bytes == 4 << 20
+
+
 def tcp_path(node, hello, ticket=None):
     from kvstore_client.tcp_transport import TcpDataPath
     return TcpDataPath(hello.tcp_endpoint, 5.0, "", hello.data_ticket if ticket is None else ticket)
