@@ -15,6 +15,13 @@ Speeds (GB/s of page bytes; median of --repeats after a warm-up; CUDA events):
     into an engine cache), as a ratio of a device-to-device copy of the same bytes between its own
     buffers;
   - the gather kernel from device pages vs a contiguous device-to-device copy of the same bytes.
+  - the HBM tier on a node (--tier, on by default): a kvstore-server started here with an HBM pool on
+    the GPU; this process, an engine on its host, puts --pages pages from a CUDA cache, reads them twice
+    from the arena (GpuPages.get_to_gpu: one gather from the registered arena), waits for the node to
+    copy them into its pool, then reads them from the pool over CUDA IPC; every read's blocks are
+    compared with the put ones, byte for byte. Figures: each read's page bytes per second of the whole
+    call (Acquire, copy, Release), the arena read as a ratio of pinned H2D and the pool read as a ratio of
+    a device-to-device copy of the same bytes in this process, and the node's HBM Stats.
 Targets (issue): arena -> GPU >= 0.9 of pinned H2D; IPC reads >= 0.9 of D2D; kernel >= 0.8 of contiguous.
 
 Without a GPU (no cupy, or no device) it prints why and exits 2. Needs cupy and torch with CUDA;
@@ -218,6 +225,102 @@ def ipc_child(handle_hex: str, pages: int, repeats: int, expect_sum: int) -> dic
     return out
 
 
+def tier_check(pages: int, repeats: int, result: dict[str, Any]) -> dict[str, Any]:
+    """The HBM tier end to end: a node with a pool on this GPU, this process reading through it (see above)."""
+    import tempfile
+
+    import cupy
+    import numpy as np
+    import torch
+
+    from kvstore_client import KVStoreClient, Namespace, kv_layout
+    from kvstore_client.gpu import GpuPages
+    from kvstore_client.proto import pb
+
+    shape = page_shape()
+    total = pages * shape.page_bytes
+    out: dict[str, Any] = {"checks": {}, "gbs": {}, "ratios": {}}
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-node-"))
+    ready = work / "ready.json"
+    arena = max(4 * total, 256 << 20)
+    node = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0", "--shm-socket",
+         str(work / "kvstore.sock"), "--ready-file", str(ready), "--set", f"dram.arena_bytes={arena}",
+         "--set", f"hbm.pool_bytes={arena // 2}", "--set", "nvme.enabled=false", "--set", "hbm.promote_hits=2"],
+        stdout=open(work / "node.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if node.poll() is not None or time.monotonic() > deadline:
+                out["checks"]["tier_node_started"] = "failed: " + (work / "node.log").read_text()[-2000:]
+                return out
+            time.sleep(0.05)
+        address = json.loads(ready.read_text())["grpc_address"]
+        fmt = kv_layout.PAGE_FORMATS["sglang_page_first"]
+        generator = torch.Generator(device="cuda").manual_seed(7)
+        put_from = [torch.randint(-32768, 32767, (pages, TOKENS, HEADS, 2 * DIM), dtype=torch.int16, device="cuda",
+                                  generator=generator).view(torch.float16) for _ in range(LAYERS)]
+        load_into = [torch.zeros_like(t) for t in put_from]
+        source = kv_layout.vllm([t.transpose(1, 2) for t in put_from])
+        target = kv_layout.vllm([t.transpose(1, 2) for t in load_into])
+        blocks = [int(b) for b in np.random.default_rng(3).permutation(pages)]
+        keys = [f"tier-page-{i}" for i in range(pages)]
+        ns = Namespace(model="gpu-check-tier", page_bytes=shape.page_bytes)
+        index = torch.tensor(blocks, device="cuda")
+
+        def loaded_right() -> bool:
+            return all(torch.equal(into.view(torch.int16)[index], put.view(torch.int16))
+                       for into, put in zip(load_into, put_from))
+
+        def timed_read() -> float:
+            for t in load_into:
+                t.zero_()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            assert gpu.get_to_gpu(ns, keys, target, fmt, blocks) == pages
+            return time.perf_counter() - started
+
+        with KVStoreClient(address, timeout_s=60) as client:
+            gpu = GpuPages(client)
+            out["checks"]["tier_put"] = "ok" if gpu.put_from_gpu(ns, keys, source, fmt, list(range(pages))) == pages \
+                else "not every page was stored"
+            arena_s = [timed_read() for _ in range(2)]          # read twice: the node copies them into its pool
+            out["checks"]["tier_arena_read_bytes"] = "ok" if loaded_right() else "bytes differ"
+            waited = time.monotonic()
+            while (client.residency(ns, keys=keys).tier_pages()["hbm"] < pages
+                   and time.monotonic() < waited + 120):
+                time.sleep(0.05)
+            in_hbm = client.residency(ns, keys=keys).tier_pages()["hbm"]
+            out["tier_promotion_s"] = round(time.monotonic() - waited, 3)
+            out["checks"]["tier_pages_in_hbm"] = "ok" if in_hbm == pages else f"{in_hbm} of {pages} in HBM"
+            hbm_s = [timed_read() for _ in range(max(repeats, 3))]
+            out["checks"]["tier_hbm_read_bytes"] = "ok" if loaded_right() else "bytes differ"
+            out["checks"]["tier_read_through_ipc"] = "ok" if gpu._hbm is not None else "the pool was never opened"
+            hbm = next(t for t in client.stats().tiers if t.tier == pb.HBM)
+            out["tier_hbm_stats"] = {"pages": hbm.pages, "used_bytes": hbm.used_bytes, "hits": hbm.hits,
+                                     "promotions": hbm.promotions, "capacity_bytes": hbm.capacity_bytes}
+            gpu.close()
+        flat, other = cupy.empty(total, dtype=cupy.uint8), cupy.zeros(total, dtype=cupy.uint8)
+        stream = cupy.cuda.get_current_stream().ptr
+        d2d = timed_gbs(total, lambda: cupy.cuda.runtime.memcpyAsync(flat.data.ptr, other.data.ptr, total, 3, stream),
+                        repeats)
+        gbs = out["gbs"]
+        gbs["tier_arena_get_to_gpu"] = total / arena_s[-1] / 1e9
+        gbs["tier_hbm_get_to_gpu"] = total / statistics.median(hbm_s) / 1e9
+        gbs["tier_d2d_contiguous"] = d2d
+        out["ratios"]["tier_arena_get_to_gpu / pinned_h2d"] = gbs["tier_arena_get_to_gpu"] / result["gbs"]["pinned_h2d"]
+        out["ratios"]["tier_hbm_get_to_gpu / tier_d2d_contiguous"] = gbs["tier_hbm_get_to_gpu"] / d2d
+        out["ratios"]["tier_hbm_get_to_gpu / tier_arena_get_to_gpu"] = (gbs["tier_hbm_get_to_gpu"]
+                                                                        / gbs["tier_arena_get_to_gpu"])
+    finally:
+        node.terminate()
+        try:
+            node.wait(30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
@@ -225,6 +328,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--ipc-child", default="")
     parser.add_argument("--expect-sum", type=int, default=0)
+    parser.add_argument("--no-tier", action="store_true", help="skip the HBM tier on a node")
     args = parser.parse_args()
     missing = gpu_missing()
     if missing:
@@ -235,6 +339,11 @@ def main() -> int:
         return 0
     started = time.monotonic()
     result = check_and_measure(args.pages, args.repeats)
+    if not args.no_tier:
+        tier = tier_check(args.pages, args.repeats, result)
+        for part in ("checks", "gbs", "ratios"):
+            result[part].update(tier.pop(part))
+        result.update(tier)
     result["seconds"] = round(time.monotonic() - started, 1)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

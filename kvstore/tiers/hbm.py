@@ -11,8 +11,8 @@ control/hbm_mover.py): a page's bytes are written in with `write` from a buffer 
 after they were checked against the page's commit checksum, and read back with `read` only to check.
 
 The device calls are behind PoolDevice: CudaPool (cupy) on a GPU, HostPool (a memfd whose
-"IPC handle" is its /proc path, opened by kvstore_client.gpu_device.HostDevice) in tests and on
-hosts without a GPU (testing.hbm_on_host): the same seam, so the tier above it runs for real.
+"IPC handle" is its /proc path, opened by kvstore_client.gpu_device.HostDevice) in tests
+(testing.hbm_on_host): the same seam, so the tier above it runs for real without a GPU.
 """
 
 from __future__ import annotations

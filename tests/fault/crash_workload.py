@@ -32,6 +32,7 @@ from typing import TextIO
 import numpy as np
 
 from kvstore_client import KVStoreClient, Namespace, errors
+from kvstore_client.proto import pb
 
 # Two page sizes, so both slot sizes share the arena and both kinds of NVMe record exist.
 NAMESPACES = {
@@ -143,9 +144,12 @@ def read_chain(client: KVStoreClient, chains: Chains, rng: random.Random) -> Non
             return
         tag, path = chains.info[chain][0], chains.path(chain)
     out = np.zeros((len(path), NAMESPACES[tag].page_bytes), np.uint8)
-    policy = rng.choice(("wait_complete", "best_effort"))
+    policy = rng.choice(("wait_complete", "best_effort", "gpu_engine"))
     try:
-        loaded = client.get(NAMESPACES[tag], path, out, verify=True, policy=policy)
+        if policy == "gpu_engine":
+            loaded = read_as_gpu_engine(client, NAMESPACES[tag], path, out)
+        else:
+            loaded = client.get(NAMESPACES[tag], path, out, verify=True, policy=policy)
     except errors.ChecksumMismatch as exc:
         with chains.lock:
             chains.note(f"W {chain} -1 {policy}:checksum:{str(exc).replace(' ', '_')}")
@@ -155,6 +159,29 @@ def read_chain(client: KVStoreClient, chains: Chains, rng: random.Random) -> Non
         for i in wrong:
             chains.note(f"W {chain} {i} {policy}:bytes")
         chains.note(f"V {loaded - len(wrong)}")
+
+
+def read_as_gpu_engine(client: KVStoreClient, namespace: Namespace, path: list[bytes], out: np.ndarray) -> int:
+    """A read as GpuPages makes one (Acquire with hbm_reader): each page from the node's HBM pool where it names
+    an offset there, else from the arena, copied as they are into `out` for the caller to check."""
+    acquired = client._conn.call_in(namespace, "Acquire", pb.AcquireRequest(keys=path, hbm_reader=True))
+    try:
+        region = client._conn.hello.hbm
+        pool = open(region.ipc_handle.decode(), "rb") if len(acquired.hbm_offsets) else None
+        arena, size = client._conn.data.arena.view, namespace.page_bytes
+        for i in range(acquired.hit_pages):
+            hbm = acquired.hbm_offsets[i] if pool is not None else -1
+            if hbm >= 0:
+                pool.seek(hbm)
+                out[i] = np.frombuffer(pool.read(size), np.uint8)
+            else:
+                out[i] = np.frombuffer(arena[acquired.offsets[i]:acquired.offsets[i] + size], np.uint8)
+        if pool is not None:
+            pool.close()
+    finally:
+        if acquired.lease_id:
+            client._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+    return acquired.hit_pages
 
 
 def delete_chain(client: KVStoreClient, chains: Chains, rng: random.Random) -> None:

@@ -21,6 +21,10 @@ def page_of(key: bytes) -> np.ndarray:
 
 
 def read_all(client: KVStoreClient, keys: list[bytes]) -> None:
+    """A GPU engine's read (hbm_reader): what it counts toward bringing pages in; then every byte, as a get."""
+    acquired = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
+    client._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+    assert acquired.hit_pages == len(keys)
     out = np.zeros((len(keys), PAGE), np.uint8)
     assert client.get(NS, keys, out, verify=True) == len(keys)
     assert all(np.array_equal(out[i], page_of(k)) for i, k in enumerate(keys))
@@ -52,7 +56,7 @@ def test_a_kill_while_pages_move_into_hbm_loses_nothing_and_names_nothing_torn(s
     with KVStoreClient(restarted.address, timeout_s=10) as client:
         for keys in (first, second):
             assert client.residency(NS, keys=keys).tier_pages() == {"hbm": 0, "dram": 0, "nvme": 6}
-            answer = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys))
+            answer = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
             assert answer.hit_pages == 6 and list(answer.hbm_offsets) == []
             client._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[answer.lease_id]))
             read_all(client, keys)

@@ -38,11 +38,26 @@ def stored(client: KVStoreClient, keys: list[bytes]) -> None:
     assert client.put(NS, keys, np.stack([page_of(k) for k in keys])).stored == len(keys)
 
 
-def read(client: KVStoreClient, keys: list[bytes], times: int = 1) -> None:
-    for _ in range(times):
-        out = np.zeros((len(keys), PAGE), np.uint8)
-        assert client.get(NS, keys, out, verify=True) == len(keys)
-        assert all(np.array_equal(out[i], page_of(k)) for i, k in enumerate(keys))
+def read(client: KVStoreClient, keys: list[bytes], times: int = 1) -> int:
+    """Read the pages as a GPU engine on this host does (GpuPages: Acquire with hbm_reader), each from the pool
+    where the node names an HBM offset and from the arena otherwise, and check every byte; returns how many
+    came from the pool the last time."""
+    device = HostDevice()
+    base = device.open_ipc(client._conn.hello.hbm.ipc_handle)
+    try:
+        for _ in range(times):
+            acquired = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
+            assert acquired.hit_pages == len(keys)
+            in_pool = list(acquired.hbm_offsets) or [-1] * len(keys)
+            arena = client._conn.data.arena.view
+            for key, offset, arena_offset in zip(keys, in_pool, acquired.offsets):
+                seen = device.opened[base][offset:offset + PAGE] if offset >= 0 else \
+                    arena[arena_offset:arena_offset + PAGE]
+                assert bytes(seen) == page_of(key).tobytes()
+            release(client, acquired.lease_id)
+    finally:
+        device.close_ipc(base)
+    return len(keys) - in_pool.count(-1)
 
 
 def tiers(client: KVStoreClient, keys: list[bytes]) -> list[str]:
@@ -63,7 +78,7 @@ def hbm_stats(client: KVStoreClient) -> pb.TierStats:
 
 def pool_bytes(client: KVStoreClient, keys: list[bytes], device: HostDevice) -> tuple[list[int], list[bytes], int]:
     """A held read lease's HBM offsets, the pool's bytes at each, and the lease (to release)."""
-    acquired = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys))
+    acquired = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
     base = device.open_ipc(client._conn.hello.hbm.ipc_handle)
     try:
         seen = [device.opened[base][o:o + PAGE] if o >= 0 else b"" for o in acquired.hbm_offsets]
@@ -90,24 +105,33 @@ def test_pages_read_again_on_this_host_come_into_hbm_and_are_answered_from_it(st
         assert min(offsets) >= 0 and len(set(offsets)) == 3
         assert seen == [page_of(k).tobytes() for k in keys]           # the committed bytes, in the pool
         release(client, lease)
+        assert read(client, keys) == 3
         assert client.lookup(NS, keys) == 3
         stats = hbm_stats(client)
         assert (stats.pages, stats.used_bytes, stats.capacity_bytes) == (3, 3 * PAGE, POOL_PAGES * PAGE)
-        assert stats.promotions == 3 and stats.hits >= 3
+        assert stats.promotions == 3 and stats.hits >= 6
 
 
-def test_a_reader_elsewhere_is_named_no_hbm_offset(start_server):
+def test_only_a_gpu_reader_on_this_host_is_named_hbm_offsets(start_server):
     server = start_server({**HBM, "tcp.enabled": "true"})
     keys = chain("r", 2)
     with KVStoreClient(server.address, timeout_s=10) as local:
         stored(local, keys)
-        read(local, keys, times=2)
+        for _ in range(3):          # a reader into host memory (an engine's host pool): nothing comes in
+            out = np.zeros((2, PAGE), np.uint8)
+            assert local.get(NS, keys, out, verify=True) == 2
+        time.sleep(0.3)
+        assert tiers(local, keys) == ["dram"] * 2 and hbm_stats(local).promotions == 0
+        read(local, keys)           # a GPU reader's first read: these pages have been read often enough
         assert until(lambda: tiers(local, keys) == ["hbm"] * 2)
+        assert read(local, keys) == 2
+        answer = local._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys))   # not a GPU reader
+        assert answer.hit_pages == 2 and list(answer.hbm_offsets) == []
+        release(local, answer.lease_id)
     with KVStoreClient(server.address, timeout_s=10, control="grpc", transport="tcp") as remote:
         assert remote.transport == "tcp"
-        read(remote, keys, times=3)
-        answer = remote._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys))
-        assert answer.hit_pages == 2 and list(answer.hbm_offsets) == []
+        answer = remote._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
+        assert answer.hit_pages == 2 and list(answer.hbm_offsets) == []      # not on this host's socket
         remote._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[answer.lease_id]))
 
 

@@ -306,7 +306,8 @@ def test_a_tenant_reading_on_the_nodes_host_is_named_no_hbm_offset(start_server,
         for _ in range(3):
             out = np.zeros((3, PAGE), np.uint8)
             assert alice.get(NS, keys, out, verify=True) == 3
-            answer = alice._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=[k.encode() for k in keys]))
+            answer = alice._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=[k.encode() for k in keys],
+                                                                           hbm_reader=True))
             assert answer.hit_pages == 3 and list(answer.hbm_offsets) == []
             alice._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[answer.lease_id]))
         time.sleep(0.5)

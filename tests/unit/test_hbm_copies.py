@@ -84,7 +84,7 @@ def test_random_traffic_keeps_every_hbm_rule(node):
         elif op < 0.65:
             keys = path(rng.choice(list(parents)))
             try:
-                answer = svc.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys), reader)
+                answer = svc.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys, hbm_reader=True), reader)
             except errors.CapacityExhausted:     # on NVMe, and DRAM is all pinned: nothing to answer now
                 refused += 1
                 continue

@@ -78,7 +78,7 @@ class GpuPages:
         loaded = 0
         for start, stop in self._batches(len(raw_keys)):
             request = pb.AcquireRequest(keys=raw_keys[start:stop], policy=_PREFETCH_POLICIES[policy],
-                                        timeout_ms=timeout_ms)
+                                        timeout_ms=timeout_ms, hbm_reader=True)
             batch_loaded = self._client._with_connection(
                 lambda conn: conn.reopening(namespace, lambda ns_id: self._get_batch(
                     conn, ns_id, request, plan, blocks[start:stop])), retry_if=lambda: True)

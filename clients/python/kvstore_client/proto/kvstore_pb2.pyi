@@ -342,7 +342,7 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted_pages: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "lease_ttl_ms", "policy", "timeout_ms", "rdma_qp_num", "wait_ms")
+    __slots__ = ("namespace_id", "keys", "lease_ttl_ms", "policy", "timeout_ms", "rdma_qp_num", "wait_ms", "hbm_reader")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,7 @@ class AcquireRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     RDMA_QP_NUM_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    HBM_READER_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_ms: int
@@ -357,7 +358,8 @@ class AcquireRequest(_message.Message):
     timeout_ms: int
     rdma_qp_num: int
     wait_ms: int
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    hbm_reader: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., wait_ms: _Optional[int] = ..., hbm_reader: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token", "hbm_offsets", "hot_pages")
