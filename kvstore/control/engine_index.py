@@ -105,6 +105,8 @@ class EngineIndex:
         self._blocks: dict[str, dict[str, dict[Hashable, str]]] = {}
         # our key (bytes) -> engine -> place -> engine blocks naming that key there (usually 1)
         self._holders: dict[bytes, dict[str, dict[str, int]]] = {}
+        # engine -> place -> our keys it holds there: a chain's leading run is then set arithmetic (leading())
+        self._keys_in: dict[str, dict[str, set[bytes]]] = {}
         # (engine, our key) -> tokens after the page its block's hash covers (lookahead hashing)
         self._lookahead: dict[tuple[str, bytes], tuple[int, ...]] = {}
         self._count = 0
@@ -195,26 +197,25 @@ class EngineIndex:
     # -- with the lock held -------------------------------------------------------------
 
     def _leading_runs(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> list[tuple[int, int]]:
-        runs = {engine: [0, 0] for engine in engine_ids}
-        held_open = {engine for engine in engine_ids if engine in self._blocks}   # one never heard of holds nothing
-        gpu_open = set(held_open)
-        for key in keys:
-            if not held_open:
-                break
-            holding = self._holders.get(key, {})
-            for engine in tuple(held_open):
-                places = holding.get(engine)
-                if not places:
-                    held_open.discard(engine)
-                    gpu_open.discard(engine)
-                    continue
-                runs[engine][1] += 1
-                if engine in gpu_open:
-                    if GPU in places:
-                        runs[engine][0] += 1
-                    else:
-                        gpu_open.discard(engine)
-        return [(runs[engine][0], runs[engine][1]) for engine in engine_ids]
+        """Each engine's run ends at the chain's first key it does not hold (in its GPU: not held there), found
+        with set differences and one position table, so the cost is a few passes in C over the chain's keys."""
+        runs: list[tuple[int, int]] = []
+        asked: set[bytes] | None = None
+        first_position: dict[bytes, int] = {}
+        for engine in engine_ids:
+            held = self._keys_in.get(engine)
+            if not held:
+                runs.append((0, 0))
+                continue
+            if asked is None:
+                asked = set(keys)
+                # a key's first position: built from the end, so an earlier one overwrites a later one
+                first_position = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+            in_gpu, in_host = held.get(GPU, set()), held.get(HOST, set())
+            held_run = min(map(first_position.__getitem__, asked.difference(in_gpu, in_host)), default=len(keys))
+            gpu_run = min(map(first_position.__getitem__, asked.difference(in_gpu)), default=len(keys))
+            runs.append((min(gpu_run, held_run), held_run))
+        return runs
 
     def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:
         place = MEDIUMS.get(event.medium)
@@ -263,7 +264,10 @@ class EngineIndex:
             blocks[block_hash] = key
             if event.lookahead is not None and i < len(event.lookahead) and event.lookahead[i]:
                 self._lookahead[(engine_id, encode_key(key))] = tuple(event.lookahead[i])
-            places = self._holders.setdefault(encode_key(key), {}).setdefault(engine_id, {})
+            raw = encode_key(key)
+            places = self._holders.setdefault(raw, {}).setdefault(engine_id, {})
+            if not places.get(place):
+                self._keys_in.setdefault(engine_id, {}).setdefault(place, set()).add(raw)
             places[place] = places.get(place, 0) + 1
             self._count += 1
             counters.stored += 1
@@ -299,6 +303,7 @@ class EngineIndex:
         places[place] -= 1
         if not places[place]:
             del places[place]
+            self._keys_in[engine_id][place].discard(key)
         if not places:
             del holding[engine_id]
             self._lookahead.pop((engine_id, key), None)

@@ -122,3 +122,41 @@ def test_blocks_of_wide_token_ids_get_sglangs_keys_and_ids_no_chain_hashes_are_u
                               block_size=BLOCK)])
     assert index.holders([encode_key(prefix_hashes(wide, BLOCK)[0])], ["e1"])["e1"] == [GPU]
     assert index.counters["e1"].unattributable == 2 and len(index) == 1
+
+
+def test_leading_runs_agree_with_each_keys_holders_under_random_events():
+    """leading() finds each engine's runs with set arithmetic; holders() names each key's place one by one:
+    they must agree on every chain, whatever mix of stores, removals and clears came before."""
+    import random
+
+    rng = random.Random(3)
+    index = EngineIndex(blocks_max=10_000)
+    hashes = {engine: iter(range(base, base + 100_000)) for engine, base in (("e1", 0), ("e2", 10**6))}
+    announced = {"e1": [], "e2": []}
+    for _ in range(400):
+        engine = rng.choice(["e1", "e2"])
+        op = rng.random()
+        if op < 0.6:
+            first = rng.randrange(len(KEYS))
+            count = rng.randint(1, len(KEYS) - first)
+            parent = None if first == 0 else next((h for h, b in announced[engine] if b == first - 1), None)
+            if first and parent is None:
+                continue
+            block_hashes = [next(hashes[engine]) for _ in range(count)]
+            medium = rng.choice(["GPU", "CPU"])
+            index.apply(engine, [stored(block_hashes, parent, first, medium=medium)])
+            announced[engine] += [(h, first + i) for i, h in enumerate(block_hashes)]
+        elif op < 0.95 and announced[engine]:
+            gone = rng.sample(announced[engine], min(len(announced[engine]), rng.randint(1, 3)))
+            medium = rng.choice(["GPU", "CPU"])
+            index.apply(engine, [Removed(block_hashes=[h for h, _ in gone], medium=medium)])
+        else:
+            index.apply(engine, [Cleared()])
+        for chain in (KEYS, KEYS[:3], KEYS[2:] + KEYS[:2], KEYS + KEYS[:1]):
+            places = index.holders(chain, ["e1", "e2", "e3"])
+            expected = []
+            for engine in ("e1", "e2", "e3"):
+                held = next((i for i, place in enumerate(places[engine]) if place is None), len(chain))
+                gpu = next((i for i, place in enumerate(places[engine]) if place != GPU), len(chain))
+                expected.append((gpu, held))
+            assert index.leading(chain, ["e1", "e2", "e3"]) == expected
