@@ -34,6 +34,7 @@ from kvstore.control.store import PageStore
 from kvstore.control.store_types import CommitPart, Counters, Evict
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
 from kvstore_client import errors
+from kvstore_client.keys import unpack_keys
 from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class KVStoreService:
             if request.keys_packed or request.key_bytes:
                 packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
                 held = self.store.tiers_each(request.namespace_id, packed, key_bytes)
-                keys = [packed[i:i + key_bytes] for i in range(0, len(packed), key_bytes)] if followed else []
+                keys = unpack_keys(packed, key_bytes) if followed else []
             else:
                 keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
                 held = self.store.tiers_each(request.namespace_id, keys)
@@ -136,7 +137,7 @@ class KVStoreService:
             packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
             tiers_packed = self.store.tiers_packed(request.namespace_id, packed, key_bytes)
             answer = pb.LookupResponse(hit_pages=len(tiers_packed), tiers_packed=tiers_packed)
-            keys = [packed[i:i + key_bytes] for i in range(0, len(packed), key_bytes)] if followed else []
+            keys = unpack_keys(packed, key_bytes) if followed else []
         else:
             keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
             tiers = self.store.tiers(request.namespace_id, keys)

@@ -45,7 +45,7 @@ from kvstore.control.store_writes import WriteLeases
 from kvstore.limits import Limits
 from kvstore.tiers.dram import Arena, SlabAllocator, slot_bytes_for
 from kvstore_client import errors
-from kvstore_client.keys import Namespace, namespace_id
+from kvstore_client.keys import Namespace, namespace_id, unpack_keys
 from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         """tiers() of keys of one length back to back, as one byte (a Tier) per leading page held."""
         with self._lock:   # the C index reads the buffer whole: no object per key
             offsets = self.index.leading_offsets(ns_id, keys_packed, key_bytes=key_bytes)
-            in_hbm = self._hbm_leading(ns_id, _packed(keys_packed, key_bytes, len(offsets))) \
+            in_hbm = self._hbm_leading(ns_id, unpack_keys(keys_packed[:len(offsets) * key_bytes], key_bytes)) \
                 if self._hbm_per_namespace[ns_id] else 0
         if NO_SLOT not in offsets and not in_hbm:
             return _DRAM_BYTE * len(offsets)
@@ -195,7 +195,7 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         with self._lock:   # bounded: at most the Lookup's keys, one table probe each, in C
             places = self.index.places_each(ns_id, keys, key_bytes=key_bytes).translate(_TIER_OF_PLACE)
             if self._hbm_per_namespace[ns_id]:
-                listed = _packed(keys, key_bytes, len(keys) // key_bytes) if key_bytes else keys
+                listed = unpack_keys(keys, key_bytes) if key_bytes else keys
                 places = self._hbm_mark_each(ns_id, listed, places)
         return places
 
@@ -360,7 +360,3 @@ def _page_row(record: PageRecord) -> tuple[bytes, bytes, bool, bool]:
     parent = record.parent.page_id[1] if record.parent is not None else (record.anchor or b"")
     return record.page_id[1], parent, record.in_dram, record.on_nvme
 
-
-def _packed(keys: bytes, key_bytes: int, count: int) -> list[bytes]:
-    """The first `count` keys of keys of one length back to back."""
-    return [bytes(keys[i * key_bytes:(i + 1) * key_bytes]) for i in range(count)]

@@ -169,3 +169,12 @@ def test_a_list_of_ids_is_read_as_the_array_of_it_would_be():
                        ([1, 2.0], "integers"), ([1, "2"], "integers|int")):
         with pytest.raises(InvalidArgument, match=match):
             token_array(bad)
+
+
+def test_unpack_keys_gives_back_every_byte_of_each_key():
+    from kvstore_client.keys import unpack_keys
+
+    keys = [b"\x00" * 8, b"ab\x00\x00cd\x00\x00", bytes(range(248, 256)), b"\x00\x00\x00\x00\x00\x00\x00\x01"]
+    assert unpack_keys(b"".join(keys), 8) == keys
+    assert all(type(k) is bytes for k in unpack_keys(b"".join(keys), 8))
+    assert unpack_keys(b"", 8) == []

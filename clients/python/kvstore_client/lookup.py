@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 import numpy as np
 
 from kvstore_client import errors
-from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed
+from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed, unpack_keys
 from kvstore_client.node_steps import Answer, Send, Steps
 from kvstore_client.proto import pb
 from kvstore_client.load_estimate import LoadCosts, TransferRate
@@ -48,8 +48,7 @@ class PackedKeys:
         return len(self.buffer) // self.key_bytes
 
     def unpacked(self) -> list[bytes]:
-        step = self.key_bytes
-        return [self.buffer[i:i + step] for i in range(0, len(self.buffer), step)]
+        return unpack_keys(self.buffer, self.key_bytes)
 
     def part(self, start: int, stop: int) -> "PackedKeys":
         return PackedKeys(self.buffer[start * self.key_bytes:stop * self.key_bytes], self.key_bytes)
