@@ -198,23 +198,28 @@ class EngineIndex:
 
     def _leading_runs(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> list[tuple[int, int]]:
         """Each engine's run ends at the chain's first key it does not hold (in its GPU: not held there), found
-        with set differences and one position table, so the cost is a few passes in C over the chain's keys."""
+        with set differences and, where a key is missing, one position table: a few passes in C over the keys."""
         runs: list[tuple[int, int]] = []
         asked: set[bytes] | None = None
         first_position: dict[bytes, int] = {}
+
+        def run_until(missing: set[bytes]) -> int:
+            nonlocal first_position
+            if not missing:
+                return len(keys)
+            if not first_position:   # a key's first position: built from the end, so earlier ones overwrite
+                first_position = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+            return min(map(first_position.__getitem__, missing))
+
         for engine in engine_ids:
             held = self._keys_in.get(engine)
             if not held:
                 runs.append((0, 0))
                 continue
-            if asked is None:
-                asked = set(keys)
-                # a key's first position: built from the end, so an earlier one overwrites a later one
-                first_position = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+            asked = set(keys) if asked is None else asked
             in_gpu, in_host = held.get(GPU, set()), held.get(HOST, set())
-            held_run = min(map(first_position.__getitem__, asked.difference(in_gpu, in_host)), default=len(keys))
-            gpu_run = min(map(first_position.__getitem__, asked.difference(in_gpu)), default=len(keys))
-            runs.append((min(gpu_run, held_run), held_run))
+            held_run = run_until(asked.difference(in_gpu, in_host))
+            runs.append((min(run_until(asked.difference(in_gpu)), held_run), held_run))
         return runs
 
     def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:
