@@ -215,7 +215,7 @@ class ScrubConfig:
 class HbmConfig:
     """The HBM tier: a pool of one GPU's memory, allocated whole at start-up and exported over CUDA IPC
     to engines on this host (kvstore/tiers/hbm.py). pool_bytes 0 = no HBM tier."""
-    pool_bytes: int = 0                     # at most half of dram.arena_bytes: each copy keeps its DRAM copy
+    pool_bytes: int = 0                     # at least dram.slab_bytes
     device: int = 0                         # CUDA device index, as this process sees them
     promote_hits: int = 2                   # reads by engines on this host before a page is copied in
 
@@ -533,11 +533,9 @@ def _validate(config: Config) -> None:
         ("ops.log_format", config.ops.log_format in ("text", "json", "logfmt"), "must be text, json or logfmt"),
         ("systemd.watchdog_usec", config.systemd.watchdog_usec >= 0, "must not be negative"),
         ("hbm.pool_bytes", config.hbm.pool_bytes >= 0, "must not be negative (0 = no HBM tier)"),
-        ("hbm.pool_bytes", not config.hbm.pool_bytes
-         or config.dram.slab_bytes <= config.hbm.pool_bytes <= config.dram.arena_bytes // 2,
-         f"must be 0 or between dram.slab_bytes ({config.dram.slab_bytes}) and half of dram.arena_bytes "
-         f"({config.dram.arena_bytes // 2}): a page in HBM keeps its DRAM copy, so a larger pool would pin "
-         "most of DRAM"),
+        ("hbm.pool_bytes", not config.hbm.pool_bytes or config.hbm.pool_bytes >= config.dram.slab_bytes,
+         f"must be 0 or at least dram.slab_bytes ({config.dram.slab_bytes}): the pool is cut into slabs as the "
+         "arena is"),
         ("hbm.promote_hits", config.hbm.promote_hits >= 1, "must be at least 1"),
         ("hbm.device", config.hbm.device >= 0, "must be a CUDA device index"),
     ]

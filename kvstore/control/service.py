@@ -267,21 +267,23 @@ class KVStoreService:
         self.load_rates.observe(pb.DRAM, len(pages), time.monotonic() - started - promote_s)
         self.load_rates.observe(pb.NVME, promoted, promote_s)
         hot = self.read_heat.read(request.namespace_id, keys[:len(pages)]) if self.read_heat is not None else ()
-        hbm_offsets = self._hbm_offsets(pages, owner) if request.hbm_reader else []
+        hbm_offsets = self._hbm_offsets(held, owner) if request.hbm_reader else []
         return pb.AcquireResponse(
             lease_id=held.lease_id, hit_pages=len(pages), offsets=[r.offset for r in pages],
             checksums=[r.checksum for r in pages], page_bytes=page_bytes, lease_ttl_ms=ttl_ms,
             promoted_pages=promoted, data_token=held.token, hot_pages=hot, hbm_offsets=hbm_offsets)
 
-    def _hbm_offsets(self, pages: list, owner: object | None) -> list[int]:
+    def _hbm_offsets(self, lease: Any, owner: object | None) -> list[int]:
         """For a GPU reader (AcquireRequest.hbm_reader) on this host (it maps the arena, so it may open the pool)
         that may see every tenant's pages (the pool holds them all: tenancy.scoped keeps its handle from tenants):
-        where each leased page is in the pool, or -1; and the pages are offered to the mover. [] for any other."""
+        where each leased page is in the pool, or -1; the pages not in it are offered to the mover. [] for any
+        other reader."""
         if (self.hbm_mover is None or not isinstance(owner, Caller) or owner.arena is None
                 or not owner.identity.admin):
             return []
-        offsets = self.store.hbm_offsets(pages)
-        self.hbm_mover.offer(pages)
+        pages = list(lease.pinned)
+        offsets = self.store.hbm_offsets(lease, pages)
+        self.hbm_mover.offer([page for page, offset in zip(pages, offsets or [-1] * len(pages)) if offset < 0])
         return offsets
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:

@@ -340,6 +340,11 @@ class SlabAllocator:
     def slot_bytes_of(self, offset: int) -> int:
         return self._slabs[offset - offset % self.slab_bytes].slot_bytes
 
+    def slots_used(self, offset: int) -> int:
+        """How many slots of the slab holding `offset` are in use."""
+        slab = self._slabs[offset - offset % self.slab_bytes]
+        return slab.capacity - len(slab.free)
+
     def free(self, offset: int) -> int:
         """Take the slot back; returns its size."""
         slab = self._slabs[offset - offset % self.slab_bytes]

@@ -69,9 +69,12 @@ class CudaPool:
 
     def write(self, offset: int, data: memoryview) -> None:
         source = np.frombuffer(data, dtype=np.uint8)
-        with self._cupy.cuda.Device(self.index):   # synchronous: the bytes are in the pool on return
+        with self._cupy.cuda.Device(self.index):
             self._runtime.memcpy(self.address + offset, source.ctypes.data, source.nbytes,
                                  self._runtime.memcpyHostToDevice)
+            # From pageable memory cudaMemcpy may return once the bytes are staged, before the DMA lands: the
+            # copy is published when this returns, so wait for the device.
+            self._runtime.deviceSynchronize()
 
     def read(self, offset: int, nbytes: int) -> bytes:
         out = np.empty(nbytes, dtype=np.uint8)
