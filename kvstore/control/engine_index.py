@@ -34,6 +34,7 @@ Thread-safe: one subscriber thread per engine writes, Route reads.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from typing import Hashable, Iterable, Mapping, Sequence
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 GPU = "GPU"
 HOST = "HOST"
+HELD = "HELD"      # either of them (a key set of its own, for leading runs)
 # Medium names the engines use, mapped onto the two places an engine can hold a page.
 # vLLM: GPU, CPU (its CPU offload), STORAGE; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL.
 # Pages an engine keeps on disk or in an external store are not in its memory: not indexed.
@@ -105,7 +107,8 @@ class EngineIndex:
         self._blocks: dict[str, dict[str, dict[Hashable, str]]] = {}
         # our key (bytes) -> engine -> place -> engine blocks naming that key there (usually 1)
         self._holders: dict[bytes, dict[str, dict[str, int]]] = {}
-        # engine -> place -> our keys it holds there: a chain's leading run is then set arithmetic (leading())
+        # engine -> place (GPU, HOST, or HELD for either) -> our keys it holds there: a chain's leading run is
+        # then a walk in C that stops at the first key missing (leading())
         self._keys_in: dict[str, dict[str, set[bytes]]] = {}
         # (engine, our key) -> tokens after the page its block's hash covers (lookahead hashing)
         self._lookahead: dict[tuple[str, bytes], tuple[int, ...]] = {}
@@ -197,29 +200,13 @@ class EngineIndex:
     # -- with the lock held -------------------------------------------------------------
 
     def _leading_runs(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> list[tuple[int, int]]:
-        """Each engine's run ends at the chain's first key it does not hold (in its GPU: not held there), found
-        with set differences and, where a key is missing, one position table: a few passes in C over the keys."""
+        """Each engine's run ends at the chain's first key it does not hold (in its GPU: not held there): a walk
+        in C (takewhile over set membership) that stops there, with no step in Python per key."""
         runs: list[tuple[int, int]] = []
-        asked: set[bytes] | None = None
-        first_position: dict[bytes, int] = {}
-
-        def run_until(missing: set[bytes]) -> int:
-            nonlocal first_position
-            if not missing:
-                return len(keys)
-            if not first_position:   # a key's first position: built from the end, so earlier ones overwrite
-                first_position = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
-            return min(map(first_position.__getitem__, missing))
-
         for engine in engine_ids:
-            held = self._keys_in.get(engine)
-            if not held:
-                runs.append((0, 0))
-                continue
-            asked = set(keys) if asked is None else asked
-            in_gpu, in_host = held.get(GPU, set()), held.get(HOST, set())
-            held_run = run_until(asked.difference(in_gpu, in_host))
-            runs.append((min(run_until(asked.difference(in_gpu)), held_run), held_run))
+            held = self._keys_in.get(engine, {})
+            gpu = len(list(itertools.takewhile(held.get(GPU, set()).__contains__, keys)))
+            runs.append((gpu, len(list(itertools.takewhile(held.get(HELD, set()).__contains__, keys)))))
         return runs
 
     def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:
@@ -272,7 +259,9 @@ class EngineIndex:
             raw = encode_key(key)
             places = self._holders.setdefault(raw, {}).setdefault(engine_id, {})
             if not places.get(place):
-                self._keys_in.setdefault(engine_id, {}).setdefault(place, set()).add(raw)
+                keys_in = self._keys_in.setdefault(engine_id, {})
+                keys_in.setdefault(place, set()).add(raw)
+                keys_in.setdefault(HELD, set()).add(raw)
             places[place] = places.get(place, 0) + 1
             self._count += 1
             counters.stored += 1
@@ -311,6 +300,7 @@ class EngineIndex:
             self._keys_in[engine_id][place].discard(key)
         if not places:
             del holding[engine_id]
+            self._keys_in[engine_id][HELD].discard(key)
             self._lookahead.pop((engine_id, key), None)
             if not holding:
                 del self._holders[key]
