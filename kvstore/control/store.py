@@ -359,4 +359,3 @@ def _page_row(record: PageRecord) -> tuple[bytes, bytes, bool, bool]:
     """A ListPages row: (key, parent key or the absent parent it is anchored at, in DRAM, on NVMe)."""
     parent = record.parent.page_id[1] if record.parent is not None else (record.anchor or b"")
     return record.page_id[1], parent, record.in_dram, record.on_nvme
-
