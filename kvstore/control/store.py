@@ -59,7 +59,8 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
     """The state and the lock; namespaces, lookups, deletes and Stats here, the rest in its parts:
     store_writes (reserve and commit), store_reads (holds and promotion), store_leases (leases
     ending), store_writedown (the controller's claims), store_memory (DRAM slots and eviction),
-    store_scrub (the scrubber's batches). Every part's method takes this lock itself."""
+    store_scrub (the scrubber's batches), store_hbm (copies in the HBM pool). Every part's method
+    takes this lock itself."""
 
     def __init__(self, config: Config, arena: Arena, clock: Clock = time.monotonic):
         self.config = config
