@@ -134,3 +134,75 @@ def test_random_traffic_keeps_every_hbm_rule(node, seed):
     svc.release(pb.ReleaseRequest(lease_ids=list(held)), None)
     store.hbm_sweep(0)
     store.check_invariants()
+
+
+def test_the_mover_thread_and_readers_at_once_keep_every_rule(node):
+    """The mover on its own thread while two reader threads put, read as GPU engines and delete at once:
+    every byte a reader is answered from the pool is its page's, and the invariants hold at the end."""
+    import threading
+    import time
+
+    svc, pool = node
+    store, mover = svc.store, svc.hbm_mover
+    size = SIZES[0]
+    ns = svc.open_namespace(pb.OpenNamespaceRequest(spec=Namespace(model="t", page_bytes=size).to_proto()),
+                            None).namespace_id
+    wrong: list[str] = []
+    answered = [0]
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        reader = local_gpu_reader()
+        for _ in range(300):
+            time.sleep(0.002)      # the mover gets its turns (the GIL): its copies land between reads
+            chain = rng.randrange(6)
+            keys = [f"c{seed}.{chain}.{i}".encode() for i in range(rng.randint(1, 4))]
+            op = rng.random()
+            try:
+                if op < 0.3:
+                    reserved = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys, page_bytes=size), None)
+                    for key, state, offset in zip(keys, reserved.states, reserved.offsets):
+                        if state == pb.RESERVED:
+                            store.arena.view[offset:offset + size] = page_of(key, size)
+                    if reserved.lease_id:
+                        svc.commit(pb.CommitRequest(lease_id=reserved.lease_id), None)
+                elif op < 0.9:
+                    answer = svc.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys, hbm_reader=True), reader)
+                    for position, offset in enumerate(answer.hbm_offsets):
+                        if offset >= 0:
+                            answered[0] += 1
+                            if pool.read(offset, size) != page_of(keys[position], size):
+                                wrong.append(f"{keys[position]!r} at {offset}")
+                    if answer.lease_id:
+                        svc.release(pb.ReleaseRequest(lease_ids=[answer.lease_id]), None)
+                else:
+                    svc.delete(pb.DeleteRequest(namespace_id=ns, keys=keys[:1]), None)
+            except (errors.CapacityExhausted, errors.LeaseNotFound):
+                continue
+
+    mover.start()
+    try:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        reader, keys = local_gpu_reader(), [b"last.0", b"last.1"]   # one read more once the mover is idle
+        reserved = svc.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys, page_bytes=size), None)
+        for key, offset in zip(keys, reserved.offsets):
+            store.arena.view[offset:offset + size] = page_of(key, size)
+        svc.commit(pb.CommitRequest(lease_id=reserved.lease_id), None)
+        for _ in range(2):
+            answer = svc.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys, hbm_reader=True), reader)
+            for offset, key in zip(answer.hbm_offsets, keys):
+                answered[0] += offset >= 0
+                assert offset < 0 or pool.read(offset, size) == page_of(key, size)
+            svc.release(pb.ReleaseRequest(lease_ids=[answer.lease_id]), None)
+            while not mover.idle():
+                time.sleep(0.01)
+    finally:
+        mover.stop()
+    assert not wrong, wrong[:5]
+    assert answered[0] > 0 and mover.alive() is False, (answered, store.hbm_counters, store.hbm_usage())
+    store.hbm_sweep(0)
+    store.check_invariants()
