@@ -21,6 +21,11 @@ is a 512k-token prompt), by keys and by tokens (hashed in the SDK), median and m
 --lookup-repeats; beside each, a one-key lookup measured in the same moment: the round trip and
 the SDK's fixed cost, the floor a long lookup cannot go below on this host under this load.
 `--skip throughput,hashing` runs the lookups alone.
+
+Last, each goal of the read and write paths is printed beside this run's figure, met or short (1-4 MiB put
+and get >= 0.9 of memmove and >= 1.15x Mooncake, 64 KiB >= 0.7 of memmove, 4 KiB >= 500k pages/s each way, a
+128k-token lookup <= 1 ms by keys and <= 2 ms by tokens); the TCP and write-down goals are measured by
+bench/tcp_throughput.py and bench/writedown_latency.py.
 """
 
 from __future__ import annotations
@@ -215,6 +220,40 @@ def print_tables(report: dict) -> None:
           ", ".join(f"{k.removesuffix('_mtok_s')} {v:.1f}" for k, v in report["prefix_hashes"].items()))
 
 
+def targets(report: dict) -> list[dict]:
+    """Each goal of the read and write paths beside this run's figure: (what, figure, goal, met)."""
+    rows: list[dict] = []
+
+    def goal(what: str, figure: float, bound: float, at_least: bool = True) -> None:
+        rows.append({"what": what, "figure": figure, "goal": bound, "at_least": at_least,
+                     "met": figure >= bound if at_least else figure <= bound})
+
+    for r in report["throughput"]:
+        size, mm = r["page_bytes"], r["memmove_gbps"]
+        for op in ("put", "get"):
+            if size >= 1 << 20:
+                goal(f"{size >> 10} KiB {op} / memmove", r[f"{op}_gbps"] / mm, 0.9)
+                if r.get(f"mooncake_{op}_gbps"):
+                    goal(f"{size >> 10} KiB {op} / Mooncake", r[f"{op}_gbps"] / r[f"mooncake_{op}_gbps"], 1.15)
+            elif size == 64 << 10:
+                goal(f"64 KiB {op} / memmove", r[f"{op}_gbps"] / mm, 0.7)
+            elif size == 4 << 10:
+                goal(f"4 KiB {op}s, pages/s", r[f"{op}_pages_per_s"], 500_000)
+    for r in report["lookup"]:
+        if r["pages"] == 8192:   # 128k tokens of 16-token pages
+            goal("lookup of 128k tokens by keys, ms (median)", r["keys_ms_median"], 1.0, at_least=False)
+            goal("lookup of 128k tokens by tokens, ms (median)", r["tokens_ms_median"], 2.0, at_least=False)
+    return rows
+
+
+def print_targets(rows: list[dict]) -> None:
+    print("\ngoals (this run's figure beside each; TCP and write-down: bench/tcp_throughput.py, "
+          "bench/writedown_latency.py)")
+    for row in rows:
+        bound = f"{'>=' if row['at_least'] else '<='} {row['goal']:g}"
+        print(f"  {row['what']:48s} {row['figure']:>10.2f}   goal {bound:>10}   {'met' if row['met'] else 'short'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--working-set-mib", type=int, default=1024)
@@ -245,6 +284,8 @@ def main() -> None:
     report["lookup"] = lookups(args) if "lookup" not in skip else []
     report["throughput"] = throughput(args, page_sizes, reason) if "throughput" not in skip else []
     print_tables(report)
+    report["targets"] = targets(report)
+    print_targets(report["targets"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
