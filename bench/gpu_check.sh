@@ -7,7 +7,8 @@
 # device's Python (3.12) and carry .whl, e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     protobuf==7.35.1 lmdb==3.0.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+#     protobuf==7.36.2 lmdb==3.0.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+# The device script's tier check starts a kvstore-server there too (it needs the same wheels and cupy).
 set -u
 py=${PYTHON:-python3}      # the device image's python3 holds torch and cupy
 out=${1:-bench/results}
