@@ -15,13 +15,14 @@ Speeds (GB/s of page bytes; median of --repeats after a warm-up; CUDA events):
     into an engine cache), as a ratio of a device-to-device copy of the same bytes between its own
     buffers;
   - the gather kernel from device pages vs a contiguous device-to-device copy of the same bytes.
-  - the HBM tier on a node (--tier, on by default): a kvstore-server started here with an HBM pool on
-    the GPU; this process, an engine on its host, puts --pages pages from a CUDA cache, reads them twice
-    from the arena (GpuPages.get_to_gpu: one gather from the registered arena), waits for the node to
-    copy them into its pool, then reads them from the pool over CUDA IPC; every read's blocks are
-    compared with the put ones, byte for byte. Figures: each read's page bytes per second of the whole
-    call (Acquire, copy, Release), the arena read as a ratio of pinned H2D and the pool read as a ratio of
-    a device-to-device copy of the same bytes in this process, and the node's HBM Stats.
+  - the HBM tier on a node (skip it with --no-tier): a kvstore-server started here with an HBM pool on
+    the GPU; this process, an engine on its host, puts --pages pages from a CUDA cache, reads them
+    --repeats + 1 times from the arena (GpuPages.get_to_gpu: one gather from the registered arena; the
+    node's hbm.promote_hits is set to that count), waits for the node to copy them into its pool, then
+    reads them from the pool over CUDA IPC; every read's blocks are compared with the put ones, byte for
+    byte. Figures: each read's page bytes per second of the whole call (Acquire, copy, Release), the
+    arena reads (median) as a ratio of pinned H2D and the pool reads (median) as a ratio of a
+    device-to-device copy of the same bytes in this process, and the node's HBM Stats.
 Targets (issue): arena -> GPU >= 0.9 of pinned H2D; IPC reads >= 0.9 of D2D; kernel >= 0.8 of contiguous.
 
 Without a GPU (no cupy, or no device) it prints why and exits 2. Needs cupy and torch with CUDA;
@@ -242,12 +243,14 @@ def tier_check(pages: int, repeats: int, result: dict[str, Any]) -> dict[str, An
     out: dict[str, Any] = {"checks": {}, "gbs": {}, "ratios": {}}
     work = Path(tempfile.mkdtemp(prefix="gpu-check-node-"))
     ready = work / "ready.json"
+    reads = max(repeats, 1) + 1
     arena = max(4 * total, 256 << 20)
-    node = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0", "--shm-socket",
-         str(work / "kvstore.sock"), "--ready-file", str(ready), "--set", f"dram.arena_bytes={arena}",
-         "--set", f"hbm.pool_bytes={arena // 2}", "--set", "nvme.enabled=false", "--set", "hbm.promote_hits=2"],
-        stdout=open(work / "node.log", "wb"), stderr=subprocess.STDOUT)
+    with open(work / "node.log", "wb") as node_log:
+        node = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0", "--shm-socket",
+             str(work / "kvstore.sock"), "--ready-file", str(ready), "--set", f"dram.arena_bytes={arena}",
+             "--set", f"hbm.pool_bytes={arena // 2}", "--set", "nvme.enabled=false",
+             "--set", f"hbm.promote_hits={reads}"], stdout=node_log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -284,7 +287,8 @@ def tier_check(pages: int, repeats: int, result: dict[str, Any]) -> dict[str, An
             gpu = GpuPages(client)
             out["checks"]["tier_put"] = "ok" if gpu.put_from_gpu(ns, keys, source, fmt, list(range(pages))) == pages \
                 else "not every page was stored"
-            arena_s = [timed_read() for _ in range(2)]          # read twice: the node copies them into its pool
+            # a warm-up and `repeats` timed reads from the arena; the last of them brings the pages into the pool
+            arena_s = [timed_read() for _ in range(reads)][1:]
             out["checks"]["tier_arena_read_bytes"] = "ok" if loaded_right() else "bytes differ"
             waited = time.monotonic()
             while (client.residency(ns, keys=keys).tier_pages()["hbm"] < pages
@@ -305,7 +309,7 @@ def tier_check(pages: int, repeats: int, result: dict[str, Any]) -> dict[str, An
         d2d = timed_gbs(total, lambda: cupy.cuda.runtime.memcpyAsync(flat.data.ptr, other.data.ptr, total, 3, stream),
                         repeats)
         gbs = out["gbs"]
-        gbs["tier_arena_get_to_gpu"] = total / arena_s[-1] / 1e9
+        gbs["tier_arena_get_to_gpu"] = total / statistics.median(arena_s) / 1e9
         gbs["tier_hbm_get_to_gpu"] = total / statistics.median(hbm_s) / 1e9
         gbs["tier_d2d_contiguous"] = d2d
         out["ratios"]["tier_arena_get_to_gpu / pinned_h2d"] = gbs["tier_arena_get_to_gpu"] / result["gbs"]["pinned_h2d"]

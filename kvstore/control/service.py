@@ -230,7 +230,7 @@ class KVStoreService:
         return self._answer_acquire(request, keys, lease, ttl_ms, namespace.page_bytes, started, owner)
 
     def _answer_acquire(self, request: pb.AcquireRequest, keys: list[bytes], lease: Any, ttl_ms: int,
-                        page_bytes: int, started: float, owner: object | None = None) -> pb.AcquireResponse:
+                        page_bytes: int, started: float, owner: object | None) -> pb.AcquireResponse:
         """Bring a held chain's pages into DRAM as the request's policy allows, keep the leading ones in
         DRAM under the lease and answer with them; what that cost per page goes into load_rates."""
         store = self.store
@@ -281,9 +281,9 @@ class KVStoreService:
         if (self.hbm_mover is None or not isinstance(owner, Caller) or owner.arena is None
                 or not owner.identity.admin):
             return []
-        pages = list(lease.pinned)
-        offsets = self.store.hbm_offsets(lease, pages)
-        self.hbm_mover.offer([page for page, offset in zip(pages, offsets or [-1] * len(pages)) if offset < 0])
+        offsets = self.store.hbm_offsets(lease)
+        self.hbm_mover.offer([page for page, offset in zip(lease.pinned, offsets or [-1] * len(lease.pinned))
+                              if offset < 0])
         return offsets
 
     def release(self, request: pb.ReleaseRequest, owner: object | None) -> pb.ReleaseResponse:

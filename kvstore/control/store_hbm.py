@@ -38,6 +38,7 @@ from kvstore.control.store_types import SCAN_POSITIONS
 from kvstore.tiers.dram import SlabAllocator
 from kvstore_client.proto import pb
 
+
 @dataclasses.dataclass
 class HbmCounters:
     promotions: int = 0        # copies made
@@ -73,13 +74,12 @@ class HbmCopies:
         with self._lock:
             if self.hbm_allocator is None:
                 return claimed
-            coming: set[PageRecord] = set()
             try:
                 for record in dict.fromkeys(self._hbm_ancestors(records) + records):
                     parent = record.parent
                     if (not record.alive or not record.in_dram or record in self._hbm or record in self._hbm_moving
                             or (parent is None and record.anchor)
-                            or not (parent is None or parent in self._hbm or parent in coming)):
+                            or not (parent is None or parent in self._hbm or parent in self._hbm_moving)):
                         continue
                     if parent is not None:   # no leaf while its child is claimed: room is never made from it
                         self._hbm_count_child(parent, 1)
@@ -91,7 +91,6 @@ class HbmCopies:
                         continue       # its children cannot follow it; other chains may
                     self.index.pin_all([record], hit=False)   # its DRAM slot stays while it is copied
                     self._hbm_moving[record] = (offset, parent)
-                    coming.add(record)
                     claimed.append((record, offset))
             except BaseException:
                 self._hbm_settle([(record, offset, False) for record, offset in claimed])
@@ -120,12 +119,13 @@ class HbmCopies:
 
     # -- answers ----------------------------------------------------------------------------------
 
-    def hbm_offsets(self, lease: Lease, records: list[PageRecord]) -> list[int]:
+    def hbm_offsets(self, lease: Lease) -> list[int]:
         """Each of an open lease's pages' pool offset, or -1 (read it from the arena); [] when none is in HBM or
         the lease has ended. The lease pins them, so an answered copy stays until it ends."""
         with self._lock:
             if lease.ended or not self._hbm:
                 return []
+            records = lease.pinned
             offsets = [self._hbm[record][0] if record in self._hbm else -1 for record in records]
             hits = len(offsets) - offsets.count(-1)
             if not hits:

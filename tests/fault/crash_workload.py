@@ -32,6 +32,7 @@ from typing import TextIO
 import numpy as np
 
 from kvstore_client import KVStoreClient, Namespace, errors
+from kvstore_client.gpu_device import HostDevice
 from kvstore_client.proto import pb
 
 # Two page sizes, so both slot sizes share the arena and both kinds of NVMe record exist.
@@ -163,21 +164,19 @@ def read_chain(client: KVStoreClient, chains: Chains, rng: random.Random) -> Non
 
 def read_as_gpu_engine(client: KVStoreClient, namespace: Namespace, path: list[bytes], out: np.ndarray) -> int:
     """A read as GpuPages makes one (Acquire with hbm_reader): each page from the node's HBM pool where it names
-    an offset there, else from the arena, copied as they are into `out` for the caller to check."""
+    an offset there (opened as GpuPages' host device opens it), else from the arena, copied as they are into
+    `out` for the caller to check."""
     acquired = client._conn.call_in(namespace, "Acquire", pb.AcquireRequest(keys=path, hbm_reader=True))
+    device, size = HostDevice(), namespace.page_bytes
     try:
-        region = client._conn.hello.hbm
-        pool = open(region.ipc_handle.decode(), "rb") if len(acquired.hbm_offsets) else None
-        arena, size = client._conn.data.arena.view, namespace.page_bytes
-        for i in range(acquired.hit_pages):
-            hbm = acquired.hbm_offsets[i] if pool is not None else -1
-            if hbm >= 0:
-                pool.seek(hbm)
-                out[i] = np.frombuffer(pool.read(size), np.uint8)
-            else:
-                out[i] = np.frombuffer(arena[acquired.offsets[i]:acquired.offsets[i] + size], np.uint8)
-        if pool is not None:
-            pool.close()
+        in_pool = list(acquired.hbm_offsets) or [-1] * acquired.hit_pages
+        base = device.open_ipc(client._conn.hello.hbm.ipc_handle) if max(in_pool, default=-1) >= 0 else None
+        arena = client._conn.data.arena.view
+        for i, (hbm, offset) in enumerate(zip(in_pool, acquired.offsets)):
+            page = device.opened[base][hbm:hbm + size] if hbm >= 0 else arena[offset:offset + size]
+            out[i] = np.frombuffer(page, np.uint8)
+        if base is not None:
+            device.close_ipc(base)
     finally:
         if acquired.lease_id:
             client._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))

@@ -17,6 +17,7 @@ from kvstore_client import KVStoreClient, Namespace, kv_layout
 from kvstore_client.gpu import GpuPages
 from kvstore_client.gpu_device import HostDevice
 from kvstore_client.proto import pb
+from kvstore_client.residency import TIER_NAMES
 
 PAGE = 64 << 10
 NS = Namespace(model="hbm-tier", page_bytes=PAGE)
@@ -38,31 +39,33 @@ def stored(client: KVStoreClient, keys: list[bytes]) -> None:
     assert client.put(NS, keys, np.stack([page_of(k) for k in keys])).stored == len(keys)
 
 
-def read(client: KVStoreClient, keys: list[bytes], times: int = 1) -> int:
-    """Read the pages as a GPU engine on this host does (GpuPages: Acquire with hbm_reader), each from the pool
-    where the node names an HBM offset and from the arena otherwise, and check every byte; returns how many
-    came from the pool the last time."""
+def engine_read(client: KVStoreClient, keys: list[bytes]) -> tuple[pb.AcquireResponse, list[bytes]]:
+    """An Acquire as a GPU engine on this host makes one (GpuPages: hbm_reader), and each page's bytes where the
+    answer says it is: in the pool at its HBM offset, else in the arena. The lease stays open (release it)."""
+    acquired = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
+    in_pool = list(acquired.hbm_offsets) or [-1] * acquired.hit_pages
     device = HostDevice()
     base = device.open_ipc(client._conn.hello.hbm.ipc_handle)
     try:
-        for _ in range(times):
-            acquired = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
-            assert acquired.hit_pages == len(keys)
-            in_pool = list(acquired.hbm_offsets) or [-1] * len(keys)
-            arena = client._conn.data.arena.view
-            for key, offset, arena_offset in zip(keys, in_pool, acquired.offsets):
-                seen = device.opened[base][offset:offset + PAGE] if offset >= 0 else \
-                    arena[arena_offset:arena_offset + PAGE]
-                assert bytes(seen) == page_of(key).tobytes()
-            release(client, acquired.lease_id)
+        pool, arena = device.opened[base], client._conn.data.arena.view
+        seen = [bytes(pool[o:o + PAGE] if o >= 0 else arena[a:a + PAGE]) for o, a in zip(in_pool, acquired.offsets)]
     finally:
         device.close_ipc(base)
-    return len(keys) - in_pool.count(-1)
+    return acquired, seen
+
+
+def read(client: KVStoreClient, keys: list[bytes], times: int = 1) -> int:
+    """Read the pages as a GPU engine does (engine_read), `times` times, checking every byte; returns how many
+    came from the pool the last time."""
+    for _ in range(times):
+        acquired, seen = engine_read(client, keys)
+        release(client, acquired.lease_id)
+        assert acquired.hit_pages == len(keys) and seen == [page_of(k).tobytes() for k in keys]
+    return len([offset for offset in acquired.hbm_offsets if offset >= 0])
 
 
 def tiers(client: KVStoreClient, keys: list[bytes]) -> list[str]:
-    return ["hbm" if t == pb.HBM else "dram" if t == pb.DRAM else "nvme" if t == pb.NVME else "-"
-            for t in client.residency(NS, keys=keys).tiers]
+    return [TIER_NAMES[tier] for tier in client.residency(NS, keys=keys).tiers]
 
 
 def until(what, timeout_s: float = 10.0):
@@ -76,15 +79,11 @@ def hbm_stats(client: KVStoreClient) -> pb.TierStats:
     return next(t for t in client.stats().tiers if t.tier == pb.HBM)
 
 
-def pool_bytes(client: KVStoreClient, keys: list[bytes], device: HostDevice) -> tuple[list[int], list[bytes], int]:
-    """A held read lease's HBM offsets, the pool's bytes at each, and the lease (to release)."""
-    acquired = client._conn.call_in(NS, "Acquire", pb.AcquireRequest(keys=keys, hbm_reader=True))
-    base = device.open_ipc(client._conn.hello.hbm.ipc_handle)
-    try:
-        seen = [device.opened[base][o:o + PAGE] if o >= 0 else b"" for o in acquired.hbm_offsets]
-    finally:
-        device.close_ipc(base)
-    return list(acquired.hbm_offsets), seen, acquired.lease_id
+def pool_bytes(client: KVStoreClient, keys: list[bytes]) -> tuple[list[int], list[bytes], int]:
+    """A held read lease's HBM offsets, the pool's bytes at each (b"" where not in HBM), and the lease."""
+    acquired, seen = engine_read(client, keys)
+    offsets = list(acquired.hbm_offsets)
+    return offsets, [page if offset >= 0 else b"" for page, offset in zip(seen, offsets)], acquired.lease_id
 
 
 def release(client: KVStoreClient, lease_id: int) -> None:
@@ -101,7 +100,7 @@ def test_pages_read_again_on_this_host_come_into_hbm_and_are_answered_from_it(st
         assert tiers(client, keys) == ["dram"] * 3          # read once: never copied
         read(client, keys)
         assert until(lambda: tiers(client, keys) == ["hbm"] * 3)
-        offsets, seen, lease = pool_bytes(client, keys, HostDevice())
+        offsets, seen, lease = pool_bytes(client, keys)
         assert min(offsets) >= 0 and len(set(offsets)) == 3
         assert seen == [page_of(k).tobytes() for k in keys]           # the committed bytes, in the pool
         release(client, lease)
@@ -146,18 +145,18 @@ def test_the_pool_stays_prefix_closed_and_makes_room_leaf_first_never_from_a_lea
         read(client, b, times=2)                             # the pool is full: a's leaves make room
         assert until(lambda: tiers(client, b) == ["hbm"] * 2)
         assert tiers(client, a) == ["hbm", "hbm", "dram", "dram"]
-        held_offsets, held_bytes, lease = pool_bytes(client, b, HostDevice())   # b is read from now on
+        held_offsets, held_bytes, lease = pool_bytes(client, b)   # b is read from now on
         read(client, c, times=2)                             # room: a's two copies, not b's (leased)
         assert until(lambda: tiers(client, c) == ["hbm", "hbm", "dram", "dram"])
         assert tiers(client, a) == ["dram"] * 4 and tiers(client, b) == ["hbm"] * 2
-        _, again, second = pool_bytes(client, b, HostDevice())
+        _, again, second = pool_bytes(client, b)
         assert again == held_bytes == [page_of(k).tobytes() for k in b]
         release(client, lease)
         release(client, second)
         read(client, c)   # b's copies are free to go now, least recently read (its leaf) first
         assert until(lambda: tiers(client, c) == ["hbm"] * 4)
         assert tiers(client, b) == ["dram"] * 2
-        offsets, seen, lease = pool_bytes(client, c, HostDevice())
+        offsets, seen, lease = pool_bytes(client, c)
         assert seen == [page_of(k).tobytes() for k in c]
         release(client, lease)
         assert hbm_stats(client).evictions == 6     # a's four, then b's two
@@ -180,7 +179,7 @@ def test_deleted_pages_leave_the_pool(start_server):
         stored(client, keys[2:])     # written again: their new DRAM copies, read twice, come in again
         read(client, keys, times=2)
         assert until(lambda: tiers(client, keys) == ["hbm"] * 4)
-        assert pool_bytes(client, keys, HostDevice())[1] == [page_of(k).tobytes() for k in keys]
+        assert pool_bytes(client, keys)[1] == [page_of(k).tobytes() for k in keys]
 
 
 def test_an_engine_loads_pages_from_the_pool_when_they_are_there(start_server):
