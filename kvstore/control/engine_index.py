@@ -34,12 +34,12 @@ Thread-safe: one subscriber thread per engine writes, Route reads.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import threading
 from typing import Hashable, Iterable, Mapping, Sequence
 
-from kvstore_client.keys import encode_key, page_hash
+from kvstore.control.key_sets import KeySet
+from kvstore_client.keys import encode_key, page_hash, unpack_keys
 from kvstore_client.tokens import TOKEN_ID_MAX   # past it (or below 0) the engine's hash is not SGLang's chain
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class EngineIndex:
         self._holders: dict[bytes, dict[str, dict[str, int]]] = {}
         # engine -> place (GPU, HOST, or HELD for either) -> our keys it holds there: a chain's leading run is
         # then a walk in C that stops at the first key missing (leading())
-        self._keys_in: dict[str, dict[str, set[bytes]]] = {}
+        self._keys_in: dict[str, dict[str, KeySet]] = {}
         # (engine, our key) -> tokens after the page its block's hash covers (lookahead hashing)
         self._lookahead: dict[tuple[str, bytes], tuple[int, ...]] = {}
         self._count = 0
@@ -182,14 +182,16 @@ class EngineIndex:
         with self._lock:
             return any(engine in self._blocks for engine in engine_ids)
 
-    def leading(self, keys: Sequence[bytes], engine_ids: Sequence[str], tokens: Sequence[int] | None = None,
-                page_tokens: int = 0) -> list[tuple[int, int]]:
+    def leading(self, keys: Sequence[bytes] | bytes, engine_ids: Sequence[str], tokens: Sequence[int] | None = None,
+                page_tokens: int = 0, key_bytes: int = 0) -> list[tuple[int, int]]:
         """For each engine, the leading pages of `keys` it holds in its GPU, and in its GPU or host memory, as
-        holders() places them. The walk ends where every engine's run has ended (at most len(keys) steps,
-        which the Lookup's limit bounds)."""
+        holders() places them; `keys` packed, `key_bytes` each, where key_bytes is set. The walk ends where
+        every engine's run has ended (at most len(keys) steps, which the Lookup's limit bounds)."""
         with self._lock:
             if not self._lookahead:
-                return self._leading_runs(keys, engine_ids)
+                return self._leading_runs(keys, engine_ids, key_bytes)
+        if key_bytes:
+            keys = unpack_keys(keys, key_bytes)
         runs = []   # lookahead pages count only where the next page or the tokens follow: holders() decides
         for places in self.holders(keys, engine_ids, tokens, page_tokens).values():
             gpu = next((i for i, place in enumerate(places) if place != GPU), len(places))
@@ -199,14 +201,16 @@ class EngineIndex:
 
     # -- with the lock held -------------------------------------------------------------
 
-    def _leading_runs(self, keys: Sequence[bytes], engine_ids: Sequence[str]) -> list[tuple[int, int]]:
-        """Each engine's run ends at the chain's first key it does not hold (in its GPU: not held there): a walk
-        in C (takewhile over set membership) that stops there, with no step in Python per key."""
+    def _leading_runs(self, keys: Sequence[bytes] | bytes, engine_ids: Sequence[str],
+                      key_bytes: int) -> list[tuple[int, int]]:
+        """Each engine's run ends at the chain's first key it does not hold (in its GPU: not held there): one
+        walk of its KeySet that stops there. A key in the GPU is held, so the held run goes on from the
+        GPU run's end."""
         runs: list[tuple[int, int]] = []
         for engine in engine_ids:
             held = self._keys_in.get(engine, {})
-            gpu = len(list(itertools.takewhile(held.get(GPU, set()).__contains__, keys)))
-            runs.append((gpu, len(list(itertools.takewhile(held.get(HELD, set()).__contains__, keys)))))
+            gpu = held[GPU].leading(keys, key_bytes) if GPU in held else 0
+            runs.append((gpu, gpu + held[HELD].leading(keys, key_bytes, gpu) if HELD in held else 0))
         return runs
 
     def _store(self, engine_id: str, event: Stored, counters: EngineCounters) -> None:
@@ -260,8 +264,8 @@ class EngineIndex:
             places = self._holders.setdefault(raw, {}).setdefault(engine_id, {})
             if not places.get(place):
                 keys_in = self._keys_in.setdefault(engine_id, {})
-                keys_in.setdefault(place, set()).add(raw)
-                keys_in.setdefault(HELD, set()).add(raw)
+                keys_in.setdefault(place, KeySet()).add(raw)
+                keys_in.setdefault(HELD, KeySet()).add(raw)
             places[place] = places.get(place, 0) + 1
             self._count += 1
             counters.stored += 1

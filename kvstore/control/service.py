@@ -34,7 +34,6 @@ from kvstore.control.store import PageStore
 from kvstore.control.store_types import CommitPart, Counters, Evict
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
 from kvstore_client import errors
-from kvstore_client.keys import unpack_keys
 from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
@@ -125,29 +124,26 @@ class KVStoreService:
             if request.tokens:
                 raise errors.InvalidArgument("each_key asks about keys: send them in keys or keys_packed, not as tokens")
             if request.keys_packed or request.key_bytes:
-                packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
-                held = self.store.tiers_each(request.namespace_id, packed, key_bytes)
-                keys = unpack_keys(packed, key_bytes) if followed else []
+                keys, key_bytes = checks.lookup_packed_keys(request, self.limits)
             else:
-                keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
-                held = self.store.tiers_each(request.namespace_id, keys)
+                keys, key_bytes = checks.lookup_keys(namespace, request, self.limits, request.parent_key), 0
+            held = self.store.tiers_each(request.namespace_id, keys, key_bytes)
             leading = held.find(0)
             answer = pb.LookupResponse(hit_pages=len(held) if leading < 0 else leading, held=held)
         elif request.keys_packed or request.key_bytes:
-            packed, key_bytes = checks.lookup_packed_keys(request, self.limits)
-            tiers_packed = self.store.tiers_packed(request.namespace_id, packed, key_bytes)
+            keys, key_bytes = checks.lookup_packed_keys(request, self.limits)
+            tiers_packed = self.store.tiers_packed(request.namespace_id, keys, key_bytes)
             answer = pb.LookupResponse(hit_pages=len(tiers_packed), tiers_packed=tiers_packed)
-            keys = unpack_keys(packed, key_bytes) if followed else []
         else:
-            keys = checks.lookup_keys(namespace, request, self.limits, request.parent_key)
+            keys, key_bytes = checks.lookup_keys(namespace, request, self.limits, request.parent_key), 0
             tiers = self.store.tiers(request.namespace_id, keys)
             last_key = keys[-1] if request.tokens and keys else b""
             answer = pb.LookupResponse(hit_pages=len(tiers), tiers=tiers, last_key=last_key)
         if request.load_rates:
             answer.load_rates.extend(self.load_rates.answer())
         if engine_ids:   # the engines' own caches, from their KV events (Route's view, as leading runs)
-            runs = self.engines.leading(keys, engine_ids, list(request.tokens) or None, namespace.page_tokens) \
-                if followed else [(0, 0)] * len(engine_ids)
+            runs = self.engines.leading(keys, engine_ids, list(request.tokens) or None, namespace.page_tokens,
+                                        key_bytes) if followed else [(0, 0)] * len(engine_ids)
             answer.engines.extend(pb.EnginePrefix(engine_id=engine_id, gpu_pages=gpu, held_pages=held)
                                   for engine_id, (gpu, held) in zip(engine_ids, runs))
         return answer

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "copy_hash.h"
+#include "key_set.h"
 #include "page_index.h"
 #include "placement_hash.h"
 #include "prefix_hash.h"
@@ -674,7 +675,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstore_native", NUL
 
 PyMODINIT_FUNC PyInit_kvstore_native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && page_index_register(m) < 0)
+    if (m && (page_index_register(m) < 0 || key_set_register(m) < 0))
         Py_CLEAR(m);
     return m;
 }

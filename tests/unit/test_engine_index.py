@@ -1,6 +1,10 @@
 """The ENGINE tier index rebuilds our key chain from engine blocks and forgets what engines drop."""
 
+import pytest
+
+from kvstore.control import engine_index
 from kvstore.control.engine_index import GPU, HOST, Cleared, EngineIndex, Removed, Stored
+from kvstore.control.key_sets import KeySet, PyKeySet
 from kvstore_client.keys import encode_key, prefix_hashes
 
 BLOCK = 4
@@ -124,11 +128,14 @@ def test_blocks_of_wide_token_ids_get_sglangs_keys_and_ids_no_chain_hashes_are_u
     assert index.counters["e1"].unattributable == 2 and len(index) == 1
 
 
-def test_leading_runs_agree_with_each_keys_holders_under_random_events():
-    """leading() finds each engine's runs with set arithmetic; holders() names each key's place one by one:
-    they must agree on every chain, whatever mix of stores, removals and clears came before."""
+@pytest.mark.parametrize("key_set", sorted({KeySet, PyKeySet}, key=lambda kind: kind.__name__))
+def test_leading_runs_agree_with_each_keys_holders_under_random_events(key_set, monkeypatch):
+    """leading() walks each engine's KeySet (the native one and the Python one), by a list of keys and by
+    the same keys packed; holders() names each key's place one by one: they must agree on every chain,
+    whatever mix of stores, removals and clears came before."""
     import random
 
+    monkeypatch.setattr(engine_index, "KeySet", key_set)
     rng = random.Random(3)
     index = EngineIndex(blocks_max=10_000)
     hashes = {engine: iter(range(base, base + 100_000)) for engine, base in (("e1", 0), ("e2", 10**6))}
@@ -160,3 +167,4 @@ def test_leading_runs_agree_with_each_keys_holders_under_random_events():
                 gpu = next((i for i, place in enumerate(places[engine]) if place != GPU), len(chain))
                 expected.append((gpu, held))
             assert index.leading(chain, ["e1", "e2", "e3"]) == expected
+            assert index.leading(b"".join(chain), ["e1", "e2", "e3"], key_bytes=len(chain[0])) == expected

@@ -373,3 +373,43 @@ def test_pack_keys_native_equals_python_on_random_lists():
         assert native_answer is None or native_answer == expected   # it declines only what Python decides
         packed_some += expected is not None
     assert packed_some > 50
+
+
+def test_key_set_agrees_with_a_python_set_through_adds_and_discards():
+    """KeySet (open addressing, backward-shift deletion) against a set: membership of every key ever seen,
+    length, its keys, and leading runs by list and packed, after every burst of random adds and discards
+    (a pool small enough that keys come and go many times, so runs of probes are shifted often)."""
+    import random
+
+    rng = random.Random(5)
+    pool = [rng.randbytes(rng.choice([0, 1, 8, 32, 64])) for _ in range(3000)]
+    fixed = sorted({key for key in pool if len(key) == 64})
+    native_set, reference = kvstore_native.KeySet(), set()
+    for _ in range(60):
+        for _ in range(rng.randint(1, 400)):
+            key = rng.choice(pool)
+            if rng.random() < 0.55:
+                native_set.add(key)
+                reference.add(key)
+            else:
+                native_set.discard(key)
+                reference.discard(key)
+        assert len(native_set) == len(reference) and set(native_set) == reference
+        assert [key in native_set for key in pool] == [key in reference for key in pool]
+        chain = rng.sample(fixed, 40)
+        chain.sort(key=lambda key: key not in reference)   # a run of held keys, then the rest
+        start = rng.randrange(len(chain))
+        expected = next((i for i, key in enumerate(chain[start:]) if key not in reference), len(chain) - start)
+        assert native_set.leading(chain, start=start) == expected
+        assert native_set.leading(b"".join(chain), 64, start) == expected
+
+
+def test_key_set_refuses_what_is_not_bytes_keys():
+    key_set = kvstore_native.KeySet([b"a"])
+    with pytest.raises(TypeError):
+        key_set.add("a")
+    with pytest.raises(ValueError):
+        key_set.leading(b"abc", 2)
+    with pytest.raises(ValueError):
+        key_set.leading(b"ab", -1)
+    assert "a" not in key_set and key_set.leading([b"a", "a", b"a"]) == 1 and key_set.leading(b"aab", 1, 5) == 0
