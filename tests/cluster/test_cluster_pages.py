@@ -449,8 +449,15 @@ def test_residency_names_each_pages_tier_and_node_and_each_engines_prefix(start_
             assert list(answer.nodes) == placed and len(answer.node_pages()) == 3
             assert {e: (h.gpu_pages, h.held_pages) for e, h in answer.engines.items()} == {
                 "e1": (96, 96), "e2": (40, 40), "e3": (0, 0)}
+            with KVStoreCluster(f"etcd://{etcd.endpoint}/{cluster}", replicas=1, transport="tcp") as over_grpc:
+                wait_members(over_grpc, set(nodes))
+                remote = over_grpc.residency(ns, tokens=tokens, engine_ids=["e1", "e2", "e3"])
+                assert (remote.pages, remote.tiers, remote.nodes, remote.engines) == (
+                    answer.pages, answer.tiers, answer.nodes, answer.engines)
             cut = placed.index("n3")
             nodes["n3"].kill()
+            lost_under = pool.residency(ns, keys=keys, engine_ids=["e1"])   # still a member: lost under the call
+            assert lost_under.pages == cut and "n3" not in lost_under.nodes
             wait_members(pool, {"n1", "n2"})
             after = pool.residency(ns, keys=keys, engine_ids=["e1"])
             assert after.pages == cut and "n3" not in after.nodes and after.engines["e1"].gpu_pages == 96

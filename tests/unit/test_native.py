@@ -413,3 +413,18 @@ def test_key_set_refuses_what_is_not_bytes_keys():
     with pytest.raises(ValueError):
         key_set.leading(b"ab", -1)
     assert "a" not in key_set and key_set.leading([b"a", "a", b"a"]) == 1 and key_set.leading(b"aab", 1, 5) == 0
+
+
+def test_token_ids_u32_equals_array_packing_and_declines_what_does_not_fit():
+    import array
+
+    rng = np.random.default_rng(9)
+    for size in (0, 1, 17, 4096):
+        ids = rng.integers(0, 2**32, size=size, dtype=np.uint64).tolist()
+        ids[:2] = [0, 2**32 - 1][:size]
+        assert kvstore_native.token_ids_u32(ids) == array.array("I", ids).tobytes()
+        assert kvstore_native.token_ids_u32(tuple(ids)) == array.array("I", ids).tobytes()
+    for odd in ([1, -1], [2**32], [2**64 + 1], [1, True], [1.0], ["1"], [1, None]):
+        assert kvstore_native.token_ids_u32(odd) is None, odd   # token_array's general path decides
+    with pytest.raises(TypeError):
+        kvstore_native.token_ids_u32(np.arange(3))

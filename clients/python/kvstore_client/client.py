@@ -177,13 +177,6 @@ class KVStoreClient:
         By keys or token ids; one call for a prompt of any length. Extends no lease."""
         return self._run(node_calls.residency(namespace, keys, tokens, engine_ids), timeout_s)
 
-    def _tiers_each(self, namespace: Namespace, chain: Any, engine_ids: list[str], *,
-                    timeout_s: float | None = None) -> tuple[bytes, dict, Any]:
-        """Where each page of a chain (lookup.packed_chain's) is on this node, one byte a key (0: not held, else its
-        Tier), each engine's leading pages of it and what loading from this node costs (load_estimate.LoadCosts):
-        a cluster's residency asks every node this."""
-        return self._run(node_calls.tiers_each(namespace, chain, engine_ids), timeout_s)
-
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
         """Score candidate engines by how much of this prefix each can reuse (its GPU, then this store)."""

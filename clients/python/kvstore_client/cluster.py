@@ -65,7 +65,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvstore_client import checksums, errors, groups, lookup, placement
+from kvstore_client import checksums, errors, groups, lookup, node_calls, placement
 from kvstore_client.arguments import engine_id_list, get_pages, parent_list, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
@@ -81,6 +81,7 @@ from kvstore_client.rdma_transport import RdmaOptions
 from kvstore_client.load_estimate import LoadCosts
 from kvstore_client.residency import EngineHeld, Residency
 from kvstore_client.record_trust import RecordTrust
+from kvstore_client.together import ask_together
 
 log = logging.getLogger(__name__)
 
@@ -298,25 +299,30 @@ class KVStoreCluster:
         pages is (Lookup each_key, in parts) and how much of it the engines hold. No placement is computed: a
         page counts wherever it is (its best node, a replica, a node it had before a join), read from the
         fastest tier that holds it, the lower node id on a tie. A member that does not answer holds nothing."""
-        chain = lookup.packed_chain(namespace, keys, tokens)
+        chain = lookup.shared_chain(namespace, keys, tokens)
         ids = engine_id_list(engine_ids)
         members = self._serving()
-        answers = self._each_member(lambda c: c._tiers_each(namespace, chain, ids, timeout_s=timeout_s), members,
-                                    raise_errors=True)
+        answers = ask_together(self._clients(members), lambda: node_calls.tiers_each(namespace, chain, ids),
+                               NODE_LOST, timeout_s)
         held = [(node_id, answer) for node_id, answer in sorted(answers.items()) if answer is not None]
         if not held and members:
             raise errors.Unavailable(f"no member of cluster {self.cluster!r} answers")
         if not held or not len(chain):
             return Residency(0, b"", {e: EngineHeld(0, 0) for e in ids})
         tiers = np.stack([np.frombuffer(answer[0], dtype=np.uint8) for _, answer in held])
-        tiers = np.where(tiers == 0, NOT_HELD, tiers)            # a lower Tier is a faster one
-        fastest, at = tiers.min(axis=0), tiers.argmin(axis=0)
+        # Each page's tier (a lower Tier is a faster one) above its node's position: one min finds, for every
+        # page, the fastest tier and the first node holding it there.
+        ranked = np.where(tiers == 0, NOT_HELD, tiers).astype(np.uint32) << 16 \
+            | np.arange(len(held), dtype=np.uint32)[:, None]
+        best = ranked.min(axis=0)
+        fastest = (best >> 16).astype(np.uint8)
         missing = np.flatnonzero(fastest == NOT_HELD)
         pages = int(missing[0]) if missing.size else len(fastest)
-        nodes = tuple(np.array([node_id for node_id, _ in held], dtype=object)[at[:pages]])
         engines = {e: EngineHeld(max(answer[1][e].gpu_pages for _, answer in held),
                                  max(answer[1][e].held_pages for _, answer in held)) for e in ids}
-        return Residency(pages, fastest[:pages].tobytes(), engines, nodes, _slowest([a[2] for _, a in held]))
+        return Residency(pages, fastest[:pages].tobytes(), engines, costs=_slowest([a[2] for _, a in held]),
+                         node_ids=tuple(node_id for node_id, _ in held),
+                         node_of=(best[:pages] & 0xFFFF).astype(np.uint16).tobytes())
 
     def route(self, namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None = None,
               tokens: Any = None, *, timeout_s: float | None = None) -> pb.RouteResponse:
@@ -643,6 +649,17 @@ class KVStoreCluster:
         if raise_errors:
             return dict(zip(ids, fan_out(self._pool, calls, miss=None)))
         return dict(zip(ids, fan_out(self._pool, [_quiet(c) for c in calls], miss=None)))
+
+    def _clients(self, members: Sequence[Member]) -> dict[str, KVStoreClient]:
+        """The clients of those members that can be reached now, by node id (a lost one is left out)."""
+        clients = {}
+        for member in members:
+            try:
+                clients[member.node_id] = self._node(member.node_id)
+            except NODE_LOST as exc:
+                log.info("node %s cannot be reached (%s: %s): counted as a miss", member.node_id,
+                         type(exc).__name__, exc)
+        return clients
 
     def _node(self, node_id: str) -> KVStoreClient:
         """The client of a member, opened on first use (and again when its record changed)."""

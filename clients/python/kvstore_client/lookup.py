@@ -20,6 +20,7 @@ keys_packed, go as the repeated field.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Any, Iterable, Iterator, Sequence, Union
 
@@ -74,7 +75,33 @@ class TokenChain:
             yield PackedKeys(packed, HEX_KEY_BYTES)
 
 
-Chain = Union[PackedKeys, TokenChain, list]
+class SharedTokenChain:
+    """A TokenChain several nodes are asked at once, from one thread (a cluster's residency): each part is hashed
+    when the first node's Lookup takes it, while the nodes already sent the part before look it up, and is kept
+    for the other nodes."""
+
+    def __init__(self, chain: TokenChain):
+        self.chain = chain
+        self._hashed: dict[int, tuple[list[PackedKeys], Iterator[PackedKeys]]] = {}   # by part_pages
+
+    def __len__(self) -> int:
+        return len(self.chain)
+
+    def parts(self, part_pages: int) -> Iterator[PackedKeys]:
+        """TokenChain.parts, each part hashed once."""
+        if part_pages not in self._hashed:
+            self._hashed[part_pages] = ([], self.chain.parts(part_pages))
+        hashed, rest = self._hashed[part_pages]
+        for at in itertools.count():
+            if at == len(hashed):
+                part = next(rest, None)
+                if part is None:
+                    return
+                hashed.append(part)
+            yield hashed[at]
+
+
+Chain = Union[PackedKeys, TokenChain, SharedTokenChain, list]
 
 
 def chain_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> list[bytes]:
@@ -85,12 +112,10 @@ def chain_keys(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) ->
     return chain.unpacked() if isinstance(chain, PackedKeys) else chain
 
 
-def packed_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Chain:
-    """lookup_chain with its tokens hashed now, whole (one native call), for a chain several nodes are asked."""
+def shared_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Chain:
+    """lookup_chain for a chain several nodes are asked at once: its tokens hashed once (SharedTokenChain)."""
     chain = lookup_chain(namespace, keys, tokens)
-    if isinstance(chain, TokenChain):
-        return next(iter(chain.parts(max(len(chain), 1))), PackedKeys(b"", HEX_KEY_BYTES))
-    return chain
+    return SharedTokenChain(chain) if isinstance(chain, TokenChain) else chain
 
 
 def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Chain:
@@ -105,12 +130,12 @@ def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) 
     return PackedKeys(*packed) if packed is not None else encode_keys(keys)
 
 
-def leading_hits(limits: pb.Limits, namespace_id: int, chain: Chain) -> Steps[int]:
+def leading_hits(limits: pb.Limits, namespace_id: int, chain: Chain, stream: bool = True) -> Steps[int]:
     """Leading pages of `chain` the node holds, over as many Lookups as its limit needs, each sent
-    as soon as its part is ready (steps of an attempt: node_steps.py)."""
-    part_pages = pages_per_part(limits)
+    as soon as its part is ready (steps of an attempt: node_steps.py). `stream`: pages_per_part's."""
+    part_pages = pages_per_part(limits, stream)
     parts = []
-    for request in lookup_requests(limits, namespace_id, chain):
+    for request in lookup_requests(limits, namespace_id, chain, stream):
         parts.append((yield Send("Lookup", request)))
     hits = 0
     for part in parts:
@@ -121,16 +146,21 @@ def leading_hits(limits: pb.Limits, namespace_id: int, chain: Chain) -> Steps[in
     return hits
 
 
-def pages_per_part(limits: pb.Limits) -> int:
+def pages_per_part(limits: pb.Limits, stream: bool = True) -> int:
+    """The keys of one Lookup: at most PART_PAGES on a stream (the local socket, whose answers come in order:
+    the node looks up one part while the next arrives), else as many as the node takes, since each gRPC
+    message costs more than looking up a part (a 128k-token residency over three nodes: 8.4 ms in parts of
+    2048, 5.9 ms in one part each)."""
     most = limits.lookup_pages_max or limits.batch_pages_max   # 0: a node from before lookup_pages_max
-    return min(most, PART_PAGES)
+    return min(most, PART_PAGES) if stream else most
 
 
-def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> Iterator[pb.LookupRequest]:
+def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain,
+                    stream: bool = True) -> Iterator[pb.LookupRequest]:
     """The Lookups of `chain`, each of at most pages_per_part, made one by one as they are taken; at
     least one (an empty chain is the node's to refuse)."""
-    part_pages = pages_per_part(limits)
-    if isinstance(chain, TokenChain):
+    part_pages = pages_per_part(limits, stream)
+    if isinstance(chain, (TokenChain, SharedTokenChain)):
         parts: Iterable[Any] = chain.parts(part_pages) if len(chain) else [PackedKeys(b"", HEX_KEY_BYTES)]
     else:
         parts = (chain[start:start + part_pages] if isinstance(chain, list) else chain.part(start, start + part_pages)
@@ -142,13 +172,13 @@ def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain) -> Itera
 
 
 def residency_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str],
-                 transfer: TransferRate | None = None) -> Steps[Residency]:
+                 transfer: TransferRate | None = None, stream: bool = True) -> Steps[Residency]:
     """How long a prefix of `chain` the node holds, each page's tier, each engine's prefix, and what loading it
     would cost (residency.py), over as many Lookups as the node's limit needs, all sent at once. `transfer`:
     this connection's recent data-plane rate, the client's half of the cost."""
     parts = []
     sent_at = time.monotonic()
-    for request in lookup_requests(limits, namespace_id, chain):
+    for request in lookup_requests(limits, namespace_id, chain, stream):
         request.engine_ids.extend(engine_ids)
         request.load_rates = not parts   # the node's costs once, with the first part
         size = len(request.keys_packed) // request.key_bytes if request.key_bytes else len(request.keys)
@@ -166,13 +196,14 @@ def residency_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids:
 
 
 def tiers_each_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str],
-                  transfer: TransferRate | None = None) -> Steps[tuple[bytes, dict[str, EngineHeld], LoadCosts]]:
+                  transfer: TransferRate | None = None, stream: bool = True
+                  ) -> Steps[tuple[bytes, dict[str, EngineHeld], LoadCosts]]:
     """Where each page of `chain` is on the node, each on its own (one byte a key: 0 not held, else its Tier),
     each engine's leading pages of it, and what loading from the node costs, over as many Lookups (each_key)
     as the node's limit needs, all sent at once (the node answers one part while the next is on its way)."""
     parts = []
     sent_at = time.monotonic()
-    for request in lookup_requests(limits, namespace_id, chain):
+    for request in lookup_requests(limits, namespace_id, chain, stream):
         request.each_key = True
         request.engine_ids.extend(engine_ids)
         request.load_rates = not parts

@@ -32,3 +32,4 @@ def available() -> bool:
 pack_keys = getattr(module, "pack_keys", None)
 prefix_hashes_packed = getattr(module, "prefix_hashes_packed", None)
 key_hashes = getattr(module, "key_hashes", None)
+token_ids_u32 = getattr(module, "token_ids_u32", None)

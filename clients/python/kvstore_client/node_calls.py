@@ -88,7 +88,7 @@ def lookup(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) -> Ste
     if tokens is not None and not chain:
         return 0   # fewer tokens than one page
     return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: leading_hits(
-        conn.hello.limits, ns_id, chain))))
+        conn.hello.limits, ns_id, chain, conn.control.answers_in_order))))
 
 
 def held(namespace: Namespace, keys: Sequence[Key]) -> Steps[list[bool]]:
@@ -105,7 +105,7 @@ def residency(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any, eng
     if tokens is not None and not chain:
         return Leading(ids).residency()   # fewer tokens than one page
     return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: residency_of(
-        conn.hello.limits, ns_id, chain, ids, getattr(conn, "transfer", None)))))
+        conn.hello.limits, ns_id, chain, ids, getattr(conn, "transfer", None), conn.control.answers_in_order))))
 
 
 def tiers_each(namespace: Namespace, chain: Chain, engine_ids: list[str]) -> Steps[tuple[bytes, dict, LoadCosts]]:
@@ -114,7 +114,8 @@ def tiers_each(namespace: Namespace, chain: Chain, engine_ids: list[str]) -> Ste
     if not len(chain):
         return b"", Leading(engine_ids).engines_held(), NO_COSTS
     return (yield OnNode(lambda conn: in_namespace(conn, namespace, lambda ns_id: tiers_each_of(
-        conn.hello.limits, ns_id, chain, engine_ids, getattr(conn, "transfer", None)))))
+        conn.hello.limits, ns_id, chain, engine_ids, getattr(conn, "transfer", None),
+        conn.control.answers_in_order))))
 
 
 def route(namespace: Namespace, engine_ids: Sequence[str], keys: Sequence[Key] | None, tokens: Any

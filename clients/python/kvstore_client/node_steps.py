@@ -111,6 +111,34 @@ def drive(steps: Steps, take: Callable[[Any], Any]) -> Any:
             result, error = None, exc
 
 
+def drive_together(runs: list[tuple[Steps, Callable[[Any], Any]]]) -> list[tuple[Any, BaseException | None]]:
+    """Drive several attempts from one thread, one step of each in turn, each step taken by its own take
+    (attempts on different connections): every message of every attempt goes out before any is awaited, with
+    no thread handed the work. Each attempt ends as (result, None) or, where it raised, (None, error)."""
+    outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(runs)
+    sent: list[tuple[Any, BaseException | None]] = [(None, None)] * len(runs)   # each one's last step's result
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            steps, take = runs[i]
+            result, error = sent[i]
+            try:
+                step = steps.send(result) if error is None else steps.throw(error)
+            except StopIteration as done:
+                outcomes[i] = (done.value, None)
+                live.remove(i)
+                continue
+            except Exception as exc:
+                outcomes[i] = (None, exc)
+                live.remove(i)
+                continue
+            try:
+                sent[i] = (take(step), None)
+            except BaseException as exc:   # into the attempt, as drive() does
+                sent[i] = (None, exc)
+    return outcomes
+
+
 async def drive_async(steps: Steps, take: Callable[[Any], Any]) -> Any:
     """drive(), each step awaited: await take(step)."""
     result: Any = None

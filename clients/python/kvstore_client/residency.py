@@ -14,9 +14,10 @@ such a page may count one short.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Sequence
+
+import numpy as np
 
 from kvstore_client.load_estimate import NO_COSTS, LoadCosts, pages_worth_loading
 from kvstore_client.proto import pb
@@ -37,8 +38,15 @@ class Residency:
     pages: int                          # leading pages of the chain the store holds
     tiers: bytes                        # the tier (a pb.Tier) each of those pages is read from
     engines: dict[str, EngineHeld]      # per engine asked about, in the order asked
-    nodes: tuple[str, ...] = ()         # a cluster's: the node each of those pages is read from
     costs: LoadCosts = NO_COSTS         # what loading them costs lately (load_estimate.py)
+    node_ids: tuple[str, ...] = ()      # a cluster's: the members that answered
+    node_of: bytes = b""                # a cluster's: for each of those pages, the position in node_ids (uint16)
+                                        # of the node it is read from
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """A cluster's: the node each of the leading pages is read from."""
+        return tuple(map(self.node_ids.__getitem__, np.frombuffer(self.node_of, dtype=np.uint16).tolist()))
 
     def load_seconds(self, page_bytes: int, pages: int | None = None) -> float:
         """The estimated time to load the first `pages` (all) of the leading pages, 0 for none."""
@@ -56,7 +64,8 @@ class Residency:
 
     def node_pages(self) -> dict[str, int]:
         """A cluster's: how many of the leading pages each node serves."""
-        return dict(collections.Counter(self.nodes))
+        counts = np.bincount(np.frombuffer(self.node_of, dtype=np.uint16), minlength=len(self.node_ids))
+        return {node_id: int(count) for node_id, count in zip(self.node_ids, counts) if count}
 
 
 class Leading:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore_client import native
 from kvstore_client.errors import InvalidArgument
 
 TOKEN_ID_MAX = 2**63 - 1        # SGLang's get_hash_str refuses ids past int64's maximum, and negative ones
@@ -58,7 +59,12 @@ def token_array(tokens: Any) -> np.ndarray:
 def _unsigned(tokens: list | tuple) -> np.ndarray | None:
     """A list of ints as uint32 (or uint64 where one is wider), through an array.array: a seventh of np.asarray's
     time on 128k ids, which looks at each one twice to choose a dtype. None where one is negative, wider than 64
-    bits or no int: the general path then says which."""
+    bits or no int: the general path then says which. Ids that all fit 32 bits go through kvstore_native where it
+    is built, in a fourth of array.array's time."""
+    if native.token_ids_u32 is not None:
+        narrow = native.token_ids_u32(tokens)
+        if narrow is not None:
+            return np.frombuffer(narrow, dtype=np.uint32)
     for code, dtype in _PACKED_CODES:
         try:
             ids = np.frombuffer(packed_ints(code, tokens), dtype=dtype)
