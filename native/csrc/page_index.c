@@ -204,6 +204,7 @@ static int remove_page_notify(index_t *self, uint32_t page, int notify) {
         siblings_unlink(self, &self->pages[parent].child, page);
     usage_count(self, p, -1);
     p->flags &= ~F_ALIVE;
+    self->live_ns[page] = NONE;
     p->parent = NONE;   /* the parent's slot may be reused once it is gone too */
     if (parent != NONE && self->pages[parent].child == NONE && offer(self, parent) < 0)
         return -1;
@@ -312,6 +313,7 @@ static void index_dealloc(index_t *self) {
         heap_free(&self->heaps[i]);
     free(self->heaps);
     free(self->pages);
+    free(self->live_ns);
     free(self->table);
     free(self->tags);
     free(self->distances);
@@ -386,11 +388,14 @@ static int64_t page_alloc(index_t *self) {
         if (grown >= NONE)
             grown = NONE - 1;
         page_t *pages = realloc(self->pages, grown * sizeof *pages);
-        if (!pages) {
+        if (pages)
+            self->pages = pages;
+        uint32_t *live_ns = pages ? realloc(self->live_ns, grown * sizeof *live_ns) : NULL;
+        if (!live_ns) {   /* both keep at least the old capacity: the index stays as it was */
             PyErr_NoMemory();
             return -1;
         }
-        self->pages = pages;
+        self->live_ns = live_ns;
         self->capacity = (uint32_t)grown;
     }
     return self->used++;
@@ -516,6 +521,7 @@ static int64_t add_page(index_t *self, PyObject *ns_id, int64_t ns, const uint8_
     p->checksum = checksum;
     p->tick = UNTOUCHED | self->births++;
     p->ns = (uint32_t)ns;
+    self->live_ns[page] = (uint32_t)ns;
     p->parent = parent;
     p->child = p->next = p->prev = NONE;
     p->slot_bytes = slot_bytes;
@@ -1424,10 +1430,10 @@ static PyObject *index_scan(index_t *self, PyObject *args, PyObject *kwargs) {
                 stop = i;
                 break;
             }
-            const page_t *p = &self->pages[i];
-            if (!(p->flags & F_ALIVE) || (ns >= 0 && p->ns != (uint32_t)ns))
+            uint32_t live = self->live_ns[i];
+            if (live == NONE || (ns >= 0 && live != (uint32_t)ns))
                 continue;
-            PyObject *item = keys ? page_key_object(p) : record_of(self, (uint32_t)i);
+            PyObject *item = keys ? page_key_object(&self->pages[i]) : record_of(self, (uint32_t)i);
             if (!item || PyList_Append(out, item) < 0) {
                 Py_XDECREF(item);
                 Py_DECREF(out);
@@ -1468,6 +1474,8 @@ static PyObject *index_check_prefix_closed(index_t *self, PyObject *unused) {
     Py_ssize_t alive = 0, roots = 0, listed_roots = 0, anchored = 0;
     for (uint32_t i = 0; i < self->used; i++) {
         page_t *p = &self->pages[i];
+        if (!check(self->live_ns[i] == ((p->flags & F_ALIVE) ? p->ns : NONE), "a slot's live namespace is its page's"))
+            return NULL;
         if (!(p->flags & F_ALIVE))
             continue;
         alive++;
@@ -1565,7 +1573,7 @@ static PyObject *index_namespace_rows(index_t *self, PyObject *unused) {
 
 /* memory_bytes() -> bytes this index holds in C (slots in use, key table, heaps; tests and the bench). */
 static PyObject *index_memory_bytes(index_t *self, PyObject *unused) {
-    size_t total = (size_t)self->used * sizeof(page_t) + (self->table ? (self->table_mask + 1) * 6 : 0)
+    size_t total = (size_t)self->used * (sizeof(page_t) + sizeof(uint32_t)) + (self->table ? (self->table_mask + 1) * 6 : 0)
                    + (self->proxies ? (self->proxy_mask + 1) * sizeof(proxy_slot_t) : 0);
     for (size_t i = 0; i < self->heap_count; i++)
         total += (self->heaps[i].capacity + self->heaps[i].run_capacity) * sizeof(entry_t);

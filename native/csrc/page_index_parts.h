@@ -69,6 +69,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     page_t *pages;
+    uint32_t *live_ns;          /* each slot's namespace while its page is indexed, else NONE: a scan reads
+                                 * 4 bytes a slot, not its page_t (scan: ListKeys of a small namespace) */
     uint32_t used, capacity, free_head;
     Py_ssize_t alive;
     uint32_t *table;            /* page slot numbers by key hash, open addressing */
