@@ -22,10 +22,18 @@ is a 512k-token prompt), by keys and by tokens (hashed in the SDK), median and m
 the SDK's fixed cost, the floor a long lookup cannot go below on this host under this load.
 `--skip throughput,hashing` runs the lookups alone.
 
-Last, each goal of the read and write paths is printed beside this run's figure, met or short (1-4 MiB put
-and get >= 0.9 of memmove and >= 1.15x Mooncake, 64 KiB >= 0.7 of memmove, 4 KiB >= 500k pages/s each way, a
-128k-token lookup <= 1 ms by keys and <= 2 ms by tokens); the TCP and write-down goals are measured by
-bench/tcp_throughput.py and bench/writedown_latency.py.
+TCP (bench/tcp_throughput.py's rows, default congestion control, no Redis): 1 and 4 MiB pages put and
+got over KVStoreClient(transport="tcp") beside a raw Python socket doing the same exchange and Mooncake's
+Transfer Engine over TCP, interleaved batch by batch, in both placements (split: client on CPU 0, servers on
+CPU 1; shared: all on CPU 0). Write-down (bench/writedown_latency.py, shortened: --writedown-idle-s,
+--writedown-loaded-s): a one-page get's p99 while write-back saturates one LMDB shard, over its idle p99,
+with the node alone on CPU 1, and the pages written down a second meanwhile.
+
+Last, each goal is printed beside this run's figure, met or short: 1-4 MiB put and get >= 0.9 of memmove and
+>= 1.15x Mooncake, 64 KiB >= 0.7 of memmove, 4 KiB >= 500k pages/s each way, a 128k-token lookup <= 1 ms by
+keys and <= 2 ms by tokens, TCP put and get >= 0.9 of the raw socket in each placement and >= 1.5x Mooncake's
+Transfer Engine, a reader's p99 under write-down <= 2x idle with >= 3,366 pages of 64 KiB written down a
+second.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ import time
 import numpy as np
 
 import _mooncake_peer
+import _mooncake_te_peer
+import tcp_throughput
+import writedown_latency
 from _server import ServerProcess
 from kvstore_client import KVStoreClient, Namespace, keys as kv_keys, native
 
@@ -47,6 +58,10 @@ PAGE_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 BATCH_PAGES = {4 << 10: 1024, 64 << 10: 128, 1 << 20: 128, 4 << 20: 32}
 LOOKUP_PAGES = (1024, 8192, 32768)
 PAGE_TOKENS = 16
+TCP_PAGE_SIZES = (1 << 20, 4 << 20)
+TCP_WORKING_SET = 256 << 20
+TCP_BATCH_PAGES = 64
+WRITEDOWN_PAGES_PER_S = 3366   # 64 KiB pages a second, before write-down's transactions were cut to 256 KiB
 
 
 def page_aligned(nbytes: int) -> np.ndarray:
@@ -191,6 +206,26 @@ def hashing(args) -> dict:
     return result
 
 
+def tcp_rows(args, mooncake_reason: str) -> list[dict]:
+    """tcp_throughput.measure for each placement and TCP page size (the system's congestion control, no Redis);
+    Mooncake's Transfer Engine beside kvstore where it runs (in this process's private network namespace)."""
+    rows = [tcp_throughput.measure(page_bytes, TCP_WORKING_SET, TCP_BATCH_PAGES, args.repeats, "", placement,
+                                   with_redis=False, with_mooncake=not mooncake_reason)
+            for placement in tcp_throughput.PLACEMENTS for page_bytes in TCP_PAGE_SIZES]
+    os.sched_setaffinity(0, {args.client_cpu})
+    return rows
+
+
+def writedown(args) -> dict:
+    """writedown_latency's idle and loaded phases, shortened; the node on its own core."""
+    options = writedown_latency.make_parser().parse_args(
+        ["--idle-s", str(args.writedown_idle_s), "--loaded-s", str(args.writedown_loaded_s),
+         "--client-cpu", str(args.client_cpu), "--loader-cpu", str(args.client_cpu)])
+    result, placement = writedown_latency.run(options)
+    os.sched_setaffinity(0, {args.client_cpu})
+    return {**result, "placement": placement}
+
+
 def _timed(chain, data) -> float:
     started = time.perf_counter()
     chain(data, PAGE_TOKENS)
@@ -198,6 +233,29 @@ def _timed(chain, data) -> float:
 
 
 def print_tables(report: dict) -> None:
+    if report["throughput"]:
+        print_throughput(report)
+    if report["lookup"]:
+        print(f"\nlookup of n present pages in one SDK call (ms, median / min of {report['lookup_repeats']})")
+        for r in report["lookup"]:
+            print(f"{r['pages']:>7} pages   by keys {r['keys_ms_median']:7.2f} / {r['keys_ms_min']:6.2f}   "
+                  f"by tokens {r['tokens_ms_median']:7.2f} / {r['tokens_ms_min']:6.2f}   "
+                  f"one key (floor) {r['one_key_ms_median']:5.2f} / {r['one_key_ms_min']:5.2f}")
+    if report["prefix_hashes"]:
+        print("\nprefix_hashes of 128k tokens, 16-token pages (Mtok/s, best): " +
+              ", ".join(f"{k.removesuffix('_mtok_s')} {v:.1f}" for k, v in report["prefix_hashes"].items()))
+    if report["tcp"]:
+        print_tcp(report)
+    if report["writedown"]:
+        w = report["writedown"]
+        print(f"\nwrite-down: one-page 64 KiB get, node on CPU {w['placement']['server_cpu']}, reader and loader on "
+              f"CPU {w['placement']['client_cpu']}; p99 idle {w['idle']['p99_us']:.0f} µs, under write-down "
+              f"{w['loaded']['p99_us']:.0f} µs ({w['p99_ratio']:.2f}x); {w['pages_written_down_per_s']:.0f} pages "
+              f"written down a second; CPUs busy in the second before: " +
+              ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in w["placement"]["cpus_busy_before"].items()))
+
+
+def print_throughput(report: dict) -> None:
     print(f"\nhot path, working set {report['working_set_mib']} MiB of distinct pages, {report['placement']}, "
           f"median of {report['repeats']}; kvstore_native: {report['native']}; Mooncake: {report['mooncake']}")
     head = (f"{'page':>7} {'memmove':>8} {'put':>6} {'put/mm':>7} {'get':>6} {'get/mm':>7} "
@@ -211,13 +269,19 @@ def print_tables(report: dict) -> None:
         print(f"{r['page_bytes'] >> 10:>5}Ki {mm:>8.2f} {r['put_gbps']:>6.2f} {r['put_gbps'] / mm:>7.2f} "
               f"{r['get_gbps']:>6.2f} {r['get_gbps'] / mm:>7.2f} {mc} {r['put_pages_per_s']:>9.0f} "
               f"{r['get_pages_per_s']:>9.0f}")
-    print(f"\nlookup of n present pages in one SDK call (ms, median / min of {report['lookup_repeats']})")
-    for r in report["lookup"]:
-        print(f"{r['pages']:>7} pages   by keys {r['keys_ms_median']:7.2f} / {r['keys_ms_min']:6.2f}   "
-              f"by tokens {r['tokens_ms_median']:7.2f} / {r['tokens_ms_min']:6.2f}   "
-              f"one key (floor) {r['one_key_ms_median']:5.2f} / {r['one_key_ms_min']:5.2f}")
-    print("\nprefix_hashes of 128k tokens, 16-token pages (Mtok/s, best): " +
-          ", ".join(f"{k.removesuffix('_mtok_s')} {v:.1f}" for k, v in report["prefix_hashes"].items()))
+
+
+def print_tcp(report: dict) -> None:
+    print(f"\nTCP on loopback, {TCP_WORKING_SET >> 20} MiB working set, batches of {TCP_BATCH_PAGES} pages, "
+          f"default congestion control; split: client CPU 0, servers CPU 1; shared: all on CPU 0 (GB/s; /x: "
+          f"kvstore over x, round by round); Mooncake: {report['tcp_mooncake']}")
+    print(f"{'place':>6} {'page':>5} | {'raw':>5} {'kv':>5} {'mc':>5} {'/raw':>5} {'/mc':>5} | "
+          f"{'raw':>5} {'kv':>5} {'mc':>5} {'/raw':>5} {'/mc':>5}   (put | get)")
+    nan = float("nan")
+    for r in report["tcp"]:
+        cells = [f"{r[f'raw_{op}_gbps']:>5.2f} {r[f'kv_{op}_gbps']:>5.2f} {r.get(f'mooncake_{op}_gbps', nan):>5.2f} "
+                 f"{r[f'{op}_vs_raw']:>5.2f} {r.get(f'{op}_vs_mooncake', nan):>5.2f}" for op in ("put", "get")]
+        print(f"{r['placement']:>6} {r['page_bytes'] >> 20:>3}Mi | {cells[0]} | {cells[1]}")
 
 
 def targets(report: dict) -> list[dict]:
@@ -243,12 +307,21 @@ def targets(report: dict) -> list[dict]:
         if r["pages"] == 8192:   # 128k tokens of 16-token pages
             goal("lookup of 128k tokens by keys, ms (median)", r["keys_ms_median"], 1.0, at_least=False)
             goal("lookup of 128k tokens by tokens, ms (median)", r["tokens_ms_median"], 2.0, at_least=False)
+    for r in report["tcp"]:
+        for op in ("put", "get"):
+            where = f"TCP {r['page_bytes'] >> 20} MiB {op}, {r['placement']}"
+            goal(f"{where} / raw socket", r[f"{op}_vs_raw"], 0.9)
+            if f"{op}_vs_mooncake" in r:
+                goal(f"{where} / Mooncake TE", r[f"{op}_vs_mooncake"], 1.5)
+    if report["writedown"]:
+        goal("get p99 under write-down / idle", report["writedown"]["p99_ratio"], 2.0, at_least=False)
+        goal("64 KiB pages written down a second", report["writedown"]["pages_written_down_per_s"],
+             WRITEDOWN_PAGES_PER_S)
     return rows
 
 
 def print_targets(rows: list[dict]) -> None:
-    print("\ngoals (this run's figure beside each; TCP and write-down: bench/tcp_throughput.py, "
-          "bench/writedown_latency.py)")
+    print("\ngoals (this run's figure beside each)")
     for row in rows:
         bound = f"{'>=' if row['at_least'] else '<='} {row['goal']:g}"
         print(f"  {row['what']:48s} {row['figure']:>10.2f}   goal {bound:>10}   {'met' if row['met'] else 'short'}")
@@ -263,7 +336,10 @@ def main() -> None:
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake peer")
     parser.add_argument("--client-cpu", type=int, default=0)
     parser.add_argument("--server-cpu", default="1", help="taskset CPU list of the servers")
-    parser.add_argument("--skip", default="", help="comma-separated parts not to run: hashing,lookup,throughput")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated parts not to run: hashing,lookup,throughput,tcp,writedown")
+    parser.add_argument("--writedown-idle-s", type=float, default=6.0)
+    parser.add_argument("--writedown-loaded-s", type=float, default=10.0)
     parser.add_argument("--json", help="write the report here too")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
@@ -283,6 +359,10 @@ def main() -> None:
     report["prefix_hashes"] = hashing(args) if "hashing" not in skip else {}
     report["lookup"] = lookups(args) if "lookup" not in skip else []
     report["throughput"] = throughput(args, page_sizes, reason) if "throughput" not in skip else []
+    te_reason = reason or _mooncake_te_peer.unavailable_reason()
+    report["tcp_mooncake"] = te_reason or "Transfer Engine, TCP transport"
+    report["tcp"] = tcp_rows(args, te_reason) if "tcp" not in skip else []
+    report["writedown"] = writedown(args) if "writedown" not in skip else {}
     print_tables(report)
     report["targets"] = targets(report)
     print_targets(report["targets"])

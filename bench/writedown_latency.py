@@ -160,7 +160,7 @@ def measure(args: argparse.Namespace, address: str) -> dict:
     return result
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-s", type=float, default=8.0)
     parser.add_argument("--loaded-s", type=float, default=15.0)
@@ -178,10 +178,12 @@ def main() -> None:
     parser.add_argument("--loader-cpu", type=int, default=0)
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--loader", metavar="ADDRESS", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.loader:
-        run_loader(args.loader, args.loader_batch)
-        return
+    return parser
+
+
+def run(args: argparse.Namespace) -> tuple[dict, dict]:
+    """A node with one LMDB shard, measured (measure()); (the result, where each process ran). This process
+    moves to --client-cpu."""
     os.sched_setaffinity(0, {args.client_cpu})
     busy_before = cpus_busy(1.0)  # other work on these two cores inflates both phases: rerun when quiet
     with tempfile.TemporaryDirectory(prefix="kvstore-writedown-", dir=args.nvme_dir) as shard:
@@ -196,6 +198,17 @@ def main() -> None:
             server.stop()
     placement = {"server_cpu": args.server_cpu, "client_cpu": args.client_cpu, "loader_cpu": args.loader_cpu,
                  "cpus_online": os.cpu_count(), "cpus_busy_before": busy_before}
+    result["pages_written_down_per_s"] = result["window"]["pages_written_down"] / args.loaded_s
+    return result, placement
+
+
+def main() -> None:
+    args = make_parser().parse_args()
+    if args.loader:
+        run_loader(args.loader, args.loader_batch)
+        return
+    result, placement = run(args)
+    busy_before = placement["cpus_busy_before"]
     config = {"page_bytes": PAGE_BYTES, "arena_mib": args.arena_mib, "high_watermark": args.high_watermark,
               "map_gib": args.map_gib, "nvme": not args.no_nvme, "loader_batch_pages": args.loader_batch,
               "interval_us": args.interval_us,
@@ -213,7 +226,7 @@ def main() -> None:
               f"{r['max_us']:>9.0f} {r['misses']:>7}")
     print(f"loaded/idle: p50 {result['p50_ratio']:.2f}x, p99 {result['p99_ratio']:.2f}x (goal: p99 <= 2x)")
     print(f"loaded window: {window['pages_written_down']} pages written down "
-          f"({window['pages_written_down'] / args.loaded_s:.0f}/s), {window['dram_evictions']} DRAM evictions, "
+          f"({result['pages_written_down_per_s']:.0f}/s), {window['dram_evictions']} DRAM evictions, "
           f"{window['nvme_evictions']} NVMe evictions, {window['write_queue_drops']} write-queue drops; "
           f"loader put {loader['pages']} pages in {loader['seconds']:.1f} s")
     print(f"measured gets in the window served from DRAM: {window['dram_hits']} "
