@@ -21,10 +21,10 @@ import threading
 import time
 from typing import Iterator
 
-from kvstore_client import errors
+from kvstore_client import checksums, errors
 from kvstore_client.buffers import Segment
 from kvstore_client.channel import call_deadline_at, peer_open
-from kvstore_client.data_path import Page, PipelineShape, landed_checksums
+from kvstore_client.data_path import Page, PipelineShape
 from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
                                         encode_request)
 
@@ -107,8 +107,7 @@ class TcpDataPath:
     def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
         """Read each page of a read lease into the caller's segments; returns each page's xxh3 as it landed."""
         with self._lock, self._bounded_by_call():
-            self._get(lease_id, token, pages, page_bytes)
-        return landed_checksums(pages)
+            return self._get(lease_id, token, pages, page_bytes)
 
     def alive(self) -> bool:
         """False once the path broke or the node closed the connection (it stopped, or the
@@ -163,8 +162,12 @@ class TcpDataPath:
         if first_error is not None:
             raise first_error
 
-    def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+    def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
+        """The pages read, and each one's xxh3 taken as soon as it is in, while its bytes are still in the
+        CPU's cache (after the whole batch, a 64 MiB one, it read every page back from memory: 1 MiB gets
+        at 0.8 of a raw socket's pace)."""
         self._check()
+        landed = []
         requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
         sent = min(len(requests), GET_WINDOW_FRAMES)
         self._io(lambda: self._sock.sendall(b"".join(requests[:sent])))
@@ -176,8 +179,10 @@ class TcpDataPath:
                 sent = more
             error = self._io(lambda: self._answer(Op.GET, segments))
             first_error = first_error or error
+            landed.append(0 if error else checksums.of_page(segments))
         if first_error is not None:
             raise first_error
+        return landed
 
     def _hello(self, ticket: bytes) -> None:
         self._io(lambda: self._sock.sendall(encode_hello(ticket)))
