@@ -289,6 +289,7 @@ def targets(report: dict) -> list[dict]:
     rows: list[dict] = []
 
     def goal(what: str, figure: float, bound: float, at_least: bool = True) -> None:
+        figure = float(figure)   # numpy's floats compare to numpy's bools, which json cannot write
         rows.append({"what": what, "figure": figure, "goal": bound, "at_least": at_least,
                      "met": figure >= bound if at_least else figure <= bound})
 
