@@ -11,11 +11,42 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-import secrets
+import os
+import threading
 from typing import Iterator
 
 from kvstore.control.index import PageRecord
 from kvstore_client import errors
+
+class Unguessable:
+    """Random bytes for lease ids and data-plane tokens, from the OS CSPRNG a block at a time, each byte handed
+    out once. A lease is opened under the store's lock, and each os.urandom is a system call that gives up the
+    interpreter lock: a busy thread (a put's Reserve) then keeps it for up to its switch interval, 5 ms, while
+    the store's lock waits with it (a one-page get under write-down: its p99 at 10x its idle one)."""
+
+    BLOCK_BYTES = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._block, self._at = b"", 0
+        os.register_at_fork(after_in_child=self._forget)   # a child never hands out its parent's bytes
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._block, self._at = b"", 0
+
+    def bytes(self, count: int) -> bytes:
+        with self._lock:
+            if self._at + count > len(self._block):
+                self._block, self._at = os.urandom(max(self.BLOCK_BYTES, count)), 0
+            self._at += count
+            return self._block[self._at - count:self._at]
+
+    def bits64(self) -> int:
+        return int.from_bytes(self.bytes(8), "little")
+
+
+UNGUESSABLE = Unguessable()
 
 READ = "read"
 WRITE = "write"
@@ -42,7 +73,7 @@ class Lease:
     slots: dict[int, int] = dataclasses.field(default_factory=dict)  # key index -> offset, not yet committed
     busy: int = 0                        # commits checking bytes outside the lock; not reaped meanwhile
     # data plane (TCP/RDMA): frames for this lease's slots must carry this token
-    token: bytes = dataclasses.field(default_factory=lambda: secrets.token_bytes(TOKEN_BYTES))
+    token: bytes = dataclasses.field(default_factory=lambda: UNGUESSABLE.bytes(TOKEN_BYTES))
     transfers: int = 0                   # data-plane transfers in flight; its memory is freed after the last
     writing: set[int] = dataclasses.field(default_factory=set)  # key indices whose slot is being written
     committing: set[int] = dataclasses.field(default_factory=set)  # key indices a Commit is hashing now
@@ -87,7 +118,7 @@ class LeaseTable:
         self.room(tenant)
         lease_id = 0
         while lease_id == 0 or lease_id in self._leases:
-            lease_id = secrets.randbits(64)
+            lease_id = UNGUESSABLE.bits64()
         lease = Lease(lease_id, kind, namespace_id, now + ttl_ms / 1000, ttl_ms, owner, tenant)
         self._leases[lease_id] = lease
         self._held[tenant] += 1
