@@ -18,11 +18,12 @@ from typing import Iterator
 from kvstore.control.index import PageRecord
 from kvstore_client import errors
 
+
 class Unguessable:
     """Random bytes for lease ids and data-plane tokens, from the OS CSPRNG a block at a time, each byte handed
     out once. A lease is opened under the store's lock, and each os.urandom is a system call that gives up the
-    interpreter lock: a busy thread (a put's Reserve) then keeps it for up to its switch interval, 5 ms, while
-    the store's lock waits with it (a one-page get under write-down: its p99 at 10x its idle one)."""
+    interpreter lock: a busy thread (a put's Reserve) may then keep it for up to its switch interval, 5 ms,
+    while the store's lock waits with it."""
 
     BLOCK_BYTES = 4096
 
