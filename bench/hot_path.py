@@ -273,16 +273,9 @@ def print_throughput(report: dict) -> None:
 
 def print_tcp(report: dict) -> None:
     print(f"\nTCP on loopback, {TCP_WORKING_SET >> 20} MiB working set, batches of {TCP_BATCH_PAGES} pages, "
-          f"default congestion control; split: client CPU 0, servers CPU 1; shared: all on CPU 0 (GB/s; /x: "
-          f"kvstore over x, round by round); Mooncake: {report['tcp_mooncake']}")
-    print(f"{'place':>6} {'page':>5} | {'raw':>5} {'kv':>5} {'mc':>5} {'/raw':>5} {'/mc':>5} | "
-          f"{'raw':>5} {'kv':>5} {'mc':>5} {'/raw':>5} {'/mc':>5}   (put | get)")
-    nan = float("nan")
-    for r in report["tcp"]:
-        cells = [f"{r[f'raw_{op}_gbps']:>5.2f} {r[f'kv_{op}_gbps']:>5.2f} {r.get(f'mooncake_{op}_gbps', nan):>5.2f} "
-                 f"{r[f'{op}_vs_raw']:>5.2f} {r.get(f'{op}_vs_mooncake', nan):>5.2f}" for op in ("put", "get")]
-        print(f"{r['placement']:>6} {r['page_bytes'] >> 20:>3}Mi | {cells[0]} | {cells[1]}")
-
+          f"default congestion control, no Redis; split: client CPU 0, servers CPU 1; shared: all on CPU 0; "
+          f"Mooncake: {report['tcp_mooncake']}")
+    tcp_throughput.print_rows(report["tcp"], open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip())
 
 def targets(report: dict) -> list[dict]:
     """Each goal of the read and write paths beside this run's figure: (what, figure, goal, met)."""

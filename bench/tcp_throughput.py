@@ -248,6 +248,21 @@ def measure(page_bytes: int, working_set: int, batch: int, repeats: int, congest
     return result
 
 
+def print_rows(results: list[dict], system_cc: str) -> None:
+    """measure()'s results as a table: a row per placement, congestion control and page size."""
+    print(f"{'place':>6} {'cc':>6} {'page':>5} | {'raw':>5} {'kv':>5} {'redis':>5} {'mc':>5} {'/raw':>5} {'/mc':>5} | "
+          f"{'raw':>5} {'kv':>5} {'redis':>5} {'mc':>5} {'/raw':>5} {'/mc':>5}   (put | get, GB/s; /x = kv over x)")
+    nan = float("nan")
+    for r in results:
+        cells = []
+        for op in ("put", "get"):
+            cells.append(f"{r[f'raw_{op}_gbps']:>5.2f} {r[f'kv_{op}_gbps']:>5.2f} {r.get(f'redis_{op}_gbps', nan):>5.2f} "
+                         f"{r.get(f'mooncake_{op}_gbps', nan):>5.2f} {r[f'{op}_vs_raw']:>5.2f} "
+                         f"{r.get(f'{op}_vs_mooncake', nan):>5.2f}")
+        cc = r["congestion"] if r["congestion"] != "default" else system_cc
+        print(f"{r['placement']:>6} {cc:>6} {r['page_bytes'] >> 20:>3}Mi | {cells[0]} | {cells[1]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--working-set-mib", type=int, default=256)
@@ -284,17 +299,7 @@ def main() -> None:
           "shared = all on CPU 0 (taskset)")
     for peer, reason in absent.items():
         print(f"no {peer} column: {reason}")
-    print(f"{'place':>6} {'cc':>6} {'page':>5} | {'raw':>5} {'kv':>5} {'redis':>5} {'mc':>5} {'/raw':>5} {'/mc':>5} | "
-          f"{'raw':>5} {'kv':>5} {'redis':>5} {'mc':>5} {'/raw':>5} {'/mc':>5}   (put | get, GB/s; /x = kv over x)")
-    nan = float("nan")
-    for r in results:
-        cells = []
-        for op in ("put", "get"):
-            cells.append(f"{r[f'raw_{op}_gbps']:>5.2f} {r[f'kv_{op}_gbps']:>5.2f} {r.get(f'redis_{op}_gbps', nan):>5.2f} "
-                         f"{r.get(f'mooncake_{op}_gbps', nan):>5.2f} {r[f'{op}_vs_raw']:>5.2f} "
-                         f"{r.get(f'{op}_vs_mooncake', nan):>5.2f}")
-        cc = r["congestion"] if r["congestion"] != "default" else system_cc
-        print(f"{r['placement']:>6} {cc:>6} {r['page_bytes'] >> 20:>3}Mi | {cells[0]} | {cells[1]}")
+    print_rows(results, system_cc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "tcp_throughput", "default_congestion": system_cc, "absent": absent,

@@ -23,7 +23,7 @@ class PyKeySet(set):
         """How many keys from `start` on are in the set before the first that is not; `keys` packed,
         `key_bytes` each, or (key_bytes 0) a sequence of bytes."""
         if key_bytes:
-            keys, start = unpack_keys(bytes(keys[start * key_bytes:]), key_bytes), 0
+            keys, start = unpack_keys(keys[start * key_bytes:], key_bytes), 0
         return len(list(itertools.takewhile(self.__contains__, itertools.islice(keys, start, None))))
 
 

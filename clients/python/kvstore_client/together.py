@@ -34,8 +34,8 @@ def ask_together(clients: Mapping[str, KVStoreClient], make_call: Callable[[], S
     """make_call() (a node call of one attempt, node_calls.py) on each client, by node id, driven together;
     an error in `node_lost` makes that node's answer None."""
     answers: dict[str, T | None] = {}
-    started = []   # (node id, client, its call, the connection its attempt runs on, or why there is none)
-    runs = []
+    asked = []   # (node id, client, its call, why its connection could not be entered, or None)
+    runs, conns = [], []
     with call_deadline(timeout_s):
         try:
             for node_id, client in clients.items():
@@ -50,20 +50,20 @@ def ask_together(clients: Mapping[str, KVStoreClient], make_call: Callable[[], S
                 try:
                     conn = client._enter_connection()
                 except node_lost as exc:
-                    started.append((node_id, client, call, None, exc))
+                    asked.append((node_id, client, call, exc))
                     continue
-                started.append((node_id, client, call, conn, None))
+                asked.append((node_id, client, call, None))
+                conns.append(conn)
                 runs.append((step.attempt(conn), take_on(conn)))
-            outcomes = iter(drive_together(runs))
+            # an error is read against its connection (lost under the attempt?) before the connection is left
+            outcomes = iter([(result, lost_under(error, conn) if isinstance(error, errors.KVStoreError) else error)
+                             for (result, error), conn in zip(drive_together(runs), conns)])
         finally:   # no attempt runs on now
-            for _, _, _, conn, _ in started:
-                if conn is not None:
-                    conn.leave()
+            for conn in conns:
+                conn.leave()
         failure: BaseException | None = None
-        for node_id, client, call, conn, unreached in started:
-            result, error = next(outcomes) if conn is not None else (None, unreached)
-            if isinstance(error, errors.KVStoreError) and conn is not None:
-                error = lost_under(error, conn)
+        for node_id, client, call, unreached in asked:
+            result, error = (None, unreached) if unreached is not None else next(outcomes)
             if error is None:
                 answers[node_id] = _finish(call, result)
             elif isinstance(error, node_lost):
