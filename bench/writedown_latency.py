@@ -176,6 +176,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-cpu", type=int, default=0)
     parser.add_argument("--server-cpu", type=int, default=1)
     parser.add_argument("--loader-cpu", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a node setting more (kvstore-server --set), e.g. controller.write_txn_bytes=1MiB")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--loader", metavar="ADDRESS", help=argparse.SUPPRESS)
     return parser
@@ -190,7 +192,8 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
         settings = [f"dram.arena_bytes={args.arena_mib}MiB", "dram.slab_bytes=16MiB",
                     f"nvme.enabled={str(not args.no_nvme).lower()}",
                     f"nvme.paths={shard}", f"nvme.map_bytes={args.map_gib}GiB",
-                    "controller.write_policy=write_back", f"controller.high_watermark={args.high_watermark}"]
+                    "controller.write_policy=write_back", f"controller.high_watermark={args.high_watermark}",
+                    *args.set]
         server = ServerProcess(*settings, cpus=str(args.server_cpu))
         try:
             result = measure(args, server.address)
