@@ -420,11 +420,12 @@ def test_token_ids_u32_equals_array_packing_and_declines_what_does_not_fit():
 
     rng = np.random.default_rng(9)
     for size in (0, 1, 17, 4096):
-        ids = rng.integers(0, 2**32, size=size, dtype=np.uint64).tolist()
-        ids[:2] = [0, 2**32 - 1][:size]
-        assert kvstore_native.token_ids_u32(ids) == array.array("I", ids).tobytes()
-        assert kvstore_native.token_ids_u32(tuple(ids)) == array.array("I", ids).tobytes()
-    for odd in ([1, -1], [2**32], [2**64 + 1], [1, True], [1.0], ["1"], [1, None]):
+        for high in (2**32, 2**30):   # ids past an int's one internal digit, and only ids within it (read directly)
+            ids = rng.integers(0, high, size=size, dtype=np.uint64).tolist()
+            ids[:4] = [0, high - 1, 2**30 - 1, 2**30 if high > 2**30 else 1][:size]
+            assert kvstore_native.token_ids_u32(ids) == array.array("I", ids).tobytes()
+            assert kvstore_native.token_ids_u32(tuple(ids)) == array.array("I", ids).tobytes()
+    for odd in ([1, -1], [-(2**30)], [-(2**30) - 1], [2**32], [2**64 + 1], [1, True], [1.0], ["1"], [1, None]):
         assert kvstore_native.token_ids_u32(odd) is None, odd   # token_array's general path decides
     with pytest.raises(TypeError):
         kvstore_native.token_ids_u32(np.arange(3))
