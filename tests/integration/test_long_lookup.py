@@ -60,3 +60,22 @@ def test_the_async_client_looks_up_a_long_prompt_in_one_call(start_server):
                     await client.lookup(ns, keys=keys[:900]), await client.lookup(ns, tokens=tokens[:15]))
 
     assert asyncio.run(run()) == (1000, 1000, 900, 0)
+
+
+def test_a_bad_token_id_in_a_later_part_is_invalid_argument_and_the_client_goes_on(long_client):
+    """Ids given as a list are read a part at a time (lookup.TokenChain): one past the first part that is not a
+    valid id still fails the call with InvalidArgument, naming the range, and the connection stays usable."""
+    from kvstore_client import errors
+
+    ns = Namespace(model="bad-id", page_bytes=PAGE, page_tokens=16)
+    tokens = np.random.default_rng(5).integers(0, 128_000, PAGES * 16).tolist()
+    keys = prefix_hashes(tokens, 16)
+    assert long_client.put(ns, keys[:100], np.zeros((100, PAGE), np.uint8)) == 100
+    for bad in (-1, 2**64, "7"):
+        odd = tokens[:1000 * 16] + [bad] + tokens[1000 * 16 + 1:]   # inside the fourth part of 300 pages
+        with pytest.raises(errors.InvalidArgument, match="token ids must"):
+            long_client.lookup(ns, tokens=odd)
+        with pytest.raises(errors.InvalidArgument, match="token ids must"):
+            long_client.residency(ns, tokens=odd)
+    assert long_client.lookup(ns, tokens=tokens) == 100
+    assert long_client.residency(ns, tokens=tokens).pages == 100
