@@ -645,10 +645,6 @@ done:
     return result;
 }
 
-/* token_ids_u32(ids: list | tuple) -> bytes | None: the ids as native uint32, back to back; None where one is
- * not an int of 0..2^32-1 (the caller's general path then packs them wider or says which is wrong). A tight
- * loop over the items: array.array('I', ids) spends most of its time per item in its generic conversion, a
- * millisecond on a 128k-token prompt. */
 /* An exact int of at most one internal digit (below 2**30: every token id of a real vocabulary) read
  * straight from the object, without the general conversion's call: that call was most of a long
  * prompt's packing. 0 where the int is larger, or the interpreter's layout is not one known here. */
@@ -670,6 +666,10 @@ static inline int small_int(PyObject *v, long long *value) {
 #endif
 }
 
+/* token_ids_u32(ids: list | tuple) -> bytes | None: the ids as native uint32, back to back; None where one is
+ * not an int of 0..2^32-1 (the caller's general path then packs them wider or says which is wrong). A tight
+ * loop over the items: array.array('I', ids) spends most of its time per item in its generic conversion, a
+ * millisecond on a 128k-token prompt. */
 static PyObject *py_token_ids_u32(PyObject *self, PyObject *args) {
     PyObject *ids;
     if (!PyArg_ParseTuple(args, "O", &ids))
