@@ -32,7 +32,7 @@ IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
 # A GET's page is received this much at a time and each piece hashed as it lands, from the CPU's cache.
 HASH_CHUNK_BYTES = 1 << 20
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
-# The node hashes each page as its last byte lands (kvstore/transport/tcp.py), so a Commit reads
+# The node hashes each page as its bytes land (kvstore/transport/tcp.py), so a Commit reads
 # nothing back and there is no checksumming to overlap: one run per Reserve group, and the wire
 # never idles between runs. Groups stay large so the next Reserve hides behind the transfer.
 SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 << 20, commit_run_bytes=64 << 20)
