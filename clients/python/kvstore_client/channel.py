@@ -36,6 +36,12 @@ from kvstore_client.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
+# The local socket's send buffer: room for the several Lookups of a long chain (128 KiB each) to wait in the kernel
+# while the node reads the first, instead of the caller blocking in sendall (a cluster's residency sends every
+# node its parts from one thread: blocked on one node, it neither hashes the next part nor feeds the others).
+# The kernel holds it to net.core.wmem_max (twice that: it doubles the value asked for).
+SEND_BUFFER_BYTES = 1 << 20
+
 # time.monotonic() by which the current call must be answered; None = each message gets the channel's timeout_s.
 _call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvstore_call_deadline", default=None)
 
@@ -200,6 +206,7 @@ class LocalChannel:
         self.timeout_s = timeout_s
         self.arena_of_one_tenant = False   # set by map_arena_fd
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._sock.settimeout(timeout_s)
         try:
             self._sock.connect(path)
