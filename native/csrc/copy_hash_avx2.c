@@ -4,4 +4,5 @@
 #define COPY_OUT_HASH_NAME copy_out_hash_avx2
 #define HASH_UPDATE xxh3_update_avx2
 #define HASH_DIGEST xxh3_digest_avx2
+#define COPY_AND_HASH xxh3_update_copy_avx2
 #include "copy_hash_body.h"

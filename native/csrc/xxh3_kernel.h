@@ -47,6 +47,19 @@ static inline void lanes_stripe(lanes_t *l, const uint8_t *in, const uint8_t *ke
     __asm__("" : "+x"(l->a[0]), "+x"(l->a[1]));
 }
 
+/* lanes_stripe of a stripe also written to `out` (32-byte aligned), streamed from the registers it was
+ * read into: what is folded is exactly what was written. */
+static inline void lanes_stripe_copy(lanes_t *l, const uint8_t *in, uint8_t *out, const uint8_t *key) {
+    for (int j = 0; j < 2; j++) {
+        __m256i d = _mm256_loadu_si256((const __m256i *)(in + 32 * j));
+        _mm256_stream_si256((__m256i *)(out + 32 * j), d);
+        __m256i k = _mm256_xor_si256(d, _mm256_loadu_si256((const __m256i *)(key + 32 * j)));
+        __m256i p = _mm256_mul_epu32(k, _mm256_srli_epi64(k, 32));
+        l->a[j] = _mm256_add_epi64(l->a[j], _mm256_add_epi64(p, _mm256_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));
+    }
+    __asm__("" : "+x"(l->a[0]), "+x"(l->a[1]));   /* as in lanes_stripe */
+}
+
 static inline void lanes_scramble(lanes_t *l) {
     const __m256i prime = _mm256_set1_epi64x(XXH3_PRIME32_1);
     for (int j = 0; j < 2; j++) {
@@ -133,30 +146,43 @@ static inline void lanes_scramble(lanes_t *l) {
 /* `count` stripes from `in`, each with at least one byte after it in the stream, continuing the
  * block that `*stripes` stripes of have been folded already: the rest of that block, whole
  * blocks (unrolled, so each stripe's key is a constant offset), then the start of the next. The
- * lanes stay in registers throughout. */
-static inline void fold(uint64_t acc[8], uint32_t *stripes, const uint8_t *in, size_t count) {
+ * lanes stay in registers throughout. With `out` (the AVX2 kernel's only), each stripe is also
+ * written there (lanes_stripe_copy); inlined always, so that a fold without one has no branch. */
+#ifdef XXH3_KERNEL_AVX2
+#define STRIPE(l, in, out, key) ((out) ? lanes_stripe_copy(l, in, out, key) : lanes_stripe(l, in, key))
+#else
+#define STRIPE(l, in, out, key) lanes_stripe(l, in, key)
+#endif
+static inline __attribute__((always_inline)) void fold_to(uint64_t acc[8], uint32_t *stripes, const uint8_t *in,
+                                                          uint8_t *out, size_t count) {
     if (!count)
         return;
     lanes_t l = lanes_load(acc);
     size_t s = *stripes;
+    const size_t step = out ? 64 : 0;
     if (s) {
-        for (; s < XXH3_BLOCK_STRIPES && count; s++, count--, in += 64)
-            lanes_stripe(&l, in, xxh3_secret + 8 * s);
+        for (; s < XXH3_BLOCK_STRIPES && count; s++, count--, in += 64, out += step)
+            STRIPE(&l, in, out, xxh3_secret + 8 * s);
         if (s == XXH3_BLOCK_STRIPES) {
             lanes_scramble(&l);
             s = 0;
         }
     }
-    for (; count >= XXH3_BLOCK_STRIPES; count -= XXH3_BLOCK_STRIPES, in += 64 * XXH3_BLOCK_STRIPES) {
+    for (; count >= XXH3_BLOCK_STRIPES; count -= XXH3_BLOCK_STRIPES, in += 64 * XXH3_BLOCK_STRIPES,
+                                        out += step * XXH3_BLOCK_STRIPES) {
 #pragma GCC unroll 16
         for (int b = 0; b < XXH3_BLOCK_STRIPES; b++)
-            lanes_stripe(&l, in + 64 * b, xxh3_secret + 8 * b);
+            STRIPE(&l, in + 64 * b, out + step * b, xxh3_secret + 8 * b);
         lanes_scramble(&l);
     }
-    for (; count; s++, count--, in += 64)
-        lanes_stripe(&l, in, xxh3_secret + 8 * s);
+    for (; count; s++, count--, in += 64, out += step)
+        STRIPE(&l, in, out, xxh3_secret + 8 * s);
     *stripes = (uint32_t)s;
     lanes_store(acc, l);
+}
+
+static inline void fold(uint64_t acc[8], uint32_t *stripes, const uint8_t *in, size_t count) {
+    fold_to(acc, stripes, in, NULL, count);
 }
 
 /* The accumulators' end: the stripe that ends the stream (`last`: its 64 bytes), then the merge. */
@@ -220,3 +246,35 @@ uint64_t XXH3_NAME(xxh3_digest, XXH3_KERNEL)(const xxh3_state_t *state) {
     fold(acc, &stripes, held, (state->held - 1) / 64);
     return finish(acc, held + state->held - XXH3_STRIPE_BYTES, state->total);
 }
+
+#ifdef XXH3_KERNEL_AVX2
+/* xxh3_update of `nbytes` read from `src`, each also written to `dst` (32-byte aligned): every byte is
+ * read from src once, and what is folded is exactly what was written, whatever changes src meanwhile
+ * (another client's shared memory). The bulk goes through registers (fold_to); a short input, or one
+ * that continues a stripe, and the last stripe and a half, through a buffer: from it they are
+ * written, folded and kept. */
+void XXH3_NAME(xxh3_update_copy, XXH3_KERNEL)(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes) {
+    _Alignas(64) uint8_t bounce[XXH3_HOLD_BYTES + 2 * XXH3_STRIPE_BYTES];
+    if (nbytes <= sizeof(bounce) || state->held % XXH3_STRIPE_BYTES) {
+        for (size_t n; nbytes; src += n, dst += n, nbytes -= n) {
+            n = nbytes < sizeof(bounce) ? nbytes : sizeof(bounce);
+            memcpy(bounce, src, n);
+            memcpy(dst, bounce, n);
+            XXH3_NAME(xxh3_update, XXH3_KERNEL)(state, bounce, n);
+        }
+        return;
+    }
+    /* What xxh3_update does with an input longer than the hold, the held bytes being whole stripes
+     * (written when they came). */
+    state->total += nbytes;
+    fold(state->acc, &state->stripes, state->hold + XXH3_STRIPE_BYTES, state->held / XXH3_STRIPE_BYTES);
+    size_t bulk = 64 * ((nbytes - 1) / 64 - 1);
+    fold_to(state->acc, &state->stripes, src, dst, bulk / 64);
+    size_t rest = nbytes - bulk;   /* 65 to 128 bytes: one stripe to fold, the 1 to 64 after it to keep */
+    memcpy(bounce, src + bulk, rest);
+    memcpy(dst + bulk, bounce, rest);
+    fold(state->acc, &state->stripes, bounce, 1);
+    state->held = (uint32_t)(rest - XXH3_STRIPE_BYTES);
+    memcpy(state->hold + state->held, bounce + state->held, XXH3_STRIPE_BYTES);
+}
+#endif

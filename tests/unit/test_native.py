@@ -212,6 +212,31 @@ def test_copy_hash_pages_and_copy_out_hashed_equal_xxh3(source, lengths):
     assert out[1:1 + arena_bytes].tobytes() == b"".join(source[s:s + n].tobytes() for s, n in zip(starts, sizes))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_copies_into_aligned_pieces_hash_what_they_write(source, seed):
+    """Pages cut where every piece lands 32-byte aligned (the pieces copied through the registers they are hashed
+    from, where the CPU has AVX2), in segments of multiples of 32 bytes, short and long, so that a segment starts
+    both at a stripe's end and in its middle: puts and gets land every byte and equal xxhash."""
+    rng = np.random.default_rng(40 + seed)
+    sizes = [int(n) * 32 for n in rng.integers(1, 40_000, size=6)] + [32, 384, 416, 4096, 4128, 1 << 20]
+    starts = [int(rng.integers(0, SOURCE_BYTES - n + 1)) for n in sizes]
+    expected = [xxhash.xxh3_64_intdigest(source[s:s + n]) for s, n in zip(starts, sizes)]
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    storage, base = _aligned(sum(sizes), 0)
+
+    def cut(address: int, nbytes: int) -> list[tuple[int, int]]:
+        bounds = sorted({0, nbytes, *(int(b) * 32 for b in rng.integers(0, nbytes // 32 + 1, size=3))})
+        return [(address + a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+    pages = [cut(source.ctypes.data + s, n) for s, n in zip(starts, sizes)]
+    assert kvstore_native.copy_hash_pages(base, list(zip(offsets, pages))) == expected
+    assert ctypes.string_at(base, sum(sizes)) == b"".join(source[s:s + n].tobytes() for s, n in zip(starts, sizes))
+    out_storage, out = _aligned(sum(sizes), 0)
+    out_pages = [cut(out + offset, n) for offset, n in zip(offsets, sizes)]
+    assert kvstore_native.copy_out_hashed(base, offsets, out_pages) == expected
+    assert ctypes.string_at(out, sum(sizes)) == ctypes.string_at(base, sum(sizes))
+
+
 def test_prefix_hashes_equal_hashlibs_sha256_chain():
     """The chain from libcrypto, against hashlib page by page: from uint32 tokens in place, and packed from int64."""
     rng = np.random.default_rng(12)
