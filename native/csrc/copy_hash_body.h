@@ -52,7 +52,8 @@ static inline void prefetch_next_piece(const uint8_t *next, const uint8_t *end) 
 }
 
 /* Whether a piece goes to `dst` through the registers it is hashed from (COPY_AND_HASH, where the
- * kernel has one: xxh3_update_copy), which streamed stores need 32-byte aligned: the copy and the hash
+ * kernel has one: xxh3_update_copy), which streamed stores need 32-byte aligned, and the stream at a
+ * stripe's end (a page's segments of whole stripes, as KV layouts cut them): the copy and the hash
  * then overlap, where a copy and then a hash of the piece take turns, and a get needs no bounce.
  * Gets of 1 MiB pages into a page-aligned buffer: 6.2 -> 8.5 GB/s (native/README.md). */
 #ifdef COPY_AND_HASH
@@ -61,8 +62,8 @@ enum { COPY_AND_HASH_KERNEL = 1 };
 enum { COPY_AND_HASH_KERNEL = 0 };
 #define COPY_AND_HASH(state, dst, src, n) ((void)0)
 #endif
-static inline int fused(int streaming, const uint8_t *dst) {
-    return COPY_AND_HASH_KERNEL && streaming && !((uintptr_t)dst & 31);
+static inline int fused(int streaming, const uint8_t *dst, const xxh3_state_t *state) {
+    return COPY_AND_HASH_KERNEL && streaming && !((uintptr_t)dst & 31) && xxh3_at_stripe(state);
 }
 
 uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, int streaming) {
@@ -74,7 +75,7 @@ uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, i
         for (size_t done = 0; done < nbytes; done += PIECE_BYTES) {
             size_t n = nbytes - done < PIECE_BYTES ? nbytes - done : PIECE_BYTES;
             prefetch_next_piece(src + done + n, src + nbytes);
-            if (fused(streaming, dst)) {
+            if (fused(streaming, dst, &state)) {
                 COPY_AND_HASH(&state, dst, src + done, n);
             } else {
                 if (streaming)
@@ -109,7 +110,7 @@ uint64_t COPY_OUT_HASH_NAME(const uint8_t *src, const segment_t *segments, size_
         for (size_t done = 0; done < nbytes; done += PIECE_BYTES) {
             size_t n = nbytes - done < PIECE_BYTES ? nbytes - done : PIECE_BYTES;
             prefetch_next_piece(src + n, end);
-            if (fused(streaming, dst + done)) {
+            if (fused(streaming, dst + done, &state)) {
                 COPY_AND_HASH(&state, dst + done, src, n);
             } else {
                 memcpy(bounce, src, n);

@@ -49,6 +49,12 @@ uint64_t xxh3_digest_sse2(const xxh3_state_t *state);
 uint64_t xxh3_64_avx2(const uint8_t *data, size_t nbytes);
 void xxh3_update_avx2(xxh3_state_t *state, const uint8_t *data, size_t nbytes);
 uint64_t xxh3_digest_avx2(const xxh3_state_t *state);
-/* xxh3_update_avx2 of what it writes to dst (32-byte aligned, streamed) from src (xxh3_kernel.h). */
+/* xxh3_update_avx2 of what it writes to dst (32-byte aligned, streamed) from src, the stream at a
+ * stripe's end (xxh3_kernel.h). */
 void xxh3_update_copy_avx2(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes);
+
+/* Whether the stream so far is whole stripes. */
+static inline int xxh3_at_stripe(const xxh3_state_t *state) {
+    return state->held % XXH3_STRIPE_BYTES == 0;
+}
 #endif

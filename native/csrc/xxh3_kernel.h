@@ -146,15 +146,16 @@ static inline void lanes_scramble(lanes_t *l) {
 /* `count` stripes from `in`, each with at least one byte after it in the stream, continuing the
  * block that `*stripes` stripes of have been folded already: the rest of that block, whole
  * blocks (unrolled, so each stripe's key is a constant offset), then the start of the next. The
- * lanes stay in registers throughout. With `out` (the AVX2 kernel's only), each stripe is also
- * written there (lanes_stripe_copy); inlined always, so that a fold without one has no branch. */
+ * lanes stay in registers throughout. With `out` (an address; the AVX2 kernel's only), each stripe
+ * is also written there (lanes_stripe_copy); inlined always, so that a fold without one has no branch. */
 #ifdef XXH3_KERNEL_AVX2
-#define STRIPE(l, in, out, key) ((out) ? lanes_stripe_copy(l, in, out, key) : lanes_stripe(l, in, key))
+#define STRIPE(l, in, out, key) \
+    ((out) ? lanes_stripe_copy(l, in, (uint8_t *)(out), key) : lanes_stripe(l, in, key))
 #else
 #define STRIPE(l, in, out, key) lanes_stripe(l, in, key)
 #endif
 static inline __attribute__((always_inline)) void fold_to(uint64_t acc[8], uint32_t *stripes, const uint8_t *in,
-                                                          uint8_t *out, size_t count) {
+                                                          uintptr_t out, size_t count) {
     if (!count)
         return;
     lanes_t l = lanes_load(acc);
@@ -182,7 +183,7 @@ static inline __attribute__((always_inline)) void fold_to(uint64_t acc[8], uint3
 }
 
 static inline void fold(uint64_t acc[8], uint32_t *stripes, const uint8_t *in, size_t count) {
-    fold_to(acc, stripes, in, NULL, count);
+    fold_to(acc, stripes, in, 0, count);
 }
 
 /* The accumulators' end: the stripe that ends the stream (`last`: its 64 bytes), then the merge. */
@@ -248,14 +249,14 @@ uint64_t XXH3_NAME(xxh3_digest, XXH3_KERNEL)(const xxh3_state_t *state) {
 }
 
 #ifdef XXH3_KERNEL_AVX2
-/* xxh3_update of `nbytes` read from `src`, each also written to `dst` (32-byte aligned): every byte is
- * read from src once, and what is folded is exactly what was written, whatever changes src meanwhile
- * (another client's shared memory). The bulk goes through registers (fold_to); a short input, or one
- * that continues a stripe, and the last stripe and a half, through a buffer: from it they are
- * written, folded and kept. */
+/* xxh3_update of `nbytes` read from `src`, each also written to `dst` (32-byte aligned), the stream at
+ * a stripe's end (xxh3_at_stripe): every byte is read from src once, and what is folded is exactly
+ * what was written, whatever changes src meanwhile (another client's shared memory). The bulk goes
+ * through registers (fold_to); a short input, and the last stripe and a half, through a buffer: from
+ * it they are written, folded and kept. */
 void XXH3_NAME(xxh3_update_copy, XXH3_KERNEL)(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes) {
     _Alignas(64) uint8_t bounce[XXH3_HOLD_BYTES + 2 * XXH3_STRIPE_BYTES];
-    if (nbytes <= sizeof(bounce) || state->held % XXH3_STRIPE_BYTES) {
+    if (nbytes <= sizeof(bounce)) {
         for (size_t n; nbytes; src += n, dst += n, nbytes -= n) {
             n = nbytes < sizeof(bounce) ? nbytes : sizeof(bounce);
             memcpy(bounce, src, n);
@@ -269,7 +270,7 @@ void XXH3_NAME(xxh3_update_copy, XXH3_KERNEL)(xxh3_state_t *state, uint8_t *dst,
     state->total += nbytes;
     fold(state->acc, &state->stripes, state->hold + XXH3_STRIPE_BYTES, state->held / XXH3_STRIPE_BYTES);
     size_t bulk = 64 * ((nbytes - 1) / 64 - 1);
-    fold_to(state->acc, &state->stripes, src, dst, bulk / 64);
+    fold_to(state->acc, &state->stripes, src, (uintptr_t)dst, bulk / 64);
     size_t rest = nbytes - bulk;   /* 65 to 128 bytes: one stripe to fold, the 1 to 64 after it to keep */
     memcpy(bounce, src + bulk, rest);
     memcpy(dst + bulk, bounce, rest);
