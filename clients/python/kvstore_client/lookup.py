@@ -128,8 +128,11 @@ def lookup_chain(namespace: Namespace, keys: Sequence[Key] | None, tokens: Any) 
     if keys is None:
         if not namespace.page_tokens:
             raise errors.InvalidArgument("lookup by tokens needs a namespace with page_tokens set")
-        ids = tokens if type(tokens) in (list, tuple) else token_array(tokens)
-        return TokenChain(ids, namespace.page_tokens, namespace.hash_seed)
+        if type(tokens) in (list, tuple):
+            # The ids past the last full page are in no part: read them now, so a bad one there is refused too.
+            token_array(tokens[len(tokens) - len(tokens) % namespace.page_tokens:])
+            return TokenChain(tokens, namespace.page_tokens, namespace.hash_seed)
+        return TokenChain(token_array(tokens), namespace.page_tokens, namespace.hash_seed)
     packed = pack_keys(keys)
     return PackedKeys(*packed) if packed is not None else encode_keys(keys)
 
