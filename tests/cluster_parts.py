@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import ServerProcess  # tests/conftest.py: a real kvstore-server child
+from server_process import ServerProcess  # a real kvstore-server child
 from system_tools import require_tool
 from kvstore_client.cluster import KVStoreCluster
 

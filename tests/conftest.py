@@ -2,63 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from server_process import ServerProcess
+
 # Every server a test starts binds its metrics on a free port (the default is a fixed one).
 os.environ.setdefault("KVSTORE_OPS_METRICS_ADDRESS", "127.0.0.1:0")
-
-
-class ServerProcess:
-    """A kvstore-server child process; `address` is its gRPC target once it is serving."""
-
-    def __init__(self, workdir: Path, settings: dict[str, object], env: dict[str, str] | None = None):
-        self.workdir = workdir
-        self.ready_file = workdir / "ready.json"
-        self.socket_path = str(settings.get("shm.socket_path", workdir / "kvstore.sock"))
-        self.log_path = workdir / "server.log"
-        args = [sys.executable, "-m", "kvstore.server", "--grpc-address", "127.0.0.1:0",
-                "--shm-socket", self.socket_path, "--ready-file", str(self.ready_file)]
-        defaults = {"dram.arena_bytes": "64MiB", "dram.slab_bytes": "4MiB", "nvme.enabled": "false"}
-        for key, value in {**defaults, **settings}.items():
-            args += ["--set", f"{key}={value}"]
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
-        self.address = self._wait_ready()
-
-    def _wait_ready(self, timeout_s: float = 30.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while not self.ready_file.exists():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvstore-server exited with {self.process.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvstore-server not ready after {timeout_s}s:\n{self.log()}")
-            time.sleep(0.02)
-        return json.loads(self.ready_file.read_text())["grpc_address"]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout_s: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout_s)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        self._log.close()
 
 
 @pytest.fixture

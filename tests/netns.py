@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import ServerProcess
+from server_process import ServerProcess
 from system_tools import require_tool
 
 

@@ -21,7 +21,7 @@ import pytest
 from cryptography import x509
 
 from cluster_parts import EtcdProcess, EtcdTls, node_settings, wait_members
-from conftest import ServerProcess
+from server_process import ServerProcess
 from identities import Certificates, Tokens
 from kvstore.admin import cli, cluster_certs
 from kvstore_client import KVStoreClient, Namespace, prefix_hashes

@@ -11,7 +11,7 @@ import numpy as np
 
 from cluster_parts import (EtcdProcess, etcd, free_port, node_settings, server_args, start_node,  # noqa: F401
                            wait_logged, wait_members)
-from conftest import ServerProcess
+from server_process import ServerProcess
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, prefix_hashes
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cluster_parts import EtcdProcess, first_page_on, node_settings, wait_logged, wait_members
-from conftest import ServerProcess
+from server_process import ServerProcess
 from netns import NetnsServer, ip, veth_namespace
 from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.keys import Namespace, prefix_hashes

@@ -4,8 +4,9 @@ both handoff modes give decode logits identical to its own prefill."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-from conftest import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_handoff_example_runs_and_logits_are_identical(tmp_path):
