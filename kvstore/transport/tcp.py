@@ -6,7 +6,7 @@ the gRPC server.
 
 - PUT bodies are received straight into the slot: the protocol is an asyncio
   BufferedProtocol whose get_buffer() returns the reader's buffer, a memoryview of the
-  arena for a body, at most BODY_CHUNK_BYTES of it at a time. Each chunk is fed to the
+  arena for a body, at most HASH_PIECE_BYTES of it at a time. Each piece is fed to the
   page's xxh3 as soon as it lands, while it is still in the CPU's cache (hashing a whole
   page after its last byte read it back from memory: a second pass over every byte), and
   once the body is all in, the digest goes back with the slot; the Commit records it
@@ -56,14 +56,10 @@ import xxhash
 from kvstore.invariants import stop_node
 from kvstore.transport.slots import Grant, SlotResolver
 from kvstore_client import errors
-from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Hello, Op, Request, RequestReader,
-                                        encode_error, encode_response)
+from kvstore_client.tcp_framing import (HASH_PIECE_BYTES, SKIP_CHUNK_BYTES, Event, FrameError, Hello, Op, Request,
+                                        RequestReader, encode_error, encode_response)
 
 log = logging.getLogger(__name__)
-
-# A PUT body is received (and hashed) this much at a time: small enough to be hashed from the CPU's
-# cache as it lands, large enough that the extra reads cost little beside the bytes.
-BODY_CHUNK_BYTES = 1 << 20
 
 # At connections_max, a new connection takes the place of the one idle longest, if it has
 # been idle this long: idle sockets (an attacker's, or a crashed client's) never lock real
@@ -232,7 +228,7 @@ class _Connection(asyncio.BufferedProtocol):
         buffer = self._reader.buffer()
         if self._body is None:
             return buffer
-        self._landing = buffer[:BODY_CHUNK_BYTES]
+        self._landing = buffer[:HASH_PIECE_BYTES]
         return self._landing
 
     def buffer_updated(self, nbytes: int) -> None:

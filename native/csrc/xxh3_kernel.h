@@ -182,6 +182,8 @@ static inline __attribute__((always_inline)) void fold_to(uint64_t acc[8], uint3
     lanes_store(acc, l);
 }
 
+#undef STRIPE
+
 static inline void fold(uint64_t acc[8], uint32_t *stripes, const uint8_t *in, size_t count) {
     fold_to(acc, stripes, in, 0, count);
 }

@@ -25,12 +25,10 @@ from kvstore_client import checksums, errors
 from kvstore_client.buffers import Segment
 from kvstore_client.channel import call_deadline_at, peer_open
 from kvstore_client.data_path import Page, PipelineShape
-from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
-                                        encode_request)
+from kvstore_client.tcp_framing import (HASH_PIECE_BYTES, RESPONSE, FrameError, Op, check_answer, decode_response,
+                                        encode_hello, encode_request)
 
 IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
-# A GET's page is received this much at a time and each piece hashed as it lands, from the CPU's cache.
-HASH_CHUNK_BYTES = 1 << 20
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
 # The node hashes each page as its bytes land (kvstore/transport/tcp.py), so a Commit reads
 # nothing back and there is no checksumming to overlap: one run per Reserve group, and the wire
@@ -237,9 +235,9 @@ class TcpDataPath:
         return None
 
     def _recv_into(self, view: memoryview, hasher: Any = None) -> None:
-        """Fill `view` from the socket; with a hasher, HASH_CHUNK_BYTES at most a read, each fed to it as it lands."""
+        """Fill `view` from the socket; with a hasher, HASH_PIECE_BYTES at most a read, each fed to it as it lands."""
         got, total, recv_into, deadline = 0, len(view), self._sock.recv_into, self._deadline
-        most = HASH_CHUNK_BYTES if hasher is not None else total
+        most = HASH_PIECE_BYTES if hasher is not None else total
         while got < total:
             if deadline is not None and time.monotonic() > deadline:   # a trickle must not outlive the call
                 raise TimeoutError(errno.EAGAIN, "the call's timeout_s ran out")
