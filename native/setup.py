@@ -49,7 +49,8 @@ setup(
         sources=["csrc/module.c", "csrc/prefix_hash.c", "csrc/copy_hash.c", "csrc/copy_hash_avx2.c",
                  "csrc/xxh3.c", "csrc/xxh3_scalar.c", "csrc/xxh3_sse2.c", "csrc/xxh3_avx2.c",
                  "csrc/page_index.c", "csrc/page_table.c", "csrc/page_heaps.c", "csrc/index_record.c",
-                 "csrc/placement_hash.c", "csrc/key_set.c"],
+                 "csrc/placement_hash.c", "csrc/key_set.c",
+                 "csrc/copy_hasher.c"],
         include_dirs=["csrc"],
         depends=sorted(glob.glob("csrc/*.h")),   # a changed header rebuilds, as a changed source does
         libraries=[":" + crypto_file],   # -l:libcrypto.so.3, the file itself

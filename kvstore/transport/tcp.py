@@ -4,13 +4,14 @@ Frames and the per-connection reader are in kvstore_client/tcp_framing.py (pure)
 module is the thin I/O layer under it. It runs its own event loop on one thread, beside
 the gRPC server.
 
-- PUT bodies are received straight into the slot: the protocol is an asyncio
-  BufferedProtocol whose get_buffer() returns the reader's buffer, a memoryview of the
-  arena for a body, at most HASH_PIECE_BYTES of it at a time. Each piece is fed to the
-  page's xxh3 as soon as it lands, while it is still in the CPU's cache (hashing a whole
-  page after its last byte read it back from memory: a second pass over every byte), and
-  once the body is all in, the digest goes back with the slot; the Commit records it
-  instead of reading the slot again, unless a later write to the slot voided it.
+- PUT bodies land in the slot through a landing (kvstore_client/landing.py): the protocol
+  is an asyncio BufferedProtocol whose get_buffer() returns where the landing says the
+  next bytes of the body go (a small private buffer in the CPU's cache, copied into the
+  slot and hashed in one native pass; without kvstore_native, the slot itself), so each
+  piece is hashed as it lands (hashing a whole page after its last byte read it back from
+  memory: a second pass over every byte). Once the body is all in, the digest goes back
+  with the slot; the Commit records it instead of reading the slot again, unless a later
+  write to the slot voided it.
   PUT answers are gathered over one pass of the loop (pages read back to back) and sent
   together: on loopback each send costs about half a page's receive. GET answers are
   written straight out of the slot: uvloop keeps a reference to the arena view until the
@@ -51,12 +52,12 @@ import threading
 import time
 
 import uvloop
-import xxhash
 
 from kvstore.invariants import stop_node
 from kvstore.transport.slots import Grant, SlotResolver
 from kvstore_client import errors
-from kvstore_client.tcp_framing import (HASH_PIECE_BYTES, SKIP_CHUNK_BYTES, Event, FrameError, Hello, Op, Request,
+from kvstore_client.landing import landing_buffer, new_landing
+from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Hello, Op, Request,
                                         RequestReader, encode_error, encode_response)
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class TcpServer:
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
         self._scratch = memoryview(bytearray(SKIP_CHUNK_BYTES))  # shared: one loop thread
+        self._landing_buffer = landing_buffer()                   # the same: each read is copied out at once
         self._thread = threading.Thread(target=self._run, name="tcp-data-plane", daemon=True)
         self._ready = threading.Event()
         self._failure: BaseException | None = None
@@ -189,8 +191,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
         self._body: Grant | None = None            # the PUT being received
-        self._body_hash = xxhash.xxh3_64()         # its bytes so far, hashed as they land
-        self._landing: memoryview | None = None    # where the last get_buffer() asked its bytes to go
+        self._landing = new_landing(server._landing_buffer)   # where its bytes land, and their hash so far
         self._sent = 0                             # bytes handed to the transport
         self._reads: collections.deque[tuple[int, Grant]] = collections.deque()   # GET answers queued
         self._put_answers = 0                      # PUT answers not yet written (see _answer_put)
@@ -226,14 +227,11 @@ class _Connection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         buffer = self._reader.buffer()
-        if self._body is None:
-            return buffer
-        self._landing = buffer[:HASH_PIECE_BYTES]
-        return self._landing
+        return buffer if self._body is None else self._landing.place(buffer)
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._body is not None:
-            self._body_hash.update(self._landing[:nbytes])
+            self._landing.landed(self._reader.buffer(), nbytes)
         try:
             event = self._reader.received(nbytes)
         except FrameError as exc:
@@ -259,10 +257,10 @@ class _Connection(asyncio.BufferedProtocol):
             else:
                 self._get(event)
         elif event is Event.BODY_DONE:
-            grant, self._body, self._landing = self._body, None, None
+            grant, self._body = self._body, None
             # Hashed as it landed: its Commit reads nothing back, so no 16 MiB hash sits between the last byte
             # and the answer.
-            self._resolver.finish_transfer(grant, self._body_hash.intdigest())
+            self._resolver.finish_transfer(grant, self._landing.intdigest())
             self._answer_put()
         self._collect_reads()
 
@@ -320,7 +318,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self._reader.accept_body(grant.view)
         self._body = grant
-        self._body_hash.reset()
+        self._landing.reset()
         self._watch_deadline(grant.deadline)
 
     def _get(self, request: Request) -> None:

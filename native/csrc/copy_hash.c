@@ -9,6 +9,7 @@
  * whatever the instruction set.
  */
 #define COPY_HASH_NAME copy_hash_sse2
+#define COPY_HASH_UPDATE_NAME copy_hash_update_sse2
 #define COPY_OUT_HASH_NAME copy_out_hash_sse2
 #define HASH_UPDATE xxh3_update_sse2
 #define HASH_DIGEST xxh3_digest_sse2
@@ -16,6 +17,7 @@
 
 uint64_t copy_hash_avx2(uint8_t *dst, const segment_t *segments, size_t count, int streaming);
 uint64_t copy_out_hash_avx2(const uint8_t *src, const segment_t *segments, size_t count, int streaming);
+void copy_hash_update_avx2(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes, int streaming);
 
 int cpu_avx2(void) {
     static int known = -1;
@@ -32,6 +34,17 @@ uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
 
 uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
     return cpu_avx2() ? copy_out_hash_avx2(src, segments, count, 1) : copy_out_hash_sse2(src, segments, count, 0);
+}
+
+void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes) {
+    if (cpu_avx2())
+        copy_hash_update_avx2(state, dst, src, nbytes, 1);
+    else
+        copy_hash_update_sse2(state, dst, src, nbytes, 0);
+}
+
+uint64_t copy_hash_digest(const xxh3_state_t *state) {
+    return cpu_avx2() ? xxh3_digest_avx2(state) : xxh3_digest_sse2(state);
 }
 
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes) {

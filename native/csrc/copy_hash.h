@@ -3,6 +3,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "xxh3.h"
+
 typedef struct { const uint8_t *src; size_t nbytes; } segment_t;
 
 /* Copy segments back to back into dst and return XXH3_64bits of the bytes copied, reading
@@ -12,6 +14,12 @@ uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count);
 /* Copy src out into the segments (their addresses are the destinations) and return XXH3_64bits
  * of the bytes that landed there, hashed from the destination. */
 uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count);
+
+/* Copy nbytes from src to dst and feed them to an xxh3 stream (xxh3_reset), in the same pass: a page
+ * that arrives a piece at a time (a socket read into a private buffer) is copied into place and hashed
+ * as each piece comes. copy_hash_digest(state) is then XXH3_64bits of every byte fed. */
+void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes);
+uint64_t copy_hash_digest(const xxh3_state_t *state);
 
 /* XXH3_64bits of [data, data + nbytes). */
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes);

@@ -1,6 +1,7 @@
 /* copy_hash and copy_out_hash with xxh3's AVX2 kernel, chosen at run time where the CPU has AVX2. */
 #pragma GCC target("avx2")
 #define COPY_HASH_NAME copy_hash_avx2
+#define COPY_HASH_UPDATE_NAME copy_hash_update_avx2
 #define COPY_OUT_HASH_NAME copy_out_hash_avx2
 #define HASH_UPDATE xxh3_update_avx2
 #define HASH_DIGEST xxh3_digest_avx2

@@ -8,8 +8,9 @@
 #include "copy_hash.h"
 #include "xxh3.h"
 
-#if !defined(COPY_HASH_NAME) || !defined(COPY_OUT_HASH_NAME) || !defined(HASH_UPDATE) || !defined(HASH_DIGEST)
-#error "define COPY_HASH_NAME, COPY_OUT_HASH_NAME, HASH_UPDATE and HASH_DIGEST before including copy_hash_body.h"
+#if !defined(COPY_HASH_NAME) || !defined(COPY_HASH_UPDATE_NAME) || !defined(COPY_OUT_HASH_NAME) || \
+    !defined(HASH_UPDATE) || !defined(HASH_DIGEST)
+#error "define COPY_HASH_NAME, COPY_HASH_UPDATE_NAME, COPY_OUT_HASH_NAME, HASH_UPDATE and HASH_DIGEST before including copy_hash_body.h"
 #endif
 
 /* Pieces this small stay in L1 between the copy and the hash, and are short enough for the
@@ -66,30 +67,39 @@ static inline int fused(int streaming, const uint8_t *dst, const xxh3_state_t *s
     return COPY_AND_HASH_KERNEL && streaming && !((uintptr_t)dst & 31) && xxh3_at_stripe(state);
 }
 
+/* Copy nbytes from src to dst, feeding them to the stream, piece by piece. Returns dst past them. */
+static uint8_t *copy_hash_run(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes, int streaming) {
+    for (size_t done = 0; done < nbytes; done += PIECE_BYTES) {
+        size_t n = nbytes - done < PIECE_BYTES ? nbytes - done : PIECE_BYTES;
+        prefetch_next_piece(src + done + n, src + nbytes);
+        if (fused(streaming, dst, state)) {
+            COPY_AND_HASH(state, dst, src + done, n);
+        } else {
+            if (streaming)
+                copy_stream(dst, src + done, n);
+            else
+                memcpy(dst, src + done, n);
+            HASH_UPDATE(state, src + done, n);
+        }
+        dst += n;
+    }
+    return dst;
+}
+
 uint64_t COPY_HASH_NAME(uint8_t *dst, const segment_t *segments, size_t count, int streaming) {
     xxh3_state_t state;
     xxh3_reset(&state);
-    for (size_t s = 0; s < count; s++) {
-        const uint8_t *src = segments[s].src;
-        size_t nbytes = segments[s].nbytes;
-        for (size_t done = 0; done < nbytes; done += PIECE_BYTES) {
-            size_t n = nbytes - done < PIECE_BYTES ? nbytes - done : PIECE_BYTES;
-            prefetch_next_piece(src + done + n, src + nbytes);
-            if (fused(streaming, dst, &state)) {
-                COPY_AND_HASH(&state, dst, src + done, n);
-            } else {
-                if (streaming)
-                    copy_stream(dst, src + done, n);
-                else
-                    memcpy(dst, src + done, n);
-                HASH_UPDATE(&state, src + done, n);
-            }
-            dst += n;
-        }
-    }
+    for (size_t s = 0; s < count; s++)
+        dst = copy_hash_run(&state, dst, segments[s].src, segments[s].nbytes, streaming);
     if (streaming)
         _mm_sfence();   /* the streamed stores are visible before the caller's Commit is sent */
     return HASH_DIGEST(&state);
+}
+
+void COPY_HASH_UPDATE_NAME(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes, int streaming) {
+    copy_hash_run(state, dst, src, nbytes, streaming);
+    if (streaming)
+        _mm_sfence();   /* visible before the caller reads dst or tells anyone it is there */
 }
 
 /* A reader hashes its copy, not the slot: the slot is shared memory that another client of the

@@ -11,6 +11,7 @@
  *   xxh3_64(buffer) -> int                                   XXH3_64bits of a buffer
  *   key_hashes(keys) -> bytes                                BLAKE2b-64 of each bytes key, 8 bytes each (placement)
  *   xxh3_64_kernel(buffer, kernel, cuts) -> int              the same by a named kernel, maybe streamed (tests)
+ *   CopyHasher                                               xxh3 of a page copied into place piece by piece
  *   PageIndex, IndexRecord                                   the page index (page_index.c)
  *
  * Addresses are plain integers, as the SDK's segments already are (buffers.py); the caller keeps
@@ -22,6 +23,7 @@
 #include <string.h>
 
 #include "copy_hash.h"
+#include "copy_hasher.h"
 #include "key_set.h"
 #include "page_index.h"
 #include "placement_hash.h"
@@ -736,7 +738,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvstore_native", NUL
 
 PyMODINIT_FUNC PyInit_kvstore_native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && (page_index_register(m) < 0 || key_set_register(m) < 0))
+    if (m && (page_index_register(m) < 0 || key_set_register(m) < 0 || copy_hasher_register(m) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -237,6 +237,41 @@ def test_copies_into_aligned_pieces_hash_what_they_write(source, seed):
     assert ctypes.string_at(out, sum(sizes)) == ctypes.string_at(base, sum(sizes))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_copy_hasher_streams_equal_xxh3_and_land_every_byte(source, seed):
+    """A stream copied in at random cuts (socket reads: anywhere, around stripes and blocks, 4 KiB steps), into a
+    destination aligned or not, equals the one-shot xxh3 of the bytes, and those bytes are what landed."""
+    rng = np.random.default_rng(60 + seed)
+    for nbytes in (int(rng.integers(0, 2101)), int(rng.integers(2101, 300_000)), 3 << 20):
+        start = int(rng.integers(0, SOURCE_BYTES - nbytes + 1))
+        data = source[start:start + nbytes]
+        storage, address = _aligned(nbytes, int(rng.choice([0, 32, 1, 17])))
+        dst = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+        hasher = kvstore_native.CopyHasher()
+        hasher.copy(dst, b"")   # an empty read feeds nothing
+        bounds = [0, *(c for c in _random_cuts(rng, nbytes) if 0 <= c <= nbytes), nbytes]
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:
+                hasher.copy(dst[a:], data[a:b])
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
+        assert ctypes.string_at(address, nbytes) == data.tobytes()
+        hasher.reset()
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")
+
+
+def test_copy_hasher_refuses_what_it_cannot_copy():
+    hasher = kvstore_native.CopyHasher()
+    with pytest.raises(ValueError, match="into a buffer of 3"):
+        hasher.copy(bytearray(3), b"four")
+    with pytest.raises(TypeError):
+        hasher.copy(b"read-only", b"x")            # the destination must be writable
+    with pytest.raises(TypeError):
+        hasher.copy(memoryview(bytearray(8))[::2], b"ab")   # nor a strided one
+    with pytest.raises(TypeError):
+        kvstore_native.CopyHasher(1)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")   # nothing was fed by the refused calls
+
+
 def test_prefix_hashes_equal_hashlibs_sha256_chain():
     """The chain from libcrypto, against hashlib page by page: from uint32 tokens in place, and packed from int64."""
     rng = np.random.default_rng(12)

@@ -21,12 +21,13 @@ import threading
 import time
 from typing import Any, Iterator
 
-from kvstore_client import checksums, errors
+from kvstore_client import errors
 from kvstore_client.buffers import Segment
 from kvstore_client.channel import call_deadline_at, peer_open
 from kvstore_client.data_path import Page, PipelineShape
-from kvstore_client.tcp_framing import (HASH_PIECE_BYTES, RESPONSE, FrameError, Op, check_answer, decode_response,
-                                        encode_hello, encode_request)
+from kvstore_client.landing import new_landing
+from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
+                                        encode_request)
 
 IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
@@ -94,6 +95,7 @@ class TcpDataPath:
         self._deadline: float | None = None  # the running batch's call deadline (channel.call_deadline)
         self._set_step_timeout(timeout_s)
         self._header = bytearray(RESPONSE.size)
+        self._landing = new_landing()   # where GET answers land and are hashed (landing.py)
         self._broken: errors.KVStoreError | None = None
         self._lock = threading.Lock()   # one batch of frames at a time: answers come back in order
         if ticket:
@@ -163,9 +165,9 @@ class TcpDataPath:
             raise first_error
 
     def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
-        """The pages read, and each one's xxh3, fed each piece of the page as soon as it lands, while it is
-        still in the CPU's cache (hashing a 1-4 MiB page after its last byte read it back from memory, and
-        hashing the whole batch afterwards held 1 MiB gets to 0.8 of a raw socket's pace)."""
+        """The pages read, and each one's xxh3, taken as each piece lands (landing.py: hashing a 1-4 MiB page
+        after its last byte read it back from memory, and hashing the whole batch afterwards held 1 MiB gets to
+        0.8 of a raw socket's pace)."""
         self._check()
         landed = []
         requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
@@ -177,10 +179,10 @@ class TcpDataPath:
                 more = min(len(requests), sent + GET_WINDOW_FRAMES // 2)
                 self._io(lambda: self._sock.sendall(b"".join(requests[sent:more])))
                 sent = more
-            hasher = checksums.page_hasher()
-            error = self._io(lambda: self._answer(Op.GET, segments, hasher))
+            self._landing.reset()
+            error = self._io(lambda: self._answer(Op.GET, segments, self._landing))
             first_error = first_error or error
-            landed.append(0 if error else hasher.intdigest())
+            landed.append(0 if error else self._landing.intdigest())
         if first_error is not None:
             raise first_error
         return landed
@@ -220,8 +222,8 @@ class TcpDataPath:
             self._broken = error
             self._sock.close()
 
-    def _answer(self, op: Op, segments: list[Segment] | None, hasher: Any = None) -> errors.KVStoreError | None:
-        """Read one answer; a GET's page goes into `segments`, and into `hasher` as it lands. Returns the
+    def _answer(self, op: Op, segments: list[Segment] | None, landing: Any = None) -> errors.KVStoreError | None:
+        """Read one answer; a GET's page goes into `segments` through `landing`, which hashes it. Returns the
         refusal, if any."""
         self._recv_into(memoryview(self._header))
         status, answered_op, length = decode_response(self._header)
@@ -231,19 +233,19 @@ class TcpDataPath:
             return errors.error_from_code(status, text.decode(errors="replace"))
         check_answer(op, answered_op, length, None if segments is None else sum(n for _, n in segments))
         for segment in segments or ():
-            self._recv_into(_view(segment), hasher)
+            self._recv_into(_view(segment), landing)
         return None
 
-    def _recv_into(self, view: memoryview, hasher: Any = None) -> None:
-        """Fill `view` from the socket; with a hasher, HASH_PIECE_BYTES at most a read, each fed to it as it lands."""
+    def _recv_into(self, view: memoryview, landing: Any = None) -> None:
+        """Fill `view` from the socket; with a landing, each read goes where it says and is hashed by it."""
         got, total, recv_into, deadline = 0, len(view), self._sock.recv_into, self._deadline
-        most = HASH_PIECE_BYTES if hasher is not None else total
         while got < total:
             if deadline is not None and time.monotonic() > deadline:   # a trickle must not outlive the call
                 raise TimeoutError(errno.EAGAIN, "the call's timeout_s ran out")
-            n = recv_into(view[got:got + most])
+            rest = view[got:]
+            n = recv_into(rest if landing is None else landing.place(rest))
             if n == 0:
                 raise ConnectionResetError("the server closed the TCP data plane connection")
-            if hasher is not None:
-                hasher.update(view[got:got + n])
+            if landing is not None:
+                landing.landed(rest, n)
             got += n

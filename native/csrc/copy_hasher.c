@@ -1,0 +1,113 @@
+/* CopyHasher: the xxh3 of a page that arrives a piece at a time, each piece copied into place and
+ * hashed in one pass (copy_hash_update).
+ *
+ * A socket read lands in a small private buffer that stays in the CPU's cache; copy() moves it to
+ * the page's place with streamed stores (no read for ownership of the destination, where the
+ * kernel's copy into a cold page pays one) and hashes it from that buffer on the way, so what is
+ * hashed is exactly what was written, whatever else may write the destination.
+ *
+ *   h = CopyHasher(); h.copy(dst, src); ...; h.intdigest() == xxh3_64 of every src given
+ */
+#define PY_SSIZE_T_CLEAN
+#include "copy_hasher.h"
+
+#include <stdlib.h>
+
+#include "copy_hash.h"
+
+typedef struct {
+    PyObject_HEAD
+    xxh3_state_t *state;   /* 64-byte aligned: Python's allocator gives 16 */
+    int busy;              /* a copy runs without the GIL: a second thread must not feed the stream meanwhile */
+} CopyHasher;
+
+static PyObject *ch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (!_PyArg_NoKeywords("CopyHasher", kwargs) || !PyArg_ParseTuple(args, ":CopyHasher"))
+        return NULL;
+    CopyHasher *self = (CopyHasher *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    if (posix_memalign((void **)&self->state, 64, sizeof(xxh3_state_t)) != 0) {
+        self->state = NULL;
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    xxh3_reset(self->state);
+    return (PyObject *)self;
+}
+
+static void ch_dealloc(CopyHasher *self) {
+    free(self->state);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int claim(CopyHasher *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this CopyHasher is being fed by another thread");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *ch_copy(CopyHasher *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src))
+        return NULL;
+    PyObject *result = NULL;   /* "w*" and "y*" take contiguous buffers only */
+    if (dst.len < src.len) {
+        PyErr_Format(PyExc_ValueError, "copy() of %zd bytes into a buffer of %zd", src.len, dst.len);
+    } else if (claim(self) == 0) {
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        copy_hash_update(self->state, dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static PyObject *ch_intdigest(CopyHasher *self, PyObject *unused) {
+    if (claim(self) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(copy_hash_digest(self->state));
+}
+
+static PyObject *ch_reset(CopyHasher *self, PyObject *unused) {
+    if (claim(self) < 0)
+        return NULL;
+    xxh3_reset(self->state);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ch_methods[] = {
+    {"copy", (PyCFunction)ch_copy, METH_VARARGS,
+     "copy(dst, src) -> None: copy src into the start of dst (a writable buffer) and feed its bytes to the stream"},
+    {"intdigest", (PyCFunction)ch_intdigest, METH_NOARGS, "intdigest() -> int: XXH3_64bits of every byte copied"},
+    {"reset", (PyCFunction)ch_reset, METH_NOARGS, "reset() -> None: start a new stream"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyHasherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstore_native.CopyHasher",
+    .tp_basicsize = sizeof(CopyHasher),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "CopyHasher(): the xxh3 of bytes copied into place a piece at a time (copy, intdigest, reset)",
+    .tp_new = ch_new,
+    .tp_dealloc = (destructor)ch_dealloc,
+    .tp_methods = ch_methods,
+};
+
+int copy_hasher_register(PyObject *module) {
+    if (PyType_Ready(&CopyHasherType) < 0)
+        return -1;
+    Py_INCREF(&CopyHasherType);
+    if (PyModule_AddObject(module, "CopyHasher", (PyObject *)&CopyHasherType) < 0) {
+        Py_DECREF(&CopyHasherType);
+        return -1;
+    }
+    return 0;
+}
