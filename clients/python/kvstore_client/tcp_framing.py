@@ -22,8 +22,8 @@ limit) closes it.
 
 RequestReader is the server's state machine: `buffer()` says where the next received bytes
 go (the header, a slot of the arena, or a bounded scratch area for a skipped body) and
-`received(n)` says what they completed. The I/O layer receives into exactly that buffer,
-so page bytes land in the slot with no copy in between.
+`received(n)` says what they completed. The I/O layer receives into that buffer (a body
+through a landing, landing.py, which copies each read into it and hashes it).
 """
 
 from __future__ import annotations
