@@ -102,12 +102,5 @@ static PyTypeObject CopyHasherType = {
 };
 
 int copy_hasher_register(PyObject *module) {
-    if (PyType_Ready(&CopyHasherType) < 0)
-        return -1;
-    Py_INCREF(&CopyHasherType);
-    if (PyModule_AddObject(module, "CopyHasher", (PyObject *)&CopyHasherType) < 0) {
-        Py_DECREF(&CopyHasherType);
-        return -1;
-    }
-    return 0;
+    return PyModule_AddType(module, &CopyHasherType);   /* ready, added under its tp_name's last part */
 }

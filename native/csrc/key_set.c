@@ -271,12 +271,5 @@ static PyTypeObject KeySetType = {
 };
 
 int key_set_register(PyObject *module) {
-    if (PyType_Ready(&KeySetType) < 0)
-        return -1;
-    Py_INCREF(&KeySetType);
-    if (PyModule_AddObject(module, "KeySet", (PyObject *)&KeySetType) < 0) {
-        Py_DECREF(&KeySetType);
-        return -1;
-    }
-    return 0;
+    return PyModule_AddType(module, &KeySetType);   /* ready, added under its tp_name's last part */
 }

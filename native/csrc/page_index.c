@@ -1734,17 +1734,5 @@ static PyTypeObject IndexType = {
 
 int page_index_register(PyObject *module) {
     hex_value_fill();
-    if (PyType_Ready(&IndexType) < 0 || PyType_Ready(&RecordType) < 0)
-        return -1;
-    Py_INCREF(&IndexType);
-    if (PyModule_AddObject(module, "PageIndex", (PyObject *)&IndexType) < 0) {
-        Py_DECREF(&IndexType);
-        return -1;
-    }
-    Py_INCREF(&RecordType);
-    if (PyModule_AddObject(module, "IndexRecord", (PyObject *)&RecordType) < 0) {
-        Py_DECREF(&RecordType);
-        return -1;
-    }
-    return 0;
+    return PyModule_AddType(module, &IndexType) < 0 || PyModule_AddType(module, &RecordType) < 0 ? -1 : 0;
 }
