@@ -9,7 +9,7 @@ bytes bound for `dst` go, reads into it, and says `landed(dst, n)`:
   and hashes it from that buffer. The kernel's copy then writes cache-hot lines, where a read
   straight into a cold page made it fetch every destination line before writing it, and the
   hash reads the buffer, not the page. What is hashed is what was written, whatever else may
-  write the destination. Loopback against a raw socket, one core: puts 0.68 -> 0.74, gets
+  write the destination. Loopback against a raw socket, one core: puts 0.68 -> 0.73, gets
   0.71 -> 0.79 (native/README.md).
 - DirectLanding (pure Python): reads go straight into place, HASH_PIECE_BYTES at most, each
   piece hashed by xxhash right after it lands.

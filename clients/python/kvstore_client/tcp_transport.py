@@ -2,11 +2,12 @@
 
 Pages go out with sendmsg straight from the caller's buffers (a frame header and the
 page's segments in one scatter-gather list, many pages per call) and come back through a
-landing (landing.py: read into a buffer in cache, copied into them and hashed in one pass). Requests are answered in order, so a batch is sent ahead
-and its answers read after (GET headers within a bounded window, so neither side can
-block the other). Wire format: tcp_framing.py. A node with tcp.tls_cert speaks TLS
-(Hello's tcp_tls): the socket is wrapped before the HELLO, its certificate checked against
-the client's tls_ca, and pages go out piece by piece (an SSL socket has no sendmsg).
+landing (landing.py: read into a buffer in cache, copied into them and hashed in one
+pass). Requests are answered in order, so a batch is sent ahead and its answers read
+after (GET headers within a bounded window, so neither side can block the other). Wire
+format: tcp_framing.py. A node with tcp.tls_cert speaks TLS (Hello's tcp_tls): the
+socket is wrapped before the HELLO, its certificate checked against the client's tls_ca,
+and pages go out piece by piece (an SSL socket has no sendmsg).
 """
 
 from __future__ import annotations
