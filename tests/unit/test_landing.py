@@ -5,12 +5,11 @@ import pytest
 import xxhash
 
 from kvstore_client import landing, native
-from kvstore_client.tcp_framing import HASH_PIECE_BYTES
 
 
 def _landings() -> list:
     made = [landing.DirectLanding()]
-    if getattr(native.module, "CopyHasher", None) is not None:
+    if native.CopyHasher is not None:
         made.append(landing.CopiedLanding(landing.landing_buffer()))
     return made
 
@@ -44,9 +43,9 @@ def test_every_landing_puts_the_bytes_in_place_and_hashes_them(nbytes):
 
 def test_reads_are_bounded_by_the_landing_not_the_page():
     direct = landing.DirectLanding()
-    assert len(direct.place(memoryview(bytearray(HASH_PIECE_BYTES + 1)))) == HASH_PIECE_BYTES
+    assert len(direct.place(memoryview(bytearray(landing.DIRECT_PIECE_BYTES + 1)))) == landing.DIRECT_PIECE_BYTES
     assert len(direct.place(memoryview(bytearray(5)))) == 5
-    if getattr(native.module, "CopyHasher", None) is None:
+    if native.CopyHasher is None:
         assert isinstance(landing.new_landing(), landing.DirectLanding)
         return
     shared = landing.landing_buffer()

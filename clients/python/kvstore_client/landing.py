@@ -11,8 +11,8 @@ bytes bound for `dst` go, reads into it, and says `landed(dst, n)`:
   hash reads the buffer, not the page. What is hashed is what was written, whatever else may
   write the destination. Loopback against a raw socket, one core: puts 0.68 -> 0.73, gets
   0.71 -> 0.79 (native/README.md).
-- DirectLanding (pure Python): reads go straight into place, HASH_PIECE_BYTES at most, each
-  piece hashed by xxhash right after it lands.
+- DirectLanding (without kvstore_native's CopyHasher): reads go straight into place,
+  DIRECT_PIECE_BYTES at most, each piece hashed by xxhash right after it lands.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import mmap
 import xxhash
 
 from kvstore_client import native
-from kvstore_client.tcp_framing import HASH_PIECE_BYTES
 
 # The private buffer: small beside a core's L2 (1-2 MiB), so the kernel's copy into it and the native copy out
 # of it both hit the cache, with the sender's buffers beside it where both ends share a core.
 LANDING_BYTES = 256 << 10
+# A direct read: small enough to be hashed from the CPU's cache, large enough that the extra reads cost little
+# beside the bytes.
+DIRECT_PIECE_BYTES = 1 << 20
 
 
 def landing_buffer() -> memoryview:
@@ -35,10 +37,24 @@ def landing_buffer() -> memoryview:
     return memoryview(mmap.mmap(-1, LANDING_BYTES))
 
 
-class CopiedLanding:
+class _Landing:
+    """A page's xxh3 so far; each kind says where the next bytes bound for `dst` go (place) and takes in the
+    `nbytes` of them that came (landed)."""
+
+    def __init__(self, hasher) -> None:
+        self._hasher = hasher
+
+    def reset(self) -> None:
+        self._hasher.reset()
+
+    def intdigest(self) -> int:
+        return self._hasher.intdigest()
+
+
+class CopiedLanding(_Landing):
     def __init__(self, buffer: memoryview) -> None:
+        super().__init__(native.CopyHasher())
         self._buffer = buffer
-        self._hasher = native.module.CopyHasher()
 
     def place(self, dst: memoryview) -> memoryview:
         return self._buffer[:min(len(dst), LANDING_BYTES)]
@@ -46,33 +62,21 @@ class CopiedLanding:
     def landed(self, dst: memoryview, nbytes: int) -> None:
         self._hasher.copy(dst, self._buffer[:nbytes])
 
-    def reset(self) -> None:
-        self._hasher.reset()
 
-    def intdigest(self) -> int:
-        return self._hasher.intdigest()
-
-
-class DirectLanding:
+class DirectLanding(_Landing):
     def __init__(self) -> None:
-        self._hasher = xxhash.xxh3_64()
+        super().__init__(xxhash.xxh3_64())
 
     def place(self, dst: memoryview) -> memoryview:
-        return dst[:HASH_PIECE_BYTES]
+        return dst[:DIRECT_PIECE_BYTES]
 
     def landed(self, dst: memoryview, nbytes: int) -> None:
         self._hasher.update(dst[:nbytes])
-
-    def reset(self) -> None:
-        self._hasher.reset()
-
-    def intdigest(self) -> int:
-        return self._hasher.intdigest()
 
 
 def new_landing(buffer: memoryview | None = None) -> CopiedLanding | DirectLanding:
     """A landing for one page stream (one thread): copied through `buffer` (landing_buffer(), a new one when None)
     where kvstore_native has CopyHasher, else direct."""
-    if getattr(native.module, "CopyHasher", None) is None:
+    if native.CopyHasher is None:
         return DirectLanding()
     return CopiedLanding(landing_buffer() if buffer is None else buffer)

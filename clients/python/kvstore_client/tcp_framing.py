@@ -39,9 +39,6 @@ TOKEN_BYTES = 16
 TICKET_BYTES_MAX = 512          # a HELLO's body
 ERROR_TEXT_BYTES_MAX = 1024
 SKIP_CHUNK_BYTES = 64 << 10     # scratch that a skipped PUT body is read through, piece by piece
-# A page body is read (node: a PUT's, client: a GET's) this much at a time, and each piece hashed as it lands:
-# small enough to be hashed from the CPU's cache, large enough that the extra reads cost little beside the bytes.
-HASH_PIECE_BYTES = 1 << 20
 
 
 class Op(enum.IntEnum):
