@@ -36,17 +36,17 @@ class SlotGrants:
     def resolve_write(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
         """The arena bytes of an uncommitted reserved slot."""
         self._own(lease_id)
-        lease, offset = self._store.begin_transfer(lease_id, token, WRITE, slot, nbytes)
+        lease, offset, _ = self._store.begin_transfer(lease_id, token, WRITE, slot, nbytes)
         return Grant(lease, slot, self._store.arena.view[offset:offset + nbytes], lease.deadline, True)
 
     def resolve_read(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
         """The arena bytes of the slot-th page pinned by a read lease."""
         self._own(lease_id)
-        lease, offset = self._store.begin_transfer(lease_id, token, READ, slot, nbytes)
-        return Grant(lease, slot, self._store.arena.view[offset:offset + nbytes], lease.deadline, False)
+        lease, offset, vouched = self._store.begin_transfer(lease_id, token, READ, slot, nbytes)
+        return Grant(lease, slot, self._store.arena.view[offset:offset + nbytes], lease.deadline, False, vouched)
 
     def finish_transfer(self, grant: Grant, arrived_checksum: int | None = None) -> None:
-        self._store.end_transfer(grant.lease, grant.slot, arrived_checksum)
+        self._store.end_transfer(grant.lease, grant.slot, arrived_checksum, grant.vouched)
 
     def cut_transfer(self, grant: Grant) -> None:
         self._store.cut_transfer(grant.lease, grant.slot)

@@ -14,8 +14,9 @@ it expires, the next frame is answered UNAUTHENTICATED and the connection closed
 the memfd of the caller's tenant over SCM_RIGHTS (tiers/dram.py: each tenant's pages live
 in a memfd of their own, so the fd exposes no other tenant's bytes); an admin gets its own
 tenant's memfd too, and moves other tenants' pages over TCP. Where tenants share one memfd
-(rdma.enabled with authentication) only an admin may map it. Other frames carry kvstore.v1
-requests (framing.py).
+(rdma.enabled with authentication) only an admin may map it. Before a memfd first goes out, the
+node stops vouching for TCP reads of its pages and waits for those in flight (store_exposure.py).
+Other frames carry kvstore.v1 requests (framing.py).
 A process keeps what it mapped after its token is revoked or expires. So the node notes which
 tokens each tenant's memfd went to, and once one of them is no longer in force
 (cut_off_revoked, on every reaper pass) it closes that tenant's local connections, refuses
@@ -289,6 +290,13 @@ class LocalServer:
             _send_error(conn, errors.TransportUnavailable(
                 f"tenant {key!r}'s shared memory is being replaced after one of its tokens was revoked; a client "
                 "moves its pages over TCP meanwhile, and maps the new memory when it reconnects"))
+            return
+        store = self._service.store
+        # From here on, TCP reads of this memory are hashed by their readers (store_exposure.py).
+        if not store.expose(identity.tenant, store.config.leases.ttl_ms_max / 1000):
+            _send_error(conn, errors.TransportUnavailable(
+                f"tenant {key!r}'s shared memory is still being read over TCP by a reader that stopped reading; "
+                "a client moves its pages over TCP meanwhile, and maps the memory when it reconnects"))
             return
         fd = arena.fd_of(identity.tenant)
         answer = framing.ARENA_OF_ONE_TENANT if arena.tenants_apart else b""

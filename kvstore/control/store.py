@@ -33,6 +33,7 @@ from kvstore.control.leases import LeaseTable
 from kvstore.control.native_index import make_page_index
 from kvstore.control.quotas import SlabShares, TenantLedger
 from kvstore.control.store_events import StoreEvents
+from kvstore.control.store_exposure import Exposure
 from kvstore.control.store_hbm import HbmCopies
 from kvstore.control.store_leases import LeaseEnds
 from kvstore.control.store_memory import DramSlots
@@ -55,12 +56,12 @@ _DRAM_BYTE, _HBM_BYTE = bytes([pb.DRAM]), bytes([pb.HBM])
 _TIER_OF_PLACE = bytes([0, pb.DRAM, pb.NVME]) + bytes(253)
 
 
-class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbing, HbmCopies):
+class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbing, HbmCopies, Exposure):
     """The state and the lock; namespaces, lookups, deletes and Stats here, the rest in its parts:
     store_writes (reserve and commit), store_reads (holds and promotion), store_leases (leases
     ending), store_writedown (the controller's claims), store_memory (DRAM slots and eviction),
-    store_scrub (the scrubber's batches), store_hbm (copies in the HBM pool). Every part's method
-    takes this lock itself."""
+    store_scrub (the scrubber's batches), store_hbm (copies in the HBM pool), store_exposure (reads
+    the node vouches for). Every part's method takes this lock itself."""
 
     def __init__(self, config: Config, arena: Arena, clock: Clock = time.monotonic):
         self.config = config
@@ -105,6 +106,7 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         self.protect_unsaved = False   # write_back: DRAM-only pages are evicted only once written down
         self.draining = False
         self._init_hbm(config.hbm.pool_bytes, config.dram.slab_bytes)
+        self._init_exposure(all_exposed=config.rdma.enabled)   # peers write into the registered arena
 
     @property
     def evict_first(self) -> Evict:

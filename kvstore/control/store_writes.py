@@ -14,7 +14,7 @@ import xxhash
 
 from kvstore import failpoints
 from kvstore.control.index import PageRecord
-from kvstore.control.leases import WRITE, Lease
+from kvstore.control.leases import READ, WRITE, Lease
 from kvstore.control.store_types import CommitPart, Evict, PageId, Reservation, lease_not_found
 from kvstore.tiers.dram import slot_bytes_for
 from kvstore_client import errors
@@ -405,8 +405,9 @@ class WriteLeases:
                 self._fence(lease)
         return aborted, lease
 
-    def begin_transfer(self, lease_id: int, token: bytes, kind: str, slot: int, nbytes: int) -> tuple[Lease, int]:
-        """Check a frame against its lease; (lease, slot offset), held until end_transfer."""
+    def begin_transfer(self, lease_id: int, token: bytes, kind: str, slot: int, nbytes: int) -> tuple[Lease, int, bool]:
+        """Check a frame against its lease; (lease, slot offset, whether this node vouches for the bytes of a
+        read: store_memory.py), held until end_transfer."""
         with self._lock:
             lease = self.leases.get(lease_id)
             if lease is None or self.clock() > lease.deadline:
@@ -433,13 +434,16 @@ class WriteLeases:
                 lease.writing.add(slot)
                 lease.arrived.pop(slot, None)   # the bytes an earlier write's checksum was taken of are going
             lease.transfers += 1
-            return lease, offset
+            return lease, offset, kind == READ and self._vouch(lease.tenant)
 
-    def end_transfer(self, lease: Lease, slot: int, arrived_checksum: int | None = None) -> None:
+    def end_transfer(self, lease: Lease, slot: int, arrived_checksum: int | None = None, vouched: bool = False) -> None:
         """A transfer is over; `arrived_checksum`: the xxh3 this node took of a written slot's bytes once
-        all of them had landed, which its Commit records without hashing the slot again."""
+        all of them had landed, which its Commit records without hashing the slot again; `vouched`: what
+        begin_transfer said of this read."""
         with self._lock:
             self._transfer_ended(lease, slot)
+            if vouched:
+                self._unvouch(lease.tenant)
             if arrived_checksum is not None and lease.kind == WRITE and slot in lease.slots:
                 lease.arrived[slot] = arrived_checksum
 

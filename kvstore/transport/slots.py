@@ -21,6 +21,9 @@ class Grant:
     view: memoryview        # exactly the page's bytes in the arena
     deadline: float         # time.monotonic() when the lease expires; a transfer must end by then
     write: bool
+    # a read of memory no other process has been able to write since the page was committed: the node
+    # vouches for its bytes, so the reader need not hash them (store_memory.py, "exposure")
+    vouched: bool = False
 
 
 class SlotResolver(Protocol):

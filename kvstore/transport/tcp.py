@@ -15,7 +15,9 @@ the gRPC server.
   PUT answers are gathered over one pass of the loop (pages read back to back) and sent
   together: on loopback each send costs about half a page's receive. GET answers are
   written straight out of the slot: uvloop keeps a reference to the arena view until the
-  kernel has taken its bytes, no copy.
+  kernel has taken its bytes, no copy. An answer is flagged VOUCHED where no other process
+  can have written the slot since its commit (the grant says so: store_exposure.py), and
+  the reader skips hashing it.
 - Each frame is resolved through a SlotResolver (the service, wired by server.py): the
   token must be the lease's and the slot one of its slots. A refused frame gets an error
   answer and the connection goes on.
@@ -57,7 +59,7 @@ from kvstore.invariants import stop_node
 from kvstore.transport.slots import Grant, SlotResolver
 from kvstore_client import errors
 from kvstore_client.landing import landing_buffer, new_landing
-from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, Event, FrameError, Hello, Op, Request,
+from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, VOUCHED, Event, FrameError, Hello, Op, Request,
                                         RequestReader, encode_error, encode_response)
 
 log = logging.getLogger(__name__)
@@ -328,7 +330,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(Op.GET, exc)
             self._close_if_unauthenticated(exc)
             return
-        self._write([encode_response(0, Op.GET, len(grant.view)), grant.view])
+        self._write([encode_response(0, Op.GET, len(grant.view), VOUCHED if grant.vouched else 0), grant.view])
         self._reads.append((self._sent, grant))
         self._watch_deadline(grant.deadline)
 

@@ -44,7 +44,7 @@ class Peer:
         return data
 
     def answer(self):
-        status, op, length = tf.decode_response(self.recv_exact(tf.RESPONSE.size))
+        status, op, length, _ = tf.decode_response(self.recv_exact(tf.RESPONSE.size))
         return status, op, self.recv_exact(length)
 
 

@@ -186,6 +186,37 @@ def test_a_page_changed_in_shared_memory_is_refused_over_tcp_too(two_tenants):
     changed_page_is_refused(node.address, tokens.alice, "t", reader="tcp")
 
 
+def tcp_landed(client: KVStoreClient, keys: list[str], out: np.ndarray) -> tuple[list, list[int]]:
+    """A TCP get of `keys` through the client's data path: (what each page landed as: its xxh3, or None where the
+    node vouched for it, the pages' commit checksums)."""
+    acquired = client._conn.control.call("Acquire", pb.AcquireRequest(
+        namespace_id=client._namespace_id(NS), keys=[k.encode() for k in keys]))
+    try:
+        assert acquired.hit_pages == len(keys)
+        moved = [(i, acquired.offsets[i], [(out[i].ctypes.data, PAGE)]) for i in range(len(keys))]
+        return client._conn.data.get(acquired.lease_id, acquired.data_token, moved, PAGE), list(acquired.checksums)
+    finally:
+        client._conn.control.call("Release", pb.ReleaseRequest(lease_ids=[acquired.lease_id]))
+
+
+def test_tcp_reads_go_unhashed_only_while_no_other_process_has_mapped_the_tenants_memory(two_tenants):
+    node, tokens = two_tenants
+    data, keys = pages(2, seed=9), ["v0", "v1"]
+    with KVStoreClient(node.address, token=tokens.alice, transport="tcp") as alice:
+        assert alice.put(NS, keys, data) == 2
+        out = np.zeros_like(data)
+        assert tcp_landed(alice, keys, out)[0] == [None, None] and np.array_equal(out, data)
+        assert as_bob(node, tokens, "put", "3:1")["transport"] == "shm"    # another tenant's memfd goes out
+        out[:] = 0
+        assert tcp_landed(alice, keys, out)[0] == [None, None] and np.array_equal(out, data)
+        with KVStoreClient(node.address, token=tokens.alice) as mapped:    # alice's own memfd goes out
+            assert mapped.transport == "shm"
+        out[:] = 0
+        landed, committed = tcp_landed(alice, keys, out)
+        assert landed == committed and np.array_equal(out, data)      # hashed as they landed, for good
+        assert alice.get(NS, keys, out) == 2
+
+
 def test_the_default_tenant_gets_the_same_refusal(server):
     changed_page_is_refused(server.address, None, "d")
     assert "pages changed in shared memory" in server.log() and "reported=1 dropped=1" in server.log()

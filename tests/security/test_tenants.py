@@ -351,7 +351,7 @@ def test_tcp_frames_are_bound_to_the_tenant_of_the_connection(node, tokens):
     host, port = alice_hello.tcp_endpoint.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(encode_request(Op.GET, read.lease_id, read.data_token, 0, PAGE))
-        status, _, length = decode_response(sock.recv(RESPONSE.size, socket.MSG_WAITALL))
+        status, _, length, _ = decode_response(sock.recv(RESPONSE.size, socket.MSG_WAITALL))
         assert status == pb.UNAUTHENTICATED and b"first frame to be a HELLO" in sock.recv(length, socket.MSG_WAITALL)
         assert sock.recv(1) == b""   # closed
 

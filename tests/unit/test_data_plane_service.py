@@ -1,4 +1,7 @@
-"""The service's data-plane hooks: tokens, slot checks, grants that outlive their lease, cut writes."""
+"""The service's data-plane hooks: tokens, slot checks, grants that outlive their lease, cut writes, reads vouched
+for until their memory is exposed."""
+
+import threading
 
 import pytest
 import xxhash
@@ -138,3 +141,43 @@ def test_a_writer_checksum_is_checked_against_the_one_taken_as_the_page_landed(s
     assert service.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"w0"]), None).hit_pages == 0
     assert list(service.commit(pb.CommitRequest(lease_id=r.lease_id, checksums=[landed]), None).states) == [
         pb.COMMITTED]
+
+
+def committed_page(svc, key: bytes) -> tuple[int, pb.AcquireResponse]:
+    ns, r = reserve(svc, [key])
+    grant = svc.grants.resolve_write(r.lease_id, r.data_token, 0, PAGE)
+    assert not grant.vouched
+    grant.view[:] = b"\x07" * PAGE
+    svc.grants.finish_transfer(grant)
+    svc.commit(pb.CommitRequest(lease_id=r.lease_id), None)
+    return ns, svc.acquire(pb.AcquireRequest(namespace_id=ns, keys=[key]), None)
+
+
+def test_reads_are_vouched_until_the_memory_is_exposed_and_exposing_waits_for_those_in_flight(service):
+    _, acquired = committed_page(service, b"v0")
+    first = service.grants.resolve_read(acquired.lease_id, acquired.data_token, 0, PAGE)
+    assert first.vouched
+    assert not service.store.expose("", wait_s=0.05)       # the vouched read is still being sent
+    second = service.grants.resolve_read(acquired.lease_id, acquired.data_token, 0, PAGE)
+    assert not second.vouched                              # exposed from the first call on, for good
+    exposed = []
+    waiting = threading.Thread(target=lambda: exposed.append(service.store.expose("", wait_s=30)))
+    waiting.start()
+    service.grants.finish_transfer(second)
+    waiting.join(0.2)
+    assert waiting.is_alive() and not exposed              # an unvouched read ending frees nothing
+    service.grants.finish_transfer(first)
+    waiting.join(10)
+    assert exposed == [True]
+    assert service.store.expose("", wait_s=0)              # nothing in flight: at once
+
+
+def test_no_read_is_vouched_where_rdma_peers_can_write_the_arena(clock):
+    svc = make_service(["dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "rdma.enabled=true"], clock)
+    try:
+        _, acquired = committed_page(svc, b"r0")
+        read = svc.grants.resolve_read(acquired.lease_id, acquired.data_token, 0, PAGE)
+        assert not read.vouched
+        svc.grants.finish_transfer(read)
+    finally:
+        svc.store.arena.close()

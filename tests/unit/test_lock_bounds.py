@@ -73,6 +73,7 @@ def timed(store) -> TimedLock:
     store._lock = lock
     store._committed = threading.Condition(lock)
     store._settled = threading.Condition(lock)
+    store._unvouched = threading.Condition(lock)
     return lock
 
 

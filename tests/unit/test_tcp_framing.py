@@ -84,9 +84,10 @@ def test_unreadable_headers_are_frame_errors(header, why):
 
 
 def test_responses_round_trip_and_tokens_have_128_bits():
-    assert tf.decode_response(tf.encode_response(0, Op.GET, 4096)) == (0, Op.GET, 4096)
+    assert tf.decode_response(tf.encode_response(0, Op.GET, 4096)) == (0, Op.GET, 4096, 0)
+    assert tf.decode_response(tf.encode_response(0, Op.GET, 4096, tf.VOUCHED)).flags == tf.VOUCHED
     error = tf.encode_error(Op.PUT, 30, "no" * 1000)
-    status, op, length = tf.decode_response(error[:tf.RESPONSE.size])
+    status, op, length, _ = tf.decode_response(error[:tf.RESPONSE.size])
     assert (status, op) == (30, Op.PUT) and length == tf.ERROR_TEXT_BYTES_MAX == len(error) - tf.RESPONSE.size
     assert tf.decode_response(tf.encode_error(0, 11, "closing")[:tf.RESPONSE.size])[0] == 11  # op 0: the stream is unreadable
     with pytest.raises(FrameError):

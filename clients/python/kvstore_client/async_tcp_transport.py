@@ -5,7 +5,8 @@ when the node handed one out, then PUT frames (header, then the page's segments)
 frames answered in order. One batch of frames at a time holds the connection (an
 asyncio.Lock), so answers cannot interleave between tasks. Page bytes are copied out of a
 GET's answer into the caller's segments as they arrive (asyncio streams have no
-receive-into), and written from the caller's buffers with no copy of their own.
+receive-into) and hashed after (unless the node vouched for them: tcp_framing.VOUCHED), and
+written from the caller's buffers with no copy of their own.
 
 A batch cut short (its task cancelled by a deadline, the node gone, an unreadable answer)
 leaves the stream out of step: the path is then broken for good and reads as not alive,
@@ -19,12 +20,12 @@ import ctypes
 import socket
 import ssl
 
-from kvstore_client import errors
+from kvstore_client import checksums, errors
 from kvstore_client.buffers import Segment
-from kvstore_client.data_path import Page, landed_checksums
+from kvstore_client.data_path import Page
 from kvstore_client.tcp_transport import SHAPE
-from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
-                                        encode_request)
+from kvstore_client.tcp_framing import (RESPONSE, VOUCHED, FrameError, Op, check_answer, decode_response,
+                                        encode_hello, encode_request)
 
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers, as tcp_transport.py
 
@@ -71,12 +72,14 @@ class AsyncTcpDataPath:
             self._check()
             await self._io(self._put(lease_id, token, pages, page_bytes))
 
-    async def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
-        """Read each page of a read lease into the caller's segments; returns each page's xxh3 as it landed."""
+    async def get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int | None]:
+        """Read each page of a read lease into the caller's segments; returns each page's xxh3 as it landed, or
+        None where the node vouched for its bytes (tcp_framing.VOUCHED)."""
+        vouched: list[bool] = []
         async with self._lock:
             self._check()
-            await self._io(self._get(lease_id, token, pages, page_bytes))
-        return landed_checksums(pages)
+            await self._io(self._get(lease_id, token, pages, page_bytes, vouched))
+        return [None if sure else checksums.of_page(segments) for sure, (_, _, segments) in zip(vouched, pages)]
 
     def alive(self) -> bool:
         return self._broken is None and not self._reader.at_eof()
@@ -93,12 +96,13 @@ class AsyncTcpDataPath:
             await self._writer.drain()   # bounded: at most one page queued beyond the transport's limit
         first_error = None
         for _ in pages:
-            error = await self._answer(Op.PUT, None)
+            error, _ = await self._answer(Op.PUT, None)
             first_error = first_error or error
         if first_error is not None:
             raise first_error
 
-    async def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
+    async def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int, vouched: list[bool]) -> None:
+        """Read the pages, noting for each whether the node vouched for it."""
         requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
         sent = min(len(requests), GET_WINDOW_FRAMES)
         self._writer.write(b"".join(requests[:sent]))
@@ -109,14 +113,15 @@ class AsyncTcpDataPath:
                 self._writer.write(b"".join(requests[sent:more]))
                 sent = more
             await self._writer.drain()
-            error = await self._answer(Op.GET, segments)
+            error, sure = await self._answer(Op.GET, segments)
+            vouched.append(sure)
             first_error = first_error or error
         if first_error is not None:
             raise first_error
 
     async def _hello(self, ticket: bytes) -> None:
         self._writer.write(encode_hello(ticket))
-        refusal = await self._answer(Op.HELLO, None)
+        refusal, _ = await self._answer(Op.HELLO, None)
         if refusal is not None:
             raise refusal
 
@@ -149,12 +154,13 @@ class AsyncTcpDataPath:
             # may free once the call has failed
             self._writer.transport.abort()
 
-    async def _answer(self, op: Op, segments: list[Segment] | None) -> errors.KVStoreError | None:
-        """Read one answer; a GET's page goes into `segments`. Returns the refusal, if any."""
-        status, answered_op, length = decode_response(await self._reader.readexactly(RESPONSE.size))
+    async def _answer(self, op: Op, segments: list[Segment] | None) -> tuple[errors.KVStoreError | None, bool]:
+        """Read one answer; a GET's page goes into `segments`. Returns (the refusal if any, whether the node
+        vouched for the page)."""
+        status, answered_op, length, flags = decode_response(await self._reader.readexactly(RESPONSE.size))
         if status:
             text = await self._reader.readexactly(length)
-            return errors.error_from_code(status, text.decode(errors="replace"))
+            return errors.error_from_code(status, text.decode(errors="replace")), False
         check_answer(op, answered_op, length, None if segments is None else sum(n for _, n in segments))
         for segment in segments or ():
             view, got = _view(segment), 0
@@ -164,4 +170,4 @@ class AsyncTcpDataPath:
                     raise asyncio.IncompleteReadError(b"", len(view) - got)
                 view[got:got + len(chunk)] = chunk
                 got += len(chunk)
-        return None
+        return None, bool(flags & VOUCHED)

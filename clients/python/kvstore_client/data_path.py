@@ -123,11 +123,12 @@ class DataPath(Protocol):
         page's xxh3 where the path computed it from the bytes it copied (its Commit then says so and the
         node reads nothing back), else None."""
 
-    def get(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int] | None:
+    def get(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int | None] | None:
         """Read each pinned page into the caller's segments; raises Unavailable if the node is lost. Returns
         each page's xxh3 as it landed (shared memory hashes while it copies, TCP after the frames arrive),
         which the caller compares with the node's: a client of the tenant could have changed the slot
-        through its shared mapping, so every plane refuses a changed page. RDMA returns None (no NIC here to
+        through its shared mapping, so every plane refuses a changed page. TCP gives None for a page the
+        node vouched for: no other process could have written its slot (tcp_framing.VOUCHED). RDMA returns None (no NIC here to
         measure the cost of a pass over what the NIC wrote; verify=True checks it)."""
 
     def alive(self) -> bool:

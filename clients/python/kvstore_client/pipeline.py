@@ -341,14 +341,15 @@ def _leases_of(calls: list[tuple[float, Any]]) -> Steps[list[int]]:
     return leases
 
 
-def changed_pages(acquired: pb.AcquireResponse, landed: list[int] | None) -> list[int]:
-    """Indices of the pages whose copied bytes (hashed as they landed) differ from the node's checksums."""
+def changed_pages(acquired: pb.AcquireResponse, landed: list[int | None] | None) -> list[int]:
+    """Indices of the pages whose copied bytes (hashed as they landed) differ from the node's checksums; a page
+    landed as None was vouched for by the node (tcp_framing.VOUCHED) and not hashed."""
     if landed is None:
         return []
     want = list(acquired.checksums[:len(landed)])
-    if landed == want:   # the common case, compared without a loop in Python
+    if landed == want or landed.count(None) == len(landed):   # the common cases, without a loop in Python
         return []
-    return [i for i, (got, sum_) in enumerate(zip(landed, want)) if got != sum_]
+    return [i for i, (got, sum_) in enumerate(zip(landed, want)) if got is not None and got != sum_]
 
 
 def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[list[Segment]], verify: bool,

@@ -5,9 +5,13 @@ A client moves page bytes between its buffers and leased arena slots. The contro
 
     request  = u8 op | u8 version | u16 0 | u32 length | u64 lease_id | 16s token | u32 slot | u32 0
                followed, for PUT, by `length` page bytes
-    response = u8 status | u8 op | u16 0 | u32 length
+    response = u8 status | u8 op | u16 flags | u32 length
                followed by `length` page bytes (GET answered 0), or by a UTF-8 error text
                (status = an ErrorCode), or by nothing (PUT answered 0)
+
+A GET answer flagged VOUCHED carries a page of memory no other process has been able to write
+since its commit (kvstore/control/store_exposure.py): the node vouches that its bytes are those
+committed, and the reader need not hash them. A reader that ignores the flag hashes as before.
 
 On a node with authentication, a connection's first frame is a HELLO whose body is the
 data ticket of a gRPC Hello (the caller's identity, sealed by the node); no other frame is
@@ -47,8 +51,18 @@ class Op(enum.IntEnum):
     HELLO = 3  # client -> node: the data ticket, the connection's first frame (answered 0 or an error)
 
 
+VOUCHED = 1     # response flag: see the module doc
+
+
 class FrameError(ValueError):
     """The stream cannot be read as frames; the connection must be closed."""
+
+
+class Response(NamedTuple):
+    status: int
+    op: int
+    length: int
+    flags: int
 
 
 class Request(NamedTuple):
@@ -84,8 +98,8 @@ def decode_request(header: bytes | bytearray | memoryview, body_bytes_max: int) 
     return Request(Op(op), length, lease_id, token, slot)
 
 
-def encode_response(status: int, op: int, length: int) -> bytes:
-    return RESPONSE.pack(status, op, 0, length)
+def encode_response(status: int, op: int, length: int, flags: int = 0) -> bytes:
+    return RESPONSE.pack(status, op, flags, length)
 
 
 def encode_error(op: int, code: int, text: str) -> bytes:
@@ -93,12 +107,11 @@ def encode_error(op: int, code: int, text: str) -> bytes:
     return RESPONSE.pack(code, op, 0, len(raw)) + raw
 
 
-def decode_response(header: bytes | bytearray | memoryview) -> tuple[int, int, int]:
-    """(status, op, length) of a response header."""
-    status, op, _, length = RESPONSE.unpack(header)
+def decode_response(header: bytes | bytearray | memoryview) -> Response:
+    status, op, flags, length = RESPONSE.unpack(header)
     if op not in (Op.PUT, Op.GET, Op.HELLO) and not status:  # op 0: the error that closes an unreadable stream
         raise FrameError(f"response for unknown op {op}")
-    return status, op, length
+    return Response(status, op, length, flags)
 
 
 def check_answer(op: Op, answered_op: int, length: int, page_bytes: int | None) -> None:

@@ -27,8 +27,8 @@ from kvstore_client.buffers import Segment
 from kvstore_client.channel import call_deadline_at, peer_open
 from kvstore_client.data_path import Page, PipelineShape
 from kvstore_client.landing import new_landing
-from kvstore_client.tcp_framing import (RESPONSE, FrameError, Op, check_answer, decode_response, encode_hello,
-                                        encode_request)
+from kvstore_client.tcp_framing import (RESPONSE, VOUCHED, FrameError, Op, check_answer, decode_response,
+                                        encode_hello, encode_request)
 
 IOV_MAX = 1024              # entries in one sendmsg (Linux UIO_MAXIOV)
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers
@@ -160,15 +160,15 @@ class TcpDataPath:
         self._io(lambda: sendmsg_all(self._sock, iov))
         first_error = None
         for _ in pages:
-            error = self._io(lambda: self._answer(Op.PUT, None))
+            error, _ = self._io(lambda: self._answer(Op.PUT, None))
             first_error = first_error or error
         if first_error is not None:
             raise first_error
 
-    def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int]:
+    def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int | None]:
         """The pages read, and each one's xxh3, taken as each piece lands (landing.py: hashing a 1-4 MiB page
         after its last byte read it back from memory, and hashing the whole batch afterwards held 1 MiB gets to
-        0.8 of a raw socket's pace)."""
+        0.8 of a raw socket's pace); None for a page the node vouched for, read straight into place unhashed."""
         self._check()
         landed = []
         requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
@@ -181,16 +181,16 @@ class TcpDataPath:
                 self._io(lambda: self._sock.sendall(b"".join(requests[sent:more])))
                 sent = more
             self._landing.reset()
-            error = self._io(lambda: self._answer(Op.GET, segments, self._landing))
+            error, vouched = self._io(lambda: self._answer(Op.GET, segments, self._landing))
             first_error = first_error or error
-            landed.append(0 if error else self._landing.intdigest())
+            landed.append(0 if error else None if vouched else self._landing.intdigest())
         if first_error is not None:
             raise first_error
         return landed
 
     def _hello(self, ticket: bytes) -> None:
         self._io(lambda: self._sock.sendall(encode_hello(ticket)))
-        refusal = self._io(lambda: self._answer(Op.HELLO, None))
+        refusal, _ = self._io(lambda: self._answer(Op.HELLO, None))
         if refusal is not None:
             self._sock.close()
             raise refusal
@@ -223,19 +223,21 @@ class TcpDataPath:
             self._broken = error
             self._sock.close()
 
-    def _answer(self, op: Op, segments: list[Segment] | None, landing: Any = None) -> errors.KVStoreError | None:
-        """Read one answer; a GET's page goes into `segments` through `landing`, which hashes it. Returns the
-        refusal, if any."""
+    def _answer(self, op: Op, segments: list[Segment] | None,
+                landing: Any = None) -> tuple[errors.KVStoreError | None, bool]:
+        """Read one answer; a GET's page goes into `segments` through `landing`, which hashes it, or straight in
+        where the node vouched for its bytes. Returns (the refusal if any, whether the page was vouched for)."""
         self._recv_into(memoryview(self._header))
-        status, answered_op, length = decode_response(self._header)
+        status, answered_op, length, flags = decode_response(self._header)
         if status:
             text = bytearray(length)
             self._recv_into(memoryview(text))
-            return errors.error_from_code(status, text.decode(errors="replace"))
+            return errors.error_from_code(status, text.decode(errors="replace")), False
         check_answer(op, answered_op, length, None if segments is None else sum(n for _, n in segments))
+        vouched = bool(flags & VOUCHED)
         for segment in segments or ():
-            self._recv_into(_view(segment), landing)
-        return None
+            self._recv_into(_view(segment), None if vouched else landing)
+        return None, vouched
 
     def _recv_into(self, view: memoryview, landing: Any = None) -> None:
         """Fill `view` from the socket; with a landing, each read goes where it says and is hashed by it."""
