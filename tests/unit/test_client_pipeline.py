@@ -68,3 +68,5 @@ def test_pages_whose_copy_hashes_differ_from_their_commit_are_named_by_index():
     assert changed_pages(acquired, None) == []                  # nothing hashed as it landed (another data path)
     assert changed_pages(acquired, [11, 12, 13, 14]) == []
     assert changed_pages(acquired, [11, 99, 13, 98]) == [1, 3]
+    assert changed_pages(acquired, [None] * 4) == []            # each vouched for by the node (tcp_framing.VOUCHED)
+    assert changed_pages(acquired, [None, 99, 13, None]) == [1]
