@@ -128,8 +128,8 @@ class DataPath(Protocol):
         each page's xxh3 as it landed (shared memory hashes while it copies, TCP after the frames arrive),
         which the caller compares with the node's: a client of the tenant could have changed the slot
         through its shared mapping, so every plane refuses a changed page. TCP gives None for a page the
-        node vouched for: no other process could have written its slot (tcp_framing.VOUCHED). RDMA returns None (no NIC here to
-        measure the cost of a pass over what the NIC wrote; verify=True checks it)."""
+        node vouched for: no other process could have written its slot (tcp_framing.VOUCHED). RDMA returns
+        None (no NIC here to measure the cost of a pass over what the NIC wrote; verify=True checks it)."""
 
     def alive(self) -> bool:
         """False once the path is known broken or its node gone (a cheap check, no round trip)."""
