@@ -18,6 +18,7 @@
 uint64_t copy_hash_avx2(uint8_t *dst, const segment_t *segments, size_t count, int streaming);
 uint64_t copy_out_hash_avx2(const uint8_t *src, const segment_t *segments, size_t count, int streaming);
 void copy_hash_update_avx2(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes, int streaming);
+void copy_streamed_avx2(uint8_t *dst, const uint8_t *src, size_t nbytes);
 
 int cpu_avx2(void) {
     static int known = -1;
@@ -41,6 +42,13 @@ void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, siz
         copy_hash_update_avx2(state, dst, src, nbytes, 1);
     else
         copy_hash_update_sse2(state, dst, src, nbytes, 0);
+}
+
+void copy_streamed(uint8_t *dst, const uint8_t *src, size_t nbytes) {
+    if (cpu_avx2())
+        copy_streamed_avx2(dst, src, nbytes);
+    else
+        memcpy(dst, src, nbytes);
 }
 
 uint64_t copy_hash_digest(const xxh3_state_t *state) {

@@ -21,6 +21,9 @@ uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t cou
 void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes);
 uint64_t copy_hash_digest(const xxh3_state_t *state);
 
+/* Copy nbytes from src to dst with copy_hash_update's streamed stores (memcpy without AVX2), and no hash. */
+void copy_streamed(uint8_t *dst, const uint8_t *src, size_t nbytes);
+
 /* XXH3_64bits of [data, data + nbytes). */
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes);
 

@@ -7,3 +7,9 @@
 #define HASH_DIGEST xxh3_digest_avx2
 #define COPY_AND_HASH xxh3_update_copy_avx2
 #include "copy_hash_body.h"
+
+/* copy_streamed where the CPU has AVX2: copy_hash's streamed stores, fenced so they are visible on return. */
+void copy_streamed_avx2(uint8_t *dst, const uint8_t *src, size_t nbytes) {
+    copy_stream(dst, src, nbytes);
+    _mm_sfence();
+}

@@ -49,17 +49,21 @@ static int claim(CopyHasher *self) {
     return 0;
 }
 
-static PyObject *ch_copy(CopyHasher *self, PyObject *args) {
+/* copy(dst, src), hashed or not: the same streamed stores either way. */
+static PyObject *copy_into(CopyHasher *self, PyObject *args, const char *format, int hashed) {
     Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src))
+    if (!PyArg_ParseTuple(args, format, &dst, &src))
         return NULL;
     PyObject *result = NULL;   /* "w*" and "y*" take contiguous buffers only */
     if (dst.len < src.len) {
-        PyErr_Format(PyExc_ValueError, "copy() of %zd bytes into a buffer of %zd", src.len, dst.len);
+        PyErr_Format(PyExc_ValueError, "a copy of %zd bytes into a buffer of %zd", src.len, dst.len);
     } else if (claim(self) == 0) {
         self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
-        copy_hash_update(self->state, dst.buf, src.buf, (size_t)src.len);
+        if (hashed)
+            copy_hash_update(self->state, dst.buf, src.buf, (size_t)src.len);
+        else
+            copy_streamed(dst.buf, src.buf, (size_t)src.len);
         Py_END_ALLOW_THREADS
         self->busy = 0;
         result = Py_NewRef(Py_None);
@@ -67,6 +71,14 @@ static PyObject *ch_copy(CopyHasher *self, PyObject *args) {
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
+}
+
+static PyObject *ch_copy(CopyHasher *self, PyObject *args) {
+    return copy_into(self, args, "w*y*:copy", 1);
+}
+
+static PyObject *ch_copy_unhashed(CopyHasher *self, PyObject *args) {
+    return copy_into(self, args, "w*y*:copy_unhashed", 0);
 }
 
 static PyObject *ch_intdigest(CopyHasher *self, PyObject *unused) {
@@ -85,6 +97,8 @@ static PyObject *ch_reset(CopyHasher *self, PyObject *unused) {
 static PyMethodDef ch_methods[] = {
     {"copy", (PyCFunction)ch_copy, METH_VARARGS,
      "copy(dst, src) -> None: copy src into the start of dst (a writable buffer) and feed its bytes to the stream"},
+    {"copy_unhashed", (PyCFunction)ch_copy_unhashed, METH_VARARGS,
+     "copy_unhashed(dst, src) -> None: copy() without feeding the stream (bytes no one needs hashed)"},
     {"intdigest", (PyCFunction)ch_intdigest, METH_NOARGS, "intdigest() -> int: XXH3_64bits of every byte copied"},
     {"reset", (PyCFunction)ch_reset, METH_NOARGS, "reset() -> None: start a new stream"},
     {NULL, NULL, 0, NULL},

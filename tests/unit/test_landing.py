@@ -41,6 +41,20 @@ def test_every_landing_puts_the_bytes_in_place_and_hashes_them(nbytes):
             assert where.intdigest() == xxhash.xxh3_64_intdigest(data), type(where).__name__
 
 
+def test_a_page_landed_unhashed_is_in_place_and_the_next_one_is_hashed_again():
+    rng = np.random.default_rng(7)
+    vouched, hashed = rng.bytes((1 << 20) + 5), rng.bytes(70_000)
+    for where in _landings():
+        dst = bytearray(len(vouched))
+        where.reset(hashed=False)
+        _receive(where, memoryview(dst), vouched, rng)
+        assert bytes(dst) == vouched and where.intdigest() == xxhash.xxh3_64_intdigest(b""), type(where).__name__
+        dst = bytearray(len(hashed))
+        where.reset()
+        _receive(where, memoryview(dst), hashed, rng)
+        assert bytes(dst) == hashed and where.intdigest() == xxhash.xxh3_64_intdigest(hashed), type(where).__name__
+
+
 def test_reads_are_bounded_by_the_landing_not_the_page():
     direct = landing.DirectLanding()
     assert len(direct.place(memoryview(bytearray(landing.DIRECT_PIECE_BYTES + 1)))) == landing.DIRECT_PIECE_BYTES

@@ -257,12 +257,20 @@ def test_copy_hasher_streams_equal_xxh3_and_land_every_byte(source, seed):
         assert ctypes.string_at(address, nbytes) == data.tobytes()
         hasher.reset()
         assert hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")
+        ctypes.memset(address, 0, nbytes)
+        for a, b in zip(bounds, bounds[1:]):       # the same cuts unhashed: every byte lands, nothing is fed
+            hasher.copy_unhashed(dst[a:], data[a:b])
+        assert ctypes.string_at(address, nbytes) == data.tobytes()
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")
 
 
 def test_copy_hasher_refuses_what_it_cannot_copy():
     hasher = kvstore_native.CopyHasher()
-    with pytest.raises(ValueError, match="into a buffer of 3"):
-        hasher.copy(bytearray(3), b"four")
+    for copy in (hasher.copy, hasher.copy_unhashed):
+        with pytest.raises(ValueError, match="into a buffer of 3"):
+            copy(bytearray(3), b"four")
+        with pytest.raises(TypeError):
+            copy(b"read-only", b"x")
     with pytest.raises(TypeError):
         hasher.copy(b"read-only", b"x")            # the destination must be writable
     with pytest.raises(TypeError):

@@ -1,8 +1,10 @@
 """Where a page's bytes land as they are read from a socket, and their xxh3 on the way.
 
 Both ends of the TCP data plane receive a page a read at a time (the node a PUT's body, the
-client a GET's answer) and hash it as it comes. The reader asks `place(dst)` where the next
-bytes bound for `dst` go, reads into it, and says `landed(dst, n)`:
+client a GET's answer) and hash it as it comes. The reader starts each page with `reset()`,
+asks `place(dst)` where the next bytes bound for `dst` go, reads into it, and says
+`landed(dst, n)`. A page whose bytes need no hash (a GET answer the node vouched for:
+tcp_framing.VOUCHED) starts with `reset(hashed=False)` and lands the same way, unhashed:
 
 - CopiedLanding (kvstore_native): each read lands in a private buffer small enough to stay in
   the CPU's cache, and one native pass (CopyHasher) copies it into place with streamed stores
@@ -10,7 +12,8 @@ bytes bound for `dst` go, reads into it, and says `landed(dst, n)`:
   straight into a cold page made it fetch every destination line before writing it, and the
   hash reads the buffer, not the page. What is hashed is what was written, whatever else may
   write the destination. Loopback against a raw socket, one core: puts 0.68 -> 0.73, gets
-  0.71 -> 0.79 (native/README.md).
+  0.71 -> 0.79 (native/README.md). An unhashed page is copied out with the same streamed
+  stores (CopyHasher.copy_unhashed): a read straight into a cold page is slower than both.
 - DirectLanding (without kvstore_native's CopyHasher): reads go straight into place,
   DIRECT_PIECE_BYTES at most, each piece hashed by xxhash right after it lands.
 """
@@ -43,9 +46,12 @@ class _Landing:
 
     def __init__(self, hasher) -> None:
         self._hasher = hasher
+        self._hashed = True
 
-    def reset(self) -> None:
+    def reset(self, hashed: bool = True) -> None:
+        """Start a page; `hashed` False: its bytes land unhashed (intdigest is then that of no bytes)."""
         self._hasher.reset()
+        self._hashed = hashed
 
     def intdigest(self) -> int:
         return self._hasher.intdigest()
@@ -60,7 +66,10 @@ class CopiedLanding(_Landing):
         return self._buffer[:min(len(dst), LANDING_BYTES)]
 
     def landed(self, dst: memoryview, nbytes: int) -> None:
-        self._hasher.copy(dst, self._buffer[:nbytes])
+        if self._hashed:
+            self._hasher.copy(dst, self._buffer[:nbytes])
+        else:
+            self._hasher.copy_unhashed(dst, self._buffer[:nbytes])
 
 
 class DirectLanding(_Landing):
@@ -71,7 +80,8 @@ class DirectLanding(_Landing):
         return dst[:DIRECT_PIECE_BYTES]
 
     def landed(self, dst: memoryview, nbytes: int) -> None:
-        self._hasher.update(dst[:nbytes])
+        if self._hashed:
+            self._hasher.update(dst[:nbytes])
 
 
 def new_landing(buffer: memoryview | None = None) -> CopiedLanding | DirectLanding:

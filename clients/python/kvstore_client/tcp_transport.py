@@ -168,7 +168,7 @@ class TcpDataPath:
     def _get(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> list[int | None]:
         """The pages read, and each one's xxh3, taken as each piece lands (landing.py: hashing a 1-4 MiB page
         after its last byte read it back from memory, and hashing the whole batch afterwards held 1 MiB gets to
-        0.8 of a raw socket's pace); None for a page the node vouched for, read straight into place unhashed."""
+        0.8 of a raw socket's pace); None for a page the node vouched for, landed unhashed."""
         self._check()
         landed = []
         requests = [encode_request(Op.GET, lease_id, token, slot, page_bytes) for slot, _, _ in pages]
@@ -180,7 +180,6 @@ class TcpDataPath:
                 more = min(len(requests), sent + GET_WINDOW_FRAMES // 2)
                 self._io(lambda: self._sock.sendall(b"".join(requests[sent:more])))
                 sent = more
-            self._landing.reset()
             error, vouched = self._io(lambda: self._answer(Op.GET, segments, self._landing))
             first_error = first_error or error
             landed.append(0 if error else None if vouched else self._landing.intdigest())
@@ -225,8 +224,8 @@ class TcpDataPath:
 
     def _answer(self, op: Op, segments: list[Segment] | None,
                 landing: Any = None) -> tuple[errors.KVStoreError | None, bool]:
-        """Read one answer; a GET's page goes into `segments` through `landing`, which hashes it, or straight in
-        where the node vouched for its bytes. Returns (the refusal if any, whether the page was vouched for)."""
+        """Read one answer; a GET's page goes into `segments` through `landing`, which hashes it unless the node
+        vouched for its bytes. Returns (the refusal if any, whether the page was vouched for)."""
         self._recv_into(memoryview(self._header))
         status, answered_op, length, flags = decode_response(self._header)
         if status:
@@ -235,8 +234,10 @@ class TcpDataPath:
             return errors.error_from_code(status, text.decode(errors="replace")), False
         check_answer(op, answered_op, length, None if segments is None else sum(n for _, n in segments))
         vouched = bool(flags & VOUCHED)
+        if landing is not None:
+            landing.reset(hashed=not vouched)
         for segment in segments or ():
-            self._recv_into(_view(segment), None if vouched else landing)
+            self._recv_into(_view(segment), landing)
         return None, vouched
 
     def _recv_into(self, view: memoryview, landing: Any = None) -> None:
