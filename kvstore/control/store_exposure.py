@@ -5,8 +5,8 @@ client of the tenant with the arena mapped (shared memory) could have changed th
 its commit. Where no other process has ever been able to write the memory, only this node wrote
 the slot: its bytes are those committed (the node hashed them as they landed, or checked them
 against their checksum as they came back from NVMe), and a TCP reader need not hash them again.
-That read is *vouched* (tcp_framing.VOUCHED): on loopback, hashing the landed bytes cost a get a
-fifth of its pace against a raw socket.
+That read is *vouched* (tcp_framing.VOUCHED), and lands unhashed: on loopback with client and
+node on one core, 1 MiB gets went from 0.70 to 0.82 of a raw socket's pace.
 
 An arena key (one tenant's memfd, or the one memfd all tenants share) is *exposed* from just
 before its memfd first goes to a local client (local_server.py, MAP_ARENA) and for the rest of

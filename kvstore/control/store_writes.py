@@ -407,7 +407,7 @@ class WriteLeases:
 
     def begin_transfer(self, lease_id: int, token: bytes, kind: str, slot: int, nbytes: int) -> tuple[Lease, int, bool]:
         """Check a frame against its lease; (lease, slot offset, whether this node vouches for the bytes of a
-        read: store_memory.py), held until end_transfer."""
+        read: store_exposure.py), held until end_transfer."""
         with self._lock:
             lease = self.leases.get(lease_id)
             if lease is None or self.clock() > lease.deadline:

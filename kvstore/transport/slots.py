@@ -22,7 +22,7 @@ class Grant:
     deadline: float         # time.monotonic() when the lease expires; a transfer must end by then
     write: bool
     # a read of memory no other process has been able to write since the page was committed: the node
-    # vouches for its bytes, so the reader need not hash them (store_memory.py, "exposure")
+    # vouches for its bytes, so the reader need not hash them (kvstore/control/store_exposure.py)
     vouched: bool = False
 
 
