@@ -7,11 +7,17 @@
  * hashed is exactly what was written, whatever else may write the destination.
  *
  *   h = CopyHasher(); h.copy(dst, src); ...; h.intdigest() == xxh3_64 of every src given
+ *
+ * receive() runs a reader's whole loop for one page (recv into the buffer, copy out, until the page is
+ * full) without the GIL, where a Python loop took a pass of the interpreter for every read.
  */
 #define PY_SSIZE_T_CLEAN
 #include "copy_hasher.h"
 
+#include <errno.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <time.h>
 
 #include "copy_hash.h"
 
@@ -81,6 +87,78 @@ static PyObject *ch_copy_unhashed(CopyHasher *self, PyObject *args) {
     return copy_into(self, args, "w*y*:copy_unhashed", 0);
 }
 
+static double monotonic_s(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);   /* the clock of Python's time.monotonic() */
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+/* receive(fd, dst, buffer, hashed, deadline): fill dst from a blocking socket, each read landing in
+ * `buffer` and copied out (hashed or not), the whole page without the GIL. */
+static PyObject *ch_receive(CopyHasher *self, PyObject *args) {
+    int fd, hashed;
+    double deadline;
+    Py_buffer dst, buffer;
+    if (!PyArg_ParseTuple(args, "iw*w*pd:receive", &fd, &dst, &buffer, &hashed, &deadline))
+        return NULL;
+    PyObject *result = NULL;
+    size_t got = 0, total = (size_t)dst.len, room = (size_t)buffer.len;
+    if (room == 0) {
+        PyErr_SetString(PyExc_ValueError, "receive() needs a buffer of at least one byte");
+        goto done;
+    }
+    if (claim(self) < 0)
+        goto done;
+    self->busy = 1;
+    while (got < total) {
+        ssize_t n;
+        int error = 0, late = 0;
+        Py_BEGIN_ALLOW_THREADS
+        if (deadline > 0 && monotonic_s() > deadline) {
+            late = 1;   /* a trickle must not outlive the call */
+            n = -1;
+        } else {
+            n = recv(fd, buffer.buf, total - got < room ? total - got : room, 0);
+            if (n > 0) {
+                if (hashed)
+                    copy_hash_update(self->state, (uint8_t *)dst.buf + got, buffer.buf, (size_t)n);
+                else
+                    copy_streamed((uint8_t *)dst.buf + got, buffer.buf, (size_t)n);
+            } else if (n < 0) {
+                error = errno;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            got += (size_t)n;
+        } else if (late) {
+            PyObject *why = Py_BuildValue("(is)", EAGAIN, "the call's timeout_s ran out");
+            if (why) {
+                PyErr_SetObject(PyExc_TimeoutError, why);
+                Py_DECREF(why);
+            }
+            break;
+        } else if (n == 0) {
+            PyErr_SetString(PyExc_ConnectionResetError, "the server closed the TCP data plane connection");
+            break;
+        } else if (error == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                break;
+        } else {
+            errno = error;
+            PyErr_SetFromErrno(PyExc_OSError);
+            break;
+        }
+    }
+    self->busy = 0;
+    if (got == total)
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&buffer);
+    return result;
+}
+
 static PyObject *ch_intdigest(CopyHasher *self, PyObject *unused) {
     if (claim(self) < 0)
         return NULL;
@@ -99,6 +177,10 @@ static PyMethodDef ch_methods[] = {
      "copy(dst, src) -> None: copy src into the start of dst (a writable buffer) and feed its bytes to the stream"},
     {"copy_unhashed", (PyCFunction)ch_copy_unhashed, METH_VARARGS,
      "copy_unhashed(dst, src) -> None: copy() without feeding the stream (bytes no one needs hashed)"},
+    {"receive", (PyCFunction)ch_receive, METH_VARARGS,
+     "receive(fd, dst, buffer, hashed, deadline) -> None: fill dst from the blocking socket fd, each read landing "
+     "in buffer and copied into place (fed to the stream if hashed), without the GIL; past deadline "
+     "(time.monotonic(), 0: none) TimeoutError, on end of stream ConnectionResetError, else OSError"},
     {"intdigest", (PyCFunction)ch_intdigest, METH_NOARGS, "intdigest() -> int: XXH3_64bits of every byte copied"},
     {"reset", (PyCFunction)ch_reset, METH_NOARGS, "reset() -> None: start a new stream"},
     {NULL, NULL, 0, NULL},

@@ -1,7 +1,12 @@
 """kvstore_native agrees byte for byte with the pure-Python paths it replaces, on random inputs."""
 
 import ctypes
+import errno
 import hashlib
+import socket
+import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -278,6 +283,59 @@ def test_copy_hasher_refuses_what_it_cannot_copy():
     with pytest.raises(TypeError):
         kvstore_native.CopyHasher(1)
     assert hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")   # nothing was fed by the refused calls
+
+
+def _send_in_pieces(sock: socket.socket, data: bytes, rng: np.random.Generator) -> threading.Thread:
+    def send() -> None:
+        at = 0
+        while at < len(data):
+            n = int(rng.integers(1, 200_000))
+            sock.sendall(data[at:at + n])
+            at += n
+    sender = threading.Thread(target=send)
+    sender.start()
+    return sender
+
+
+def test_copy_hasher_receives_a_page_from_a_socket_hashed_or_not():
+    """receive() fills the page from reads of any length, each through the buffer, and feeds the stream only
+    when asked; a second page follows the first on the same stream of bytes."""
+    rng = np.random.default_rng(70)
+    hashed, unhashed = rng.bytes((3 << 20) + 5), rng.bytes(70_001)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        sender = _send_in_pieces(theirs, hashed + unhashed, rng)
+        hasher, buffer = kvstore_native.CopyHasher(), memoryview(bytearray(256 << 10))
+        first, second = bytearray(len(hashed)), bytearray(len(unhashed))
+        hasher.receive(ours.fileno(), first, buffer, True, 0.0)
+        assert bytes(first) == hashed and hasher.intdigest() == xxhash.xxh3_64_intdigest(hashed)
+        hasher.reset()
+        hasher.receive(ours.fileno(), second, buffer, False, time.monotonic() + 60)
+        assert bytes(second) == unhashed and hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")
+        sender.join()
+
+
+def test_copy_hasher_receive_stops_at_the_deadline_the_kernel_timeout_and_the_end_of_the_stream():
+    buffer = memoryview(bytearray(4096))
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        hasher = kvstore_native.CopyHasher()
+        with pytest.raises(TimeoutError) as late:                   # the call's deadline has passed
+            hasher.receive(ours.fileno(), bytearray(10), buffer, True, time.monotonic() - 1)
+        assert late.value.errno == errno.EAGAIN
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
+        theirs.sendall(b"abc")
+        with pytest.raises(OSError) as stalled:                     # three bytes, then nothing for 50 ms
+            hasher.receive(ours.fileno(), bytearray(10), buffer, True, 0.0)
+        assert stalled.value.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+        theirs.sendall(b"xy")
+        theirs.close()
+        with pytest.raises(ConnectionResetError):
+            hasher.receive(ours.fileno(), bytearray(10), buffer, True, 0.0)
+        with pytest.raises(ValueError, match="at least one byte"):
+            hasher.receive(ours.fileno(), bytearray(10), memoryview(bytearray(0)), True, 0.0)
+        with pytest.raises(TypeError):
+            hasher.receive(ours.fileno(), b"read-only", buffer, True, 0.0)
 
 
 def test_prefix_hashes_equal_hashlibs_sha256_chain():

@@ -34,5 +34,5 @@ prefix_hashes_packed = getattr(module, "prefix_hashes_packed", None)
 key_hashes = getattr(module, "key_hashes", None)
 token_ids_u32 = getattr(module, "token_ids_u32", None)
 CopyHasher = getattr(module, "CopyHasher", None)
-if not hasattr(CopyHasher, "copy_unhashed"):   # a build from before copy_unhashed: the landings go direct
+if not hasattr(CopyHasher, "receive"):   # a build from before receive and copy_unhashed: the landings go direct
     CopyHasher = None

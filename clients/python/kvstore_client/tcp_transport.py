@@ -97,6 +97,7 @@ class TcpDataPath:
         self._set_step_timeout(timeout_s)
         self._header = bytearray(RESPONSE.size)
         self._landing = new_landing()   # where GET answers land and are hashed (landing.py)
+        self._tls = isinstance(self._sock, ssl.SSLSocket)   # its bytes come through OpenSSL, not recv(2)
         self._broken: errors.KVStoreError | None = None
         self._lock = threading.Lock()   # one batch of frames at a time: answers come back in order
         if ticket:
@@ -241,7 +242,11 @@ class TcpDataPath:
         return None, vouched
 
     def _recv_into(self, view: memoryview, landing: Any = None) -> None:
-        """Fill `view` from the socket; with a landing, each read goes where it says and is hashed by it."""
+        """Fill `view` from the socket; with a landing, each read goes where it says and is hashed by it (the
+        whole loop in the landing's native code where it has one and the socket is plain TCP)."""
+        if landing is not None and landing.receives and not self._tls:
+            landing.receive(self._sock.fileno(), view, self._deadline)
+            return
         got, total, recv_into, deadline = 0, len(view), self._sock.recv_into, self._deadline
         while got < total:
             if deadline is not None and time.monotonic() > deadline:   # a trickle must not outlive the call
