@@ -666,6 +666,8 @@ class KVStoreCluster:
         member = next((m for m in self._view.members() if m.node_id == node_id), None)
         if member is None:
             raise errors.Unavailable(f"node {node_id} left the cluster")
+        if not member.grpc_address:   # joining: a call that asks every member counts it as a miss
+            raise errors.Unavailable(f"node {node_id} is joining and has not published its address yet")
         with self._lock:
             if self._closed:
                 raise errors.InvalidArgument("this KVStoreCluster is closed: open a new one")
