@@ -55,7 +55,14 @@ static int claim(CopyHasher *self) {
     return 0;
 }
 
-/* copy(dst, src), hashed or not: the same streamed stores either way. */
+/* n bytes from src into dst, fed to the stream or not: the same streamed stores either way. Without the GIL. */
+static void land(CopyHasher *self, uint8_t *dst, const uint8_t *src, size_t n, int hashed) {
+    if (hashed)
+        copy_hash_update(self->state, dst, src, n);
+    else
+        copy_streamed(dst, src, n);
+}
+
 static PyObject *copy_into(CopyHasher *self, PyObject *args, const char *format, int hashed) {
     Py_buffer dst, src;
     if (!PyArg_ParseTuple(args, format, &dst, &src))
@@ -66,10 +73,7 @@ static PyObject *copy_into(CopyHasher *self, PyObject *args, const char *format,
     } else if (claim(self) == 0) {
         self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
-        if (hashed)
-            copy_hash_update(self->state, dst.buf, src.buf, (size_t)src.len);
-        else
-            copy_streamed(dst.buf, src.buf, (size_t)src.len);
+        land(self, dst.buf, src.buf, (size_t)src.len, hashed);
         Py_END_ALLOW_THREADS
         self->busy = 0;
         result = Py_NewRef(Py_None);
@@ -119,14 +123,10 @@ static PyObject *ch_receive(CopyHasher *self, PyObject *args) {
             n = -1;
         } else {
             n = recv(fd, buffer.buf, total - got < room ? total - got : room, 0);
-            if (n > 0) {
-                if (hashed)
-                    copy_hash_update(self->state, (uint8_t *)dst.buf + got, buffer.buf, (size_t)n);
-                else
-                    copy_streamed((uint8_t *)dst.buf + got, buffer.buf, (size_t)n);
-            } else if (n < 0) {
+            if (n > 0)
+                land(self, (uint8_t *)dst.buf + got, buffer.buf, (size_t)n, hashed);
+            else if (n < 0)
                 error = errno;
-            }
         }
         Py_END_ALLOW_THREADS
         if (n > 0) {

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Protocol, Sequence, Union
 
-from kvstore_client import checksums
 from kvstore_client.buffers import Segment
 
 Page = tuple[int, int, Sequence[Segment]]   # (index in the lease, arena offset, segments of the caller's buffer)
@@ -106,11 +105,6 @@ class PipelineShape:
 # trip is small next to moving its run, and small enough that checksumming overlaps the wire.
 # (RDMA; TCP, whose node hashes pages as they land, has its own: tcp_transport.SHAPE.)
 NETWORK_SHAPE = PipelineShape(reserve_group_pages_min=1, reserve_group_bytes=64 << 20, commit_run_bytes=16 << 20)
-
-
-def landed_checksums(pages: Pages) -> list[int]:
-    """xxh3 of each page as it lies in the caller's segments, for a path that cannot hash as it copies."""
-    return [checksums.of_page(segments) for _, _, segments in pages]
 
 
 class DataPath(Protocol):
