@@ -215,14 +215,14 @@ class PageIndex:
                 places[i] = 1 if record.offset != NO_SLOT else 2
         return bytes(places)
 
-    def leading_offsets(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> list[int]:
-        """The DRAM offsets (NO_SLOT: on NVMe only) of leading(namespace_id, keys). With key_bytes,
-        `keys` is one buffer of keys that long, back to back (cut here by struct, in C)."""
+    def leading_places(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+        """Where each page of leading(namespace_id, keys) is, as places_each answers (1 in DRAM, 2 on NVMe
+        only). With key_bytes, `keys` is one buffer of keys that long, back to back (cut here by struct, in C)."""
         if key_bytes:
             if len(keys) % key_bytes:
                 raise ValueError(f"packed keys are {len(keys)} bytes, not a multiple of key_bytes={key_bytes}")
             keys = list(struct.unpack(f"{key_bytes}s" * (len(keys) // key_bytes), keys))
-        return [record.offset for record in self.leading(namespace_id, keys)]
+        return bytes(1 if record.offset != NO_SLOT else 2 for record in self.leading(namespace_id, keys))
 
     def roots(self, namespace_id: int) -> list[PageRecord]:
         """Pages of a namespace that have no parent (removing their subtrees empties it)."""

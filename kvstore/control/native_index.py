@@ -20,8 +20,8 @@ What differs, and why it does not matter to callers:
   indexes copies of them (the objects recovery built are dropped after start-up).
 
 `leading(ns, keys, key_bytes=n)` also takes the keys packed in one bytes-like, n bytes each, so a
-long lookup is one call without a bytes object per key; `leading_offsets` answers the DRAM offsets
-directly. `add_chain` adds a commit's pages, each the next one's parent, in one call, and makes no record
+long lookup is one call without a bytes object per key; `leading_places` answers where each page is,
+one byte a page, with no object per page. `add_chain` adds a commit's pages, each the next one's parent, in one call, and makes no record
 for them when asked not to; `positions_held` finds which of a Reserve's keys are held, in one call;
 `evict_dram_many` takes a run of DRAM victims and hands back their offsets and tenants, with no record
 or callback per victim.
@@ -44,8 +44,8 @@ except ImportError:  # pragma: no cover - where native/ is not built
     missing_reason = "kvstore_native is not installed"
 else:
     missing_reason = "" if _NativeIndex is not None else "kvstore_native has no PageIndex"
-if _NativeIndex is not None and not hasattr(_NativeIndex, "places_each"):   # pragma: no cover
-    missing_reason = "kvstore_native was built from older sources (its PageIndex has no places_each)"
+if _NativeIndex is not None and not hasattr(_NativeIndex, "leading_places"):   # pragma: no cover
+    missing_reason = "kvstore_native was built from older sources (its PageIndex has no leading_places)"
     _NativeIndex = None
 
 

@@ -51,8 +51,8 @@ from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
 
-_DRAM_BYTE, _HBM_BYTE = bytes([pb.DRAM]), bytes([pb.HBM])
-# index.places_each's bytes (0 not held, 1 DRAM, 2 NVMe only) as Tier values, 0 for not held.
+_HBM_BYTE = bytes([pb.HBM])
+# index.places_each's and leading_places' bytes (0 not held, 1 DRAM, 2 NVMe only) as Tier values, 0 for not held.
 _TIER_OF_PLACE = bytes([0, pb.DRAM, pb.NVME]) + bytes(253)
 
 
@@ -176,21 +176,17 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
     def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
         """The tier of each leading page held here (HBM, else DRAM when it is in both, else NVMe)."""
         with self._lock:
-            offsets = self.index.leading_offsets(ns_id, keys)
-            in_hbm = self._hbm_leading(ns_id, keys[:len(offsets)])
-        if NO_SLOT not in offsets and not in_hbm:   # the usual answer, without a per-page step
-            return [pb.DRAM] * len(offsets)
-        return [pb.HBM] * in_hbm + [pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets[in_hbm:]]
+            places = self.index.leading_places(ns_id, keys)
+            in_hbm = self._hbm_leading(ns_id, keys[:len(places)])
+        return [pb.HBM] * in_hbm + list(places[in_hbm:].translate(_TIER_OF_PLACE))
 
     def tiers_packed(self, ns_id: int, keys_packed: bytes, key_bytes: int) -> bytes:
         """tiers() of keys of one length back to back, as one byte (a Tier) per leading page held."""
         with self._lock:   # the C index reads the buffer whole: no object per key
-            offsets = self.index.leading_offsets(ns_id, keys_packed, key_bytes=key_bytes)
-            in_hbm = self._hbm_leading(ns_id, unpack_keys(keys_packed[:len(offsets) * key_bytes], key_bytes)) \
+            places = self.index.leading_places(ns_id, keys_packed, key_bytes=key_bytes)
+            in_hbm = self._hbm_leading(ns_id, unpack_keys(keys_packed[:len(places) * key_bytes], key_bytes)) \
                 if self._hbm_per_namespace[ns_id] else 0
-        if NO_SLOT not in offsets and not in_hbm:
-            return _DRAM_BYTE * len(offsets)
-        return _HBM_BYTE * in_hbm + bytes(pb.NVME if offset == NO_SLOT else pb.DRAM for offset in offsets[in_hbm:])
+        return _HBM_BYTE * in_hbm + places[in_hbm:].translate(_TIER_OF_PLACE)
 
     def tiers_each(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
         """One byte per key, each key on its own: 0 when its page is not held here, else the tier it is read

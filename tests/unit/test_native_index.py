@@ -210,7 +210,7 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         keys = [p[1] for p in alive if p[0] == ns][:3] + [random_key(rng, pool)]
         rng.shuffle(keys)
         assert ids(py.leading(ns, keys)) == ids(c.leading(ns, keys))
-        assert py.leading_offsets(ns, keys) == c.leading_offsets(ns, keys)
+        assert py.leading_places(ns, keys) == c.leading_places(ns, keys)
         assert py.positions_held(ns, keys) == c.positions_held(ns, keys)
 
 
@@ -268,14 +268,14 @@ def test_packed_keys_give_the_same_leading_pages():
         parent = index.add((7, key), parent, i * 4096, 4096, i)
     packed = b"".join(keys[:5]) + b"\0" * 32 + keys[5]
     assert index.leading(7, packed, key_bytes=32) == index.leading(7, keys[:5])
-    assert index.leading_offsets(7, packed, key_bytes=32) == [i * 4096 for i in range(5)]
+    assert index.leading_places(7, packed, key_bytes=32) == bytes([1] * 5)
     with pytest.raises(ValueError, match="multiple of key_bytes"):
         index.leading(7, packed[:-1], key_bytes=32)
     reference = PageIndex(lambda r: None, lambda r: None)
     reference.add_chain(7, keys, None, [i * 4096 for i in range(8)], 4096, list(range(8)))
-    assert reference.leading_offsets(7, packed, key_bytes=32) == index.leading_offsets(7, packed, key_bytes=32)
+    assert reference.leading_places(7, packed, key_bytes=32) == index.leading_places(7, packed, key_bytes=32)
     with pytest.raises(ValueError, match="multiple of key_bytes"):
-        reference.leading_offsets(7, packed[:-1], key_bytes=32)
+        reference.leading_places(7, packed[:-1], key_bytes=32)
 
 
 @pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
@@ -363,7 +363,31 @@ def test_keys_that_are_almost_lowercase_hex_stay_distinct_keys():
     for key in keys:
         py, c = pair.both((1, key))
         assert c.page_id == py.page_id == (1, key) and c.offset == py.offset
-    assert pair.c.leading_offsets(1, b"".join(keys), key_bytes=64) == [i * 4096 for i in range(len(keys))]
+    packed = b"".join(keys)
+    assert [r.offset for r in pair.c.leading(1, packed, key_bytes=64)] == [i * 4096 for i in range(len(keys))]
+    assert pair.c.leading_places(1, packed, key_bytes=64) == bytes([1] * len(keys))
+
+
+@needs_native
+def test_leading_pages_probed_in_blocks_stop_where_a_key_by_key_probe_stops():
+    """The C index hashes and fetches a block of keys before probing them: a miss, a page on NVMe and a key
+    that is not bytes must count where each is, whatever block they fall in, as in the Python index."""
+    pair = Pair()
+    keys = [f"chain-{i}".encode() for i in range(70)]
+    for index in (pair.py, pair.c):
+        index.add_chain(3, keys, None, [i * 4096 for i in range(70)], 4096, list(range(70)))
+        index.get((3, keys[33])).offset = NO_SLOT   # on NVMe only
+    for cut in (0, 1, 15, 16, 17, 40, 69):
+        asked = keys[:cut] + [b"absent"] + keys[cut + 1:]
+        for index in (pair.py, pair.c):
+            assert len(index.leading(3, asked)) == cut
+            assert index.leading_places(3, asked) == bytes(2 if i == 33 else 1 for i in range(cut))
+            assert len(index.leading(3, asked[:cut + 2] + [None])) == cut   # raises only once reached
+    places = pair.c.leading_places(3, keys)
+    assert places == pair.py.leading_places(3, keys) and places[33] == 2 and places.count(1) == 69
+    for at in (0, 5, 16, 31):
+        with pytest.raises(TypeError, match="keys are bytes"):
+            pair.c.leading(3, keys[:at] + [None])
 
 
 def test_the_node_takes_the_python_index_when_told_or_when_the_c_one_is_not_built():
