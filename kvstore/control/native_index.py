@@ -21,8 +21,8 @@ What differs, and why it does not matter to callers:
 
 `leading(ns, keys, key_bytes=n)` also takes the keys packed in one bytes-like, n bytes each, so a
 long lookup is one call without a bytes object per key; `leading_places` answers where each page is,
-one byte a page, with no object per page. `add_chain` adds a commit's pages, each the next one's parent, in one call, and makes no record
-for them when asked not to; `positions_held` finds which of a Reserve's keys are held, in one call;
+one byte a page, with no object per page. `add_chain` adds a commit's pages, each the next one's
+parent, in one call, and makes no record for them when asked not to; `positions_held` finds which of a Reserve's keys are held, in one call;
 `evict_dram_many` takes a run of DRAM victims and hands back their offsets and tenants, with no record
 or callback per victim.
 
