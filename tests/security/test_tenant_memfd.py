@@ -6,10 +6,12 @@ revoked."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import mmap
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,7 @@ from kvstore.control.identity import token_digest
 from kvstore_client import KVStoreClient, Namespace, errors
 from kvstore_client.channel import LocalChannel
 from kvstore_client.proto import pb
+from kvstore_client.tcp_framing import RESPONSE, VOUCHED, Op, decode_response, encode_hello, encode_request
 
 PAGE = 64 << 10
 SLAB = 256 << 10            # four pages a slab
@@ -92,12 +95,17 @@ def socket_dir():
 
 @pytest.fixture
 def two_tenants(start_server, tmp_path, socket_dir):
+    return start_two_tenants(start_server, tmp_path, socket_dir)
+
+
+def start_two_tenants(start_server, tmp_path, socket_dir, **settings: str):
+    """A node telling alice (uid 0) and bob (nobody) apart, two slabs of DRAM; `settings`: more of its settings."""
     if os.getuid() != 0:
         pytest.skip("runs bob's client as another uid, which needs root")   # the project's test machines are root
     tokens = Tokens(tmp_path)
     node = start_server({"auth.tokens_file": str(tokens.path), "auth.local_uids": f"0:alice,{NOBODY}:bob",
                          "dram.arena_bytes": str(2 * SLAB), "dram.slab_bytes": str(SLAB),
-                         "shm.socket_path": os.path.join(socket_dir, "kvstore.sock")})
+                         "shm.socket_path": os.path.join(socket_dir, "kvstore.sock"), **settings})
     return node, tokens
 
 
@@ -215,6 +223,58 @@ def test_tcp_reads_go_unhashed_only_while_no_other_process_has_mapped_the_tenant
         landed, committed = tcp_landed(alice, keys, out)
         assert landed == committed and np.array_equal(out, data)      # hashed as they landed, for good
         assert alice.get(NS, keys, out) == 2
+
+
+def recv_exactly(sock: socket.socket, nbytes: int) -> bytes:
+    data = b""
+    while len(data) < nbytes:
+        piece = sock.recv(nbytes - len(data))
+        if not piece:
+            raise ConnectionResetError("the node closed the connection")
+        data += piece
+    return data
+
+
+def map_arena_fd(path: str, token: str) -> int:
+    local = LocalChannel(path, 30.0, token)
+    try:
+        return local.map_arena_fd()
+    finally:
+        local.close()
+
+
+def test_a_tcp_reader_that_stopped_reading_holds_back_the_first_mapping_until_its_lease_runs_out(
+        start_server, tmp_path, socket_dir):
+    """Alice's TCP reads go unhashed while no process maps her memfd; a reader that asked for pages and stopped
+    reading holds vouched bytes in flight. Her memfd goes out only once no such read is left: the node cuts the
+    stalled connection at its read lease's end, and only then answers MAP_ARENA."""
+    node, tokens = start_two_tenants(start_server, tmp_path, socket_dir, **{"leases.read_ttl_ms": "2000"})
+    with KVStoreClient(node.address, token=tokens.alice, transport="tcp") as alice:
+        assert alice.put(NS, ["s0"], pages(1, seed=51)) == 1
+        hello = alice._conn.hello
+        acquired = alice._conn.control.call("Acquire", pb.AcquireRequest(
+            namespace_id=alice._namespace_id(NS), keys=[b"s0"]))
+        stalled = socket.create_connection(tuple(hello.tcp_endpoint.rsplit(":", 1)))
+        try:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            get = encode_request(Op.GET, acquired.lease_id, acquired.data_token, acquired.offsets[0], PAGE)
+            stalled.sendall(encode_hello(hello.data_ticket) + get * 512)   # 32 MiB of answers, read no further
+            stalled.settimeout(30)
+            assert decode_response(recv_exactly(stalled, RESPONSE.size)).op == Op.HELLO
+            assert decode_response(recv_exactly(stalled, RESPONSE.size)).flags & VOUCHED   # the node is answering
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                mapping = pool.submit(map_arena_fd, hello.shm_socket, tokens.alice)
+                with pytest.raises(concurrent.futures.TimeoutError):
+                    mapping.result(timeout=0.5)       # held back while the stalled reads are in flight
+                os.close(mapping.result(timeout=30))  # ... until the lease's end cut the stalled connection
+            with pytest.raises(ConnectionResetError):
+                while stalled.recv(1 << 20):           # what the node had sent, then the cut
+                    pass
+        finally:
+            stalled.close()
+        out = np.zeros((1, PAGE), dtype=np.uint8)
+        landed, committed = tcp_landed(alice, ["s0"], out)
+        assert landed == committed and np.array_equal(out, pages(1, seed=51))   # hashed from now on
 
 
 def test_the_default_tenant_gets_the_same_refusal(server):
