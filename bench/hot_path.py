@@ -12,9 +12,10 @@ core is busier than the other, run both placements. Each page size moves
 a working set of distinct pages (default 1 GiB, larger than every cache) from one page-aligned
 buffer into the store, then back into another; memmove copies the same pages between the same
 buffers. Each kvstore call is its own chain of `batch` pages (4 KiB: 1024, 64 KiB and 1 MiB: 128,
-4 MiB: 32); Mooncake gets the same batches. Medians of --repeats. The whole run happens in a
-private network namespace when Mooncake runs (its servers bind every interface); without
-mooncake-transfer-engine-non-cuda it says why and runs the rest.
+4 MiB: 32); Mooncake gets the same batches. Medians of --repeats, each repeat memmove, kvstore and
+Mooncake one after another, so each ratio's figures are taken within seconds of each other. The
+whole run happens in a private network namespace when Mooncake runs (its servers bind every
+interface); without mooncake-transfer-engine-non-cuda it says why and runs the rest.
 
 Lookups: one SDK call for 1k, 8k and 32k present pages (4 KiB, 16 tokens each: a 32k-page chain
 is a 512k-token prompt), by keys and by tokens (hashed in the SDK), median and min of
@@ -115,6 +116,9 @@ def mooncake_round(peer, src: int, dst: int, nbytes: int, page_bytes: int, run: 
 
 
 def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
+    """Each repeat of each page size runs memmove, kvstore and Mooncake back to back, so every ratio compares
+    figures taken within seconds of each other: on a shared host, a slow minute between a kvstore phase and
+    a Mooncake phase moved put/mc by a fifth either way."""
     working_set = args.working_set_mib << 20
     src, dst = page_aligned(working_set), page_aligned(working_set)
     src[:] = np.random.default_rng(0).integers(0, 255, working_set, dtype=np.uint8)
@@ -122,37 +126,33 @@ def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
     rows = {p: {"page_bytes": p, "pages": working_set // p, "batch_pages": BATCH_PAGES[p]} for p in page_sizes}
     server = ServerProcess(f"dram.arena_bytes={working_set + (256 << 20)}", "dram.slab_bytes=4MiB",
                            cpus=args.server_cpu)
+    peer = None
     try:
+        if not mooncake_reason:
+            peer = _mooncake_peer.MooncakePeer(segment_bytes=working_set + (working_set >> 1) + (256 << 20),
+                                               pool_bytes=2 * working_set + (64 << 20), cpus=args.server_cpu)
+            pool_src, pool_dst = peer.pool_buffer(working_set), peer.pool_buffer(working_set)
+            ctypes.memmove(pool_src, src.ctypes.data, working_set)   # the same pages, where Mooncake reads them
+            ctypes.memset(pool_dst, 1, working_set)
         with KVStoreClient(server.address) as client:
             for p in page_sizes:
-                memmove, put, get, put_pps, get_pps = [], [], [], [], []
+                figures: dict[str, list[float]] = {}
                 for run in range(args.repeats):
-                    memmove.append(memmove_gbps(src.ctypes.data, dst.ctypes.data, working_set, p))
-                    a, b, c, d = kvstore_round(client, src, dst, p, run)
-                    put.append(a), get.append(b), put_pps.append(c), get_pps.append(d)
-                rows[p].update(memmove_gbps=statistics.median(memmove), put_gbps=statistics.median(put),
-                               get_gbps=statistics.median(get), put_pages_per_s=statistics.median(put_pps),
-                               get_pages_per_s=statistics.median(get_pps))
+                    taken = {"memmove_gbps": memmove_gbps(src.ctypes.data, dst.ctypes.data, working_set, p)}
+                    taken.update(zip(("put_gbps", "get_gbps", "put_pages_per_s", "get_pages_per_s"),
+                                     kvstore_round(client, src, dst, p, run)))
+                    if peer is not None:
+                        put, get, put_failed, get_failed = mooncake_round(peer, pool_src, pool_dst, working_set, p, run)
+                        taken.update(mooncake_put_gbps=put, mooncake_get_gbps=get,
+                                     mooncake_failed_pages=put_failed + get_failed)
+                    for name, figure in taken.items():
+                        figures.setdefault(name, []).append(figure)
+                rows[p].update({name: sum(values) if name == "mooncake_failed_pages" else statistics.median(values)
+                                for name, values in figures.items()})
     finally:
         server.stop()
-    if mooncake_reason:
-        return list(rows.values())
-    peer = _mooncake_peer.MooncakePeer(segment_bytes=working_set + (working_set >> 1) + (256 << 20),
-                                       pool_bytes=2 * working_set + (64 << 20), cpus=args.server_cpu)
-    try:
-        pool_src, pool_dst = peer.pool_buffer(working_set), peer.pool_buffer(working_set)
-        ctypes.memmove(pool_src, src.ctypes.data, working_set)   # the same pages, where Mooncake reads them
-        ctypes.memset(pool_dst, 1, working_set)
-        for p in page_sizes:
-            put, get, failed = [], [], 0
-            for run in range(args.repeats):
-                a, b, put_failed, get_failed = mooncake_round(peer, pool_src, pool_dst, working_set, p, run)
-                put.append(a), get.append(b)
-                failed += put_failed + get_failed
-            rows[p].update(mooncake_put_gbps=statistics.median(put), mooncake_get_gbps=statistics.median(get),
-                           mooncake_failed_pages=failed)
-    finally:
-        peer.stop()
+        if peer is not None:
+            peer.stop()
     return list(rows.values())
 
 
