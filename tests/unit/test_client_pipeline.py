@@ -4,7 +4,7 @@ path cuts a put into Reserve groups and Commit runs."""
 from kvstore_client.data_path import NETWORK_SHAPE, PipelineShape
 from kvstore_client.pipeline import changed_pages, stored_pages
 from kvstore_client.proto import pb
-from kvstore_client.shm_transport import SHAPE as SHM_SHAPE
+from kvstore_client.shm_transport import HASHING_SHAPE, SHAPE as SHM_SHAPE
 
 R, P, F, M, N = pb.RESERVED, pb.PRESENT, pb.IN_FLIGHT, pb.PARENT_MISSING, pb.NO_SPACE
 C, X = pb.COMMITTED, pb.COMMIT_PARENT_MISSING
@@ -40,6 +40,12 @@ def test_shared_memory_groups_small_pages_and_commits_short_runs():
     assert (SHM_SHAPE.group_pages(4 << 10), SHM_SHAPE.run_pages(4 << 10)) == (512, 512)
     assert (SHM_SHAPE.group_pages(64 << 10), SHM_SHAPE.run_pages(64 << 10)) == (128, 32)
     assert (SHM_SHAPE.group_pages(4 << 20), SHM_SHAPE.run_pages(4 << 20)) == (32, 1)
+
+
+def test_where_the_sdk_hashes_as_it_copies_a_commit_covers_32_mib_and_groups_stay_as_they_were():
+    assert [HASHING_SHAPE.run_pages(p) for p in (4 << 10, 64 << 10, 1 << 20, 4 << 20)] == [8192, 512, 32, 8]
+    for page_bytes in (4 << 10, 64 << 10, 1 << 20, 4 << 20):
+        assert HASHING_SHAPE.reserve_groups(1024, page_bytes) == SHM_SHAPE.reserve_groups(1024, page_bytes)
 
 
 def test_a_put_over_shared_memory_reserves_2_mib_first_then_whole_groups():
