@@ -203,10 +203,7 @@ class PageIndex:
     def places_each(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
         """Where each key's page is, each key on its own: 0 not held, 1 in DRAM, 2 on NVMe only (one byte a key).
         With key_bytes, `keys` is one buffer of keys that long, back to back."""
-        if key_bytes:
-            if len(keys) % key_bytes:
-                raise ValueError(f"packed keys are {len(keys)} bytes, not a multiple of key_bytes={key_bytes}")
-            keys = list(struct.unpack(f"{key_bytes}s" * (len(keys) // key_bytes), keys))
+        keys = _key_list(keys, key_bytes)
         pages = self._pages
         places = bytearray(len(keys))
         for i, key in enumerate(keys):
@@ -217,11 +214,8 @@ class PageIndex:
 
     def leading_places(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
         """Where each page of leading(namespace_id, keys) is, as places_each answers (1 in DRAM, 2 on NVMe
-        only). With key_bytes, `keys` is one buffer of keys that long, back to back (cut here by struct, in C)."""
-        if key_bytes:
-            if len(keys) % key_bytes:
-                raise ValueError(f"packed keys are {len(keys)} bytes, not a multiple of key_bytes={key_bytes}")
-            keys = list(struct.unpack(f"{key_bytes}s" * (len(keys) // key_bytes), keys))
+        only). With key_bytes, `keys` is one buffer of keys that long, back to back."""
+        keys = _key_list(keys, key_bytes)
         return bytes(1 if record.offset != NO_SLOT else 2 for record in self.leading(namespace_id, keys))
 
     def roots(self, namespace_id: int) -> list[PageRecord]:
@@ -597,3 +591,12 @@ def _post_order(record: PageRecord) -> Iterator[PageRecord]:
         else:
             stack.append((node, True))
             stack.extend((child, False) for child in node.children)
+
+
+def _key_list(keys: list[bytes] | bytes, key_bytes: int) -> list[bytes]:
+    """`keys` as a list: with key_bytes, one buffer of keys that long, back to back (cut by struct, in C)."""
+    if not key_bytes:
+        return keys
+    if len(keys) % key_bytes:
+        raise ValueError(f"packed keys are {len(keys)} bytes, not a multiple of key_bytes={key_bytes}")
+    return list(struct.unpack(f"{key_bytes}s" * (len(keys) // key_bytes), keys))

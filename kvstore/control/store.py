@@ -175,17 +175,17 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
 
     def tiers(self, ns_id: int, keys: list[bytes]) -> list[int]:
         """The tier of each leading page held here (HBM, else DRAM when it is in both, else NVMe)."""
-        with self._lock:
-            places = self.index.leading_places(ns_id, keys)
-            in_hbm = self._hbm_leading(ns_id, keys[:len(places)])
-        return [pb.HBM] * in_hbm + list(places[in_hbm:].translate(_TIER_OF_PLACE))
+        return list(self.tiers_packed(ns_id, keys))
 
-    def tiers_packed(self, ns_id: int, keys_packed: bytes, key_bytes: int) -> bytes:
-        """tiers() of keys of one length back to back, as one byte (a Tier) per leading page held."""
-        with self._lock:   # the C index reads the buffer whole: no object per key
-            places = self.index.leading_places(ns_id, keys_packed, key_bytes=key_bytes)
-            in_hbm = self._hbm_leading(ns_id, unpack_keys(keys_packed[:len(places) * key_bytes], key_bytes)) \
-                if self._hbm_per_namespace[ns_id] else 0
+    def tiers_packed(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+        """tiers() as one byte (a Tier) per leading page held; with key_bytes, `keys` is one buffer of keys
+        that long, back to back (the C index reads it whole: no object per key)."""
+        with self._lock:
+            places = self.index.leading_places(ns_id, keys, key_bytes=key_bytes)
+            in_hbm = 0
+            if self._hbm_per_namespace[ns_id]:   # else no key need be cut out of the buffer
+                leading = unpack_keys(keys[:len(places) * key_bytes], key_bytes) if key_bytes else keys[:len(places)]
+                in_hbm = self._hbm_leading(ns_id, leading)
         return _HBM_BYTE * in_hbm + places[in_hbm:].translate(_TIER_OF_PLACE)
 
     def tiers_each(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from identities import Tokens
+from raw_socket import recv_exact
 from kvstore_client import KVStoreClient, Namespace, framing
 from kvstore_client.channel import LocalChannel
 from kvstore_client.proto import pb
@@ -22,16 +23,6 @@ NOBODY = 65534
 
 def pages(n, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
-
-
-def recv_exact(sock, n):
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
 
 
 def read_frame(sock):

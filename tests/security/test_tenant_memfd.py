@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from identities import Tokens, token_line
+from raw_socket import recv_exact
 from kvstore.control.identity import token_digest
 from kvstore_client import KVStoreClient, Namespace, errors
 from kvstore_client.channel import LocalChannel
@@ -225,16 +226,6 @@ def test_tcp_reads_go_unhashed_only_while_no_other_process_has_mapped_the_tenant
         assert alice.get(NS, keys, out) == 2
 
 
-def recv_exactly(sock: socket.socket, nbytes: int) -> bytes:
-    data = b""
-    while len(data) < nbytes:
-        piece = sock.recv(nbytes - len(data))
-        if not piece:
-            raise ConnectionResetError("the node closed the connection")
-        data += piece
-    return data
-
-
 def map_arena_fd(path: str, token: str) -> int:
     local = LocalChannel(path, 30.0, token)
     try:
@@ -260,8 +251,8 @@ def test_a_tcp_reader_that_stopped_reading_holds_back_the_first_mapping_until_it
             get = encode_request(Op.GET, acquired.lease_id, acquired.data_token, acquired.offsets[0], PAGE)
             stalled.sendall(encode_hello(hello.data_ticket) + get * 512)   # 32 MiB of answers, read no further
             stalled.settimeout(30)
-            assert decode_response(recv_exactly(stalled, RESPONSE.size)).op == Op.HELLO
-            assert decode_response(recv_exactly(stalled, RESPONSE.size)).flags & VOUCHED   # the node is answering
+            assert decode_response(recv_exact(stalled, RESPONSE.size)).op == Op.HELLO
+            assert decode_response(recv_exact(stalled, RESPONSE.size)).flags & VOUCHED   # the node is answering
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 mapping = pool.submit(map_arena_fd, hello.shm_socket, tokens.alice)
                 with pytest.raises(concurrent.futures.TimeoutError):

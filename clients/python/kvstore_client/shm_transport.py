@@ -40,7 +40,6 @@ HASHING_SHAPE = dataclasses.replace(SHAPE, commit_run_bytes=32 << 20)
 class ShmDataPath:
     name = "shm"
     rdma_qp_num = 0
-    shape = SHAPE
 
     def __init__(self, channel: LocalChannel, instance_id: bytes):
         """Map the arena of the node whose Hello said `instance_id`, over `channel` (borrowed, not closed here)."""
