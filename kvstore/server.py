@@ -98,17 +98,18 @@ class Node:
             self.controller = CacheController(self.store, self.nvme, config.controller, waiters_max) if self.nvme else None
             self.scrubber = Scrubber(self.store, self.nvme, config.scrub.bytes_per_s)
             self.service = KVStoreService(self.store, self.controller, self.scrubber, shm_socket=socket_path)
-            grpc_service = local_service = self.service
+            grpc_service = local_service = tcp_service = self.service
             if config.ops.metrics_address:
                 self.metrics = Metrics(self.service, self.auth)
                 grpc_service = self.metrics.instrument(self.service, "grpc")
                 local_service = self.metrics.instrument(self.service, "local")
+                tcp_service = self.metrics.instrument(self.service, "tcp")
             if socket_path:
                 self.local = _listen_local(socket_path, local_service, self.arena, config, self.auth)
             self.grpc, self.grpc_port = create_server(grpc_service, config.server.grpc_address,
                                                       config.server.grpc_workers, self.auth)
             if config.tcp.enabled:
-                self.tcp = _tcp_server(config, SlotGrants(self.store, self.auth))
+                self.tcp = _tcp_server(config, SlotGrants(self.store, self.auth, service=tcp_service))
                 self.tcp.start()
                 host = advertise.advertised_host(self.tcp.settings.host, config.tcp.advertise_host,
                                                  "tcp.advertise_host")
@@ -116,6 +117,7 @@ class Node:
                     advertise.check_reachable(config.grpc_host, host, "tcp.address")
                 self.service.tcp_endpoint = advertise.endpoint(host, self.tcp.port)
                 self.service.tcp_tls = self.tcp.settings.tls is not None
+                self.service.tcp_calls = True
             if config.rdma.enabled:
                 from kvstore.transport.rdma import RdmaServer  # pyverbs is optional: imported only when asked for
                 try:
@@ -258,7 +260,7 @@ def _tcp_server(config: Config, resolver: SlotGrants) -> TcpServer:
         host=host, port=int(port), body_bytes_max=limits.page_bytes_max, connections_max=config.tcp.connections_max,
         idle_timeout_s=config.tcp.idle_timeout_s, write_buffer_high_bytes=config.tcp.write_buffer_high_bytes,
         write_buffer_low_bytes=config.tcp.write_buffer_low_bytes, congestion=config.tcp.congestion,
-        hello_required=config.auth.enabled, tls=_tcp_tls(config)), resolver)
+        hello_required=config.auth.enabled, tls=_tcp_tls(config), call_workers=config.server.grpc_workers), resolver)
 
 
 def _tcp_tls(config: Config) -> ssl.SSLContext | None:

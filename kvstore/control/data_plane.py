@@ -9,6 +9,8 @@ A connection that showed a data ticket (its HELLO) gets its own SlotGrants, boun
 identity: a lease of another tenant is answered as an unknown one, before any slot is held.
 A ticket sealed from a token carries the token's digest, so revoking or expiring that token
 refuses the connection's next frame (UNAUTHENTICATED), however long it has been open.
+A connection that carries control calls instead of pages serves them as that same identity
+(open_calls, tcp_calls.py).
 """
 
 from __future__ import annotations
@@ -18,20 +20,31 @@ from kvstore.control import tenancy
 from kvstore.control.identity import TRUSTED, Authenticator, Identity, TokenStanding
 from kvstore.control.leases import READ, WRITE
 from kvstore.control.store import PageStore
+from kvstore.control.tcp_calls import ConnectionCalls
 from kvstore.transport.slots import Grant
+from kvstore_client import errors
 
 
 class SlotGrants:
-    def __init__(self, store: PageStore, auth: Authenticator | None = None, identity: Identity = TRUSTED):
+    def __init__(self, store: PageStore, auth: Authenticator | None = None, identity: Identity = TRUSTED,
+                 service=None):
+        """`service`: the KVStoreService that serves control calls (open_calls); None: this node carries none."""
         self._store = store
         self._auth = auth or Authenticator(AuthConfig())
         self._identity = identity
         self._standing = TokenStanding(self._auth, identity)
+        self._service = service
 
     def bind(self, ticket: bytes) -> "SlotGrants":
-        grants = SlotGrants(self._store, self._auth, self._auth.ticket_identity(ticket))
+        grants = SlotGrants(self._store, self._auth, self._auth.ticket_identity(ticket), self._service)
         grants._standing.check("tcp")   # a ticket issued before its token was revoked opens nothing
         return grants
+
+    def open_calls(self) -> ConnectionCalls:
+        """The control calls of one connection, served as this resolver's identity."""
+        if self._service is None:
+            raise errors.TransportUnavailable("this node carries no control calls on its TCP data plane: use gRPC")
+        return ConnectionCalls(self._service, self._identity, self._standing)
 
     def resolve_write(self, lease_id: int, token: bytes, slot: int, nbytes: int) -> Grant:
         """The arena bytes of an uncommitted reserved slot."""

@@ -60,6 +60,7 @@ class KVStoreService:
         self.clear_reserved_slots = self.config.auth.enabled and not store.arena.tenants_apart
         self.tcp_endpoint = ""                   # set by the server once the TCP data plane listens
         self.tcp_tls = False                     # the TCP data plane speaks TLS (tcp.tls_cert)
+        self.tcp_calls = False                   # the TCP data plane carries control calls (tcp_calls.py)
         self.rdma: RdmaAcceptor | None = None    # set by the server when the arena is registered
         self.hbm: pb.HbmRegion | None = None     # set by the server when it holds an HBM pool
         self.hbm_mover: HbmMover | None = None   # with it: what brings pages into the pool
@@ -107,7 +108,8 @@ class KVStoreService:
                 lookup_pages_max=self.limits.lookup_pages_max, lookup_keys_packed=True,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
-            tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, rdma_enabled=self.rdma is not None,
+            tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, tcp_calls=self.tcp_calls,
+            rdma_enabled=self.rdma is not None,
             instance_id=self.instance_id, hbm=self.hbm, local_challenge=challenge, local_answer=answer)
 
     def open_namespace(self, request: pb.OpenNamespaceRequest, owner: object | None) -> pb.OpenNamespaceResponse:

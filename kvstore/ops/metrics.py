@@ -6,8 +6,8 @@ Two kinds, chosen to keep the request path cheap:
   TierStats and StatsResponse is exported, so counters a tier adds there (promotions,
   demotions) appear without a change here; fields in GAUGE_FIELDS are gauges, the rest
   are monotonic totals.
-- Per call: one histogram observation per RPC, labelled by method and carrier (grpc or
-  local). Data-plane bytes come from the service's counters of bytes it granted to be
+- Per call: one histogram observation per RPC, labelled by method and carrier (grpc,
+  local, or tcp: the TCP data plane's call connections). Data-plane bytes come from the service's counters of bytes it granted to be
   copied; the server never sees a shared-memory copy, and shm is the only transport yet.
 
 At most SCRAPES_MAX connections are served at once, each a thread for at most SCRAPE_TIMEOUT_S

@@ -40,6 +40,20 @@ class SlotResolver(Protocol):
 
     def cut_transfer(self, grant: Grant) -> None: ...
 
+    def open_calls(self) -> "ControlCalls":
+        """The control calls of one connection that carries calls (tcp_framing.Op.CALL), as this identity."""
+        ...
+
+
+class ControlCalls(Protocol):
+    def call(self, method_id: int, payload: bytes | bytearray | memoryview) -> bytes:
+        """Serve one kvstore.v1 request (on a worker thread); the response's bytes, or the KVStoreError refusing it."""
+        ...
+
+    def close(self) -> None:
+        """The connection closed: the leases its calls opened end."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class QueuePairAddress:

@@ -38,8 +38,16 @@ the gRPC server.
 - Connections are bounded: beyond connections_max a new one is closed at once, and one
   that has sent no frame for idle_timeout_s (and moves no page) is closed, so idle or
   half-open peers cannot hold every place.
-- A broken invariant (an AssertionError from the resolver, in any callback of the loop)
-  stops the node (kvstore/invariants.py); it is never logged and carried on from.
+- Control calls (CALL frames, where the resolver serves them: kvstore/control/tcp_calls.py) come on a
+  connection of their own: a connection carries pages or calls, and a frame of the other kind is
+  refused and closes it. Each call runs on a worker thread (as many as gRPC has), one call of a
+  connection at a time, so their answers go out in order and a call that waits (an Acquire waiting
+  for commits) holds up neither the loop nor other connections. A call's body is read into memory
+  mapped as it arrives, so what a frame announces costs memory only once it is sent; beyond
+  CALLS_QUEUED_MAX calls waiting, the connection is not read. The leases its calls opened end
+  when the connection closes, once its running call is over.
+- A broken invariant (an AssertionError from the resolver, in any callback of the loop, or from a
+  call) stops the node (kvstore/invariants.py); it is never logged and carried on from.
 """
 
 from __future__ import annotations
@@ -48,15 +56,17 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import mmap
 import socket
 import ssl
 import threading
 import time
+from concurrent import futures
 
 import uvloop
 
 from kvstore.invariants import stop_node
-from kvstore.transport.slots import Grant, SlotResolver
+from kvstore.transport.slots import ControlCalls, Grant, SlotResolver
 from kvstore_client import errors
 from kvstore_client.landing import landing_buffer, new_landing
 from kvstore_client.tcp_framing import (SKIP_CHUNK_BYTES, VOUCHED, Event, FrameError, Hello, Op, Request,
@@ -72,6 +82,10 @@ RECLAIM_IDLE_S = 1.0
 # whose bytes the kernel has taken (uvloop has no per-write completion callback).
 DRAIN_POLL_S = 0.002
 PUT_ANSWER = encode_response(0, Op.PUT, 0)
+# Calls of one connection waiting for their turn beyond which it is not read: a client pipelines a few.
+CALLS_QUEUED_MAX = 64
+# A call's body up to this size is read into a buffer allocated at once; a larger one into mapped memory.
+CALL_BODY_EAGER_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +100,7 @@ class TcpSettings:
     congestion: str = ""             # TCP_CONGESTION for accepted sockets; "" = system default
     hello_required: bool = False     # serve no frame before a HELLO with a data ticket
     tls: ssl.SSLContext | None = None  # speak TLS only (tcp.tls_cert); None = plaintext
+    call_workers: int = 4            # threads serving CALL frames (the node gives it server.grpc_workers)
 
 
 class TcpServer:
@@ -99,6 +114,7 @@ class TcpServer:
         self._connections: set[_Connection] = set()
         self._scratch = memoryview(bytearray(SKIP_CHUNK_BYTES))  # shared: one loop thread
         self._landing_buffer = landing_buffer()                   # the same: each read is copied out at once
+        self.call_workers = futures.ThreadPoolExecutor(settings.call_workers, thread_name_prefix="tcp-calls")
         self._thread = threading.Thread(target=self._run, name="tcp-data-plane", daemon=True)
         self._ready = threading.Event()
         self._failure: BaseException | None = None
@@ -121,6 +137,7 @@ class TcpServer:
             return
         loop.call_soon_threadsafe(self._stop)
         self._thread.join(10)
+        self.call_workers.shutdown(wait=False, cancel_futures=True)
 
     # -- loop thread ------------------------------------------------------------------
 
@@ -205,6 +222,10 @@ class _Connection(asyncio.BufferedProtocol):
         self._last_frame = 0.0                     # loop.time() of the last frame received
         self._closed = False
         self._greeted = False                      # a HELLO bound _resolver to the peer's identity
+        self._carries: str | None = None           # "pages" or "calls", from its first PUT, GET or CALL
+        self._calls: ControlCalls | None = None    # opened by its first CALL
+        self._call_body: tuple[int, memoryview] | None = None   # the CALL being received: (method id, body)
+        self._call_queue: collections.deque[tuple[int, object]] = collections.deque()   # [0] is running
 
     # -- asyncio callbacks -------------------------------------------------------------
 
@@ -254,10 +275,17 @@ class _Connection(asyncio.BufferedProtocol):
                     "Hello (pass token= or TLS files to KVStoreClient)"))
                 self._transport.close()
                 return
+            if not self._carry("calls" if event.op == Op.CALL else "pages", event):
+                return
             if event.op == Op.PUT:
                 self._start_put(event)
-            else:
+            elif event.op == Op.GET:
                 self._get(event)
+            else:
+                self._start_call(event)
+        elif event is Event.BODY_DONE and self._call_body is not None:
+            (method_id, body), self._call_body = self._call_body, None
+            self._queue_call(method_id, body)
         elif event is Event.BODY_DONE:
             grant, self._body = self._body, None
             # Hashed as it landed: its Commit reads nothing back, so no 16 MiB hash sits between the last byte
@@ -290,6 +318,10 @@ class _Connection(asyncio.BufferedProtocol):
         # The socket is gone, so nothing reads the queued views any more.
         while self._reads:
             self._resolver.finish_transfer(self._reads.popleft()[1])
+        while len(self._call_queue) > 1:   # only the running call is left: its end closes the calls
+            self._call_queue.pop()
+        if self._calls is not None and not self._call_queue:
+            self._calls.close()
 
     def abort(self) -> None:
         self._server._connections.discard(self)  # its place is free now, not when connection_lost runs
@@ -333,6 +365,79 @@ class _Connection(asyncio.BufferedProtocol):
         self._write([encode_response(0, Op.GET, len(grant.view), VOUCHED if grant.vouched else 0), grant.view])
         self._reads.append((self._sent, grant))
         self._watch_deadline(grant.deadline)
+
+    def _carry(self, kind: str, request: Request) -> bool:
+        """Whether the connection may carry this frame: its first PUT, GET or CALL says whether it carries pages
+        or calls, and a frame of the other kind is refused and closes it (its answer would not be in order)."""
+        if self._carries == kind:
+            return True
+        if self._carries is None:
+            self._carries = kind
+            return True
+        self._refuse(request.op, errors.MalformedRequest(
+            f"this connection carries {self._carries}, and a {request.op.name} frame is not one: a client moves "
+            "pages on one connection and sends its calls on another"))
+        self._transport.close()
+        return False
+
+    def _start_call(self, request: Request) -> None:
+        """A CALL's header: its body is read into a buffer of its own, then the call waits its turn."""
+        if self._calls is None:
+            try:
+                self._calls = self._resolver.open_calls()
+            except errors.KVStoreError as exc:
+                if request.length:
+                    self._reader.skip_body()
+                self._refuse(Op.CALL, exc)
+                return
+        if not request.length:
+            self._queue_call(request.slot, b"")
+            return
+        body = memoryview(bytearray(request.length) if request.length <= CALL_BODY_EAGER_BYTES
+                          else mmap.mmap(-1, request.length))
+        self._reader.accept_body(body)
+        self._call_body = (request.slot, body)
+
+    def _queue_call(self, method_id: int, body: object) -> None:
+        self._call_queue.append((method_id, body))
+        if len(self._call_queue) == 1:
+            self._run_call()
+        elif len(self._call_queue) > CALLS_QUEUED_MAX:
+            self._transport.pause_reading()   # read again as the calls before are answered
+
+    def _run_call(self) -> None:
+        """Hand the call at the head of the queue to a worker thread; its end comes back on the loop."""
+        loop = self._server._loop
+        future = self._server.call_workers.submit(self._calls.call, *self._call_queue[0])
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._call_done, done))
+
+    def _call_done(self, future: futures.Future) -> None:
+        """A call ended (loop thread): write its answer, start the next one; a broken invariant raises out of here."""
+        self._call_queue.popleft()
+        refusal = None
+        try:
+            answer = future.result()
+            pieces = [encode_response(0, Op.CALL, len(answer)), answer]
+        except errors.KVStoreError as exc:
+            refusal = exc
+            pieces = [encode_error(Op.CALL, exc.code, str(exc))]
+        except AssertionError:
+            raise
+        except Exception:
+            log.exception("tcp call of peer=%s failed", self._peer)
+            pieces = [encode_error(Op.CALL, errors.Internal.code, "internal error, see the server log")]
+        if self._closed:
+            if not self._call_queue:
+                self._calls.close()
+            return
+        self._write(pieces)
+        if refusal is not None:
+            log.debug("tcp peer=%s call refused: %s", self._peer, refusal)
+            self._close_if_unauthenticated(refusal)
+        if self._call_queue:
+            self._run_call()
+            if len(self._call_queue) == CALLS_QUEUED_MAX:
+                self._transport.resume_reading()
 
     def _refuse(self, op: Op, exc: errors.KVStoreError) -> None:
         log.debug("tcp peer=%s frame refused: %s", self._peer, exc)
@@ -395,7 +500,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def idle_since(self) -> float | None:
         """loop.time() of its last frame when it moves no page now, else None (it is busy)."""
-        if self._closed or self._body is not None or self._reads:
+        if self._closed or self._body is not None or self._reads or self._call_queue:
             return None
         return self._last_frame
 
@@ -403,8 +508,8 @@ class _Connection(asyncio.BufferedProtocol):
         """Close the connection once it has sent no frame for idle_timeout_s; a page in flight is not idle."""
         loop, timeout_s = self._server._loop, self._server.settings.idle_timeout_s
         now = loop.time()
-        if self._body is not None or self._reads:
-            self._last_frame = now  # a page moving is activity; its lease deadline bounds how long
+        if self._body is not None or self._reads or self._call_queue:
+            self._last_frame = now  # a page moving or a call running is activity; a lease deadline bounds a page
         elif now - self._last_frame >= timeout_s:
             self._idle_timer = None
             log.info("tcp peer=%s sent no frame for %.1f s (tcp.idle_timeout_s); closing", self._peer,

@@ -33,12 +33,13 @@ HOLDER = textwrap.dedent("""
     from kvstore_client import KVStoreClient, Namespace
     from kvstore_client.proto import pb
     ns = Namespace(model="fault", page_bytes=65536)
-    c = KVStoreClient(sys.argv[1], control=sys.argv[2])
+    c = KVStoreClient(sys.argv[1], control=sys.argv[2], transport=sys.argv[4])
     ns_id = c._namespace_id(ns)
     r = c._control.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[b"held%d" % i for i in range(8)],
                                                      page_bytes=65536, lease_ttl_ms=int(sys.argv[3])))
-    for offset in list(r.offsets)[:4]:
-        c._arena.view[offset:offset + 65536] = b"\\x01" * 65536   # half the pages written, none committed
+    if sys.argv[4] == "shm":
+        for offset in list(r.offsets)[:4]:
+            c._arena.view[offset:offset + 65536] = b"\\x01" * 65536   # half the pages written, none committed
     print("reserved", flush=True)
     import time; time.sleep(600)
 """)
@@ -52,16 +53,17 @@ def expected(chain, i):
     return (chain * 32 + i) % 251
 
 
-@pytest.mark.parametrize("control, ttl_ms", [("local", 60_000), ("grpc", 500)])
-def test_killed_between_copy_and_commit(start_server, control, ttl_ms):
+@pytest.mark.parametrize("control, ttl_ms, transport", [("local", 60_000, "shm"), ("grpc", 500, "shm"),
+                                                        ("local", 60_000, "tcp")])
+def test_killed_between_copy_and_commit(start_server, control, ttl_ms, transport):
     server = start_server({"leases.reap_interval_ms": 20})
-    holder = spawn(HOLDER, server.address, control, str(ttl_ms))
+    holder = spawn(HOLDER, server.address, control, str(ttl_ms), transport)
     assert holder.stdout.readline().strip() == "reserved"
     with KVStoreClient(server.address) as c:
         assert c.stats().tiers[0].used_bytes == 8 * PAGE
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-        # local-channel leases end with the connection; gRPC ones at their TTL
+        # leases of the local channel and of a TCP call connection end with the connection; gRPC ones at their TTL
         deadline = time.monotonic() + 10
         while c.stats().leases_open and time.monotonic() < deadline:
             time.sleep(0.05)

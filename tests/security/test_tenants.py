@@ -356,6 +356,41 @@ def test_tcp_frames_are_bound_to_the_tenant_of_the_connection(node, tokens):
         assert sock.recv(1) == b""   # closed
 
 
+def test_tcp_calls_are_served_as_the_tenant_of_the_connection(node, tokens):
+    """A call connection of the TCP data plane (tcp_control.py) is the identity its HELLO showed: another
+    tenant's lease is an unknown one there, nothing is served before a HELLO, and a revoked token's next
+    call is refused and closes it."""
+    from kvstore_client import framing
+    from kvstore_client.tcp_control import TcpControlChannel
+    from kvstore_client.tcp_framing import RESPONSE, decode_response, encode_call
+
+    alice_hello = channel(node, tokens.alice).call("Hello", pb.HelloRequest())
+    bob_hello = channel(node, tokens.bob).call("Hello", pb.HelloRequest())
+    alice = TcpControlChannel(alice_hello.tcp_endpoint, 5.0, ticket=alice_hello.data_ticket)
+    bob = TcpControlChannel(bob_hello.tcp_endpoint, 5.0, ticket=bob_hello.data_ticket)
+    ns_id = alice.call("OpenNamespace", pb.OpenNamespaceRequest(spec=NS.to_proto())).namespace_id
+    write = alice.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[b"c0"], page_bytes=PAGE))
+    with pytest.raises(errors.LeaseNotFound, match="is unknown"):
+        bob.call("Commit", pb.CommitRequest(lease_id=write.lease_id))
+    with pytest.raises(errors.NamespaceNotFound):
+        bob.call("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=[b"c0"]))
+    stats = bob.call("Stats", pb.StatsRequest())
+    assert not stats.namespaces and not stats.tiers   # node-wide counters would tell of alice
+    alice.call("Abort", pb.AbortRequest(lease_id=write.lease_id))
+    host, port = alice_hello.tcp_endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(encode_call(framing.METHOD_IDS["Stats"], b""))
+        status, _, length, _ = decode_response(sock.recv(RESPONSE.size, socket.MSG_WAITALL))
+        assert status == pb.UNAUTHENTICATED and b"first frame to be a HELLO" in sock.recv(length, socket.MSG_WAITALL)
+        assert sock.recv(1) == b""   # closed
+    revoke(node, tokens, "bob")
+    with pytest.raises(errors.Unauthenticated, match="revoked"):
+        bob.call("Stats", pb.StatsRequest())
+    with pytest.raises((errors.Unavailable, errors.Unauthenticated)):   # closed by the node
+        bob.call("Stats", pb.StatsRequest())
+    assert alice.call("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=[b"c0"])).hit_pages == 0
+
+
 def kvstore_cli(node, *args, token=""):
     import os
     import subprocess

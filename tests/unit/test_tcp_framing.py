@@ -13,7 +13,7 @@ TOKEN = bytes(range(16))
 def feed(reader: RequestReader, data: bytes, step: int, targets: list):
     """Receive `data` as the I/O layer would, at most `step` bytes per recv; returns the events.
 
-    Each PUT body goes into the next of `targets` (None: refused, skipped)."""
+    Each PUT or CALL body goes into the next of `targets` (None: refused, skipped)."""
     events, position = [], 0
     while position < len(data):
         target = reader.buffer()
@@ -23,7 +23,7 @@ def feed(reader: RequestReader, data: bytes, step: int, targets: list):
         event = reader.received(n)
         if event is not None:
             events.append(event)
-            if isinstance(event, Request) and event.op == Op.PUT:
+            if isinstance(event, Request) and event.op in (Op.PUT, Op.CALL) and event.length:
                 target = targets.pop(0)
                 if target is None:
                     reader.skip_body()
@@ -43,6 +43,24 @@ def test_put_body_lands_in_the_accepted_view_and_gets_follow(step):
     assert events == [Request(Op.PUT, 1000, 5, TOKEN, 3), Event.BODY_DONE, Request(Op.GET, 1000, 6, TOKEN, 0)]
     assert bytes(slot) == body
     assert not reader.mid_body
+
+
+@pytest.mark.parametrize("step", [1, 40, 1 << 20])
+def test_a_call_carries_its_method_and_message_and_may_be_longer_than_a_page(step):
+    message = bytes(range(256)) * 40                     # 10 KiB: more than this reader's largest page
+    body = memoryview(bytearray(len(message)))
+    stream = tf.encode_call(7, message) + tf.encode_call(9, b"")
+    events = feed(RequestReader(4096, memoryview(bytearray(64))), stream, step, [body])
+    assert events == [Request(Op.CALL, len(message), 0, bytes(16), 7), Event.BODY_DONE,
+                      Request(Op.CALL, 0, 0, bytes(16), 9)]
+    assert bytes(body) == message
+    with pytest.raises(ValueError, match="exceeds"):
+        tf.encode_call(1, bytes(tf.CALL_BYTES_MAX + 1))
+    reader = RequestReader(4096, memoryview(bytearray(8)))
+    header = tf.REQUEST.pack(Op.CALL, tf.VERSION, 0, tf.CALL_BYTES_MAX + 1, 0, bytes(16), 1, 0)
+    reader.buffer()[:] = header
+    with pytest.raises(FrameError, match="a call of"):
+        reader.received(len(header))
 
 
 def test_a_refused_body_is_skipped_through_bounded_scratch_and_the_stream_stays_in_step():

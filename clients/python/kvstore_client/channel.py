@@ -1,18 +1,19 @@
-"""Control channels: gRPC for any host, the local Unix-socket channel on the same host.
+"""Control channels: gRPC for any host, and channels answered in order on a node's own sockets.
 
-Both carry the messages of kvstore.v1.KVStore, raise the exceptions of errors.py, and
+All carry the messages of kvstore.v1.KVStore, raise the exceptions of errors.py, and
 give every call a deadline. `submit` sends a request and returns an answer-to-be whose
 `result()` waits for it; `post` is a submit whose answer nobody waits for (its error, if
 any, is logged), used for releases and aborts so a call never waits for one.
 
-On the local channel the server answers a connection's requests in order
-(`answers_in_order`), so submitted requests pipeline: the client copies pages while the
-server reserves the next group and checks the previous one. gRPC gives no order between
-calls in flight, so the pipeline (pipeline.py) waits where order matters.
+An OrderedChannel (the local channel on the node's Unix socket, here; the call connection of the
+TCP data plane, tcp_control.py) is answered in order (`answers_in_order`), so submitted requests
+pipeline: the client copies pages while the server reserves the next group and checks the
+previous one. gRPC gives no order between calls in flight, so the pipeline (pipeline.py) waits
+where order matters.
 
 A client call that names its own `timeout_s` runs inside call_deadline(): every message it
-sends, on either channel, must be answered before that one deadline (DeadlineExceeded). On the
-local channel a request whose answer comes too late stays queued, and its answer is read and
+sends, on any channel, must be answered before that one deadline (DeadlineExceeded). On an
+ordered channel a request whose answer comes too late stays queued, and its answer is read and
 dropped when it arrives, so the channel stays in step; a lease it opened expires by its TTL.
 """
 
@@ -80,11 +81,11 @@ def seconds_left(default_s: float) -> float:
 
 
 class Pending:
-    """The answer to a request submitted on the local channel, once it arrives."""
+    """The answer to a request submitted on an ordered channel, once it arrives."""
 
     __slots__ = ("name", "posted", "deadline", "_channel", "_response", "_error", "_done")
 
-    def __init__(self, name: str, channel: "LocalChannel"):
+    def __init__(self, name: str, channel: "OrderedChannel"):
         self.name = name
         self.posted = False                  # nobody waits: an error is logged instead
         self.deadline = _call_deadline.get()
@@ -193,30 +194,153 @@ def peer_open(sock: socket.socket) -> bool:
     return not poller.poll(0)
 
 
-class LocalChannel:
-    """The same messages as frames on the server's Unix socket (see framing.py). Thread-safe."""
+class OrderedChannel:
+    """Requests framed on one stream socket, answered in order. Thread-safe. A kind of it says how a request
+    is framed (_frame) and an answer read (_answer_frame); `what` names its socket in errors."""
 
     answers_in_order = True
+
+    def __init__(self, sock: socket.socket, timeout_s: float, what: str):
+        self.timeout_s = timeout_s
+        self._sock = sock
+        self._what = what
+        self._send_lock = threading.RLock()
+        self._recv_lock = threading.Lock()
+        self._inflight: collections.deque[tuple[Pending, type]] = collections.deque()
+        self._broken: errors.KVStoreError | None = None
+
+    def _frame(self, method_id: int, payload: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _answer_frame(self) -> tuple[int, bytes]:
+        """(error code, payload) of the next answer; FrameError when the stream cannot be read as answers."""
+        raise NotImplementedError
+
+    def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
+        with call_deadline(timeout_s):
+            return self.submit(name, request).result()
+
+    def submit(self, name: str, request: Any) -> Pending:
+        method_id = framing.METHOD_IDS[name]
+        frame = self._frame(method_id, request.SerializeToString())
+        pending = Pending(name, self)
+        with self._send_lock:
+            if self._broken is not None:
+                raise self._broken
+            # Queued before sending, so a reader on another thread matches answers in order.
+            self._inflight.append((pending, framing.METHODS[method_id][2]))
+            try:
+                self._sock.sendall(frame)
+            except OSError as exc:
+                self._break(errors.Unavailable(f"{self._what} closed: {exc}"))
+                raise self._broken from None
+        return pending
+
+    def post(self, name: str, request: Any) -> None:
+        try:
+            self.submit(name, request).posted = True
+        except errors.KVStoreError as exc:
+            # The channel is broken: the node ends a connection's leases when it closes, so
+            # there is nothing left to release or abort.
+            log.debug("%s not sent, the %s is broken: %s", name, self._what, exc)
+
+    def alive(self) -> bool:
+        """False once the channel broke or the node closed its end (a stopped node's socket reads as hung up).
+
+        One poll(2) with no wait, for POLLRDHUP (POLLHUP and POLLERR come unasked): answers
+        waiting to be read do not count, only the node's end having closed.
+        """
+        return self._broken is None and peer_open(self._sock)
+
+    def flush(self) -> None:
+        """Read the answers of everything sent so far (posted releases included)."""
+        with self._send_lock:
+            last = self._inflight[-1][0] if self._inflight else None
+        if last is not None:
+            try:
+                self._wait_for(last)
+            except errors.KVStoreError:
+                pass
+
+    def close(self) -> None:
+        self.flush()
+        self._sock.close()
+
+    def _wait_for(self, target: Pending) -> None:
+        """Read answers in order, settling each pending one, until `target` is settled."""
+        with self._recv_lock:
+            while not target._done:
+                if self._broken is not None:
+                    target._settle(None, self._broken)
+                    return
+                pending, response_cls = self._inflight[0]
+                if target.deadline is not None and not self._readable_before(target.deadline):
+                    raise errors.DeadlineExceeded(f"{target.name}: no answer on the {self._what} within the "
+                                                  "call's timeout_s")
+                try:
+                    code, payload = self._answer_frame()
+                except errors.KVStoreError as exc:
+                    self._break(exc)
+                    continue
+                except framing.FrameError as exc:   # tcp_framing's is one too
+                    self._break(errors.Internal(f"the {self._what} sent an unreadable answer: {exc}"))
+                    continue
+                self._inflight.popleft()
+                if code:
+                    pending._settle(None, errors.error_from_code(code, payload.decode(errors="replace")))
+                else:
+                    pending._settle(response_cls.FromString(payload), None)
+
+    def _break(self, error: errors.KVStoreError) -> None:
+        """A frame may be half sent or read: nothing on this socket can be trusted any more."""
+        with self._send_lock:
+            self._broken = error
+            self._sock.close()
+            for pending, _ in self._inflight:
+                pending._settle(None, error)
+            self._inflight.clear()
+
+    def _readable_before(self, deadline: float) -> bool:
+        """Wait until an answer starts to arrive or `deadline` passes; a frame once started is read whole."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+
+    def _recv_exact(self, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < nbytes:
+                n = self._sock.recv_into(view[got:])
+                if n == 0:
+                    raise errors.Unavailable(f"the server closed the {self._what}")
+                got += n
+        except socket.timeout:
+            raise errors.DeadlineExceeded(f"no answer on the {self._what} within the deadline") from None
+        except OSError as exc:
+            raise errors.Unavailable(f"{self._what} failed: {exc}") from None
+        return bytes(buf)
+
+
+class LocalChannel(OrderedChannel):
+    """The same messages as frames on the server's Unix socket (see framing.py)."""
 
     def __init__(self, path: str, timeout_s: float, token: str = "", proof: tuple[bytes, bytes] | None = None):
         """With `proof` (Hello's local_challenge and local_answer), the socket must first prove it is
         the node that answered Hello (framing.PROVE), else TransportUnavailable and nothing is sent;
         then a token is shown (framing.AUTHENTICATE)."""
         self.path = path
-        self.timeout_s = timeout_s
         self.arena_of_one_tenant = False   # set by map_arena_fd
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-        self._sock.settimeout(timeout_s)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        sock.settimeout(timeout_s)
         try:
-            self._sock.connect(path)
+            sock.connect(path)
         except OSError as exc:
-            self._sock.close()
+            sock.close()
             raise errors.Unavailable(f"cannot connect to the shm socket {path}: {exc}") from None
-        self._send_lock = threading.RLock()
-        self._recv_lock = threading.Lock()
-        self._inflight: collections.deque[tuple[Pending, type]] = collections.deque()
-        self._broken: errors.KVStoreError | None = None
+        super().__init__(sock, timeout_s, "shm socket")
         try:
             if proof is not None:
                 self._prove(*proof)
@@ -225,6 +349,9 @@ class LocalChannel:
         except BaseException:
             self._sock.close()
             raise
+
+    def _frame(self, method_id: int, payload: bytes) -> bytes:
+        return framing.encode(method_id, payload)
 
     def _answer_frame(self) -> tuple[int, bytes]:
         length, code = framing.decode_header(self._recv_exact(framing.HEADER.size))
@@ -267,108 +394,3 @@ class LocalChannel:
                 raise errors.Internal(f"expected one arena fd from the server, got {len(fds)}")
             self.arena_of_one_tenant = payload == framing.ARENA_OF_ONE_TENANT
             return fds[0]
-
-    def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
-        with call_deadline(timeout_s):
-            return self.submit(name, request).result()
-
-    def submit(self, name: str, request: Any) -> Pending:
-        method_id = framing.METHOD_IDS[name]
-        frame = framing.encode(method_id, request.SerializeToString())
-        pending = Pending(name, self)
-        with self._send_lock:
-            if self._broken is not None:
-                raise self._broken
-            # Queued before sending, so a reader on another thread matches answers in order.
-            self._inflight.append((pending, framing.METHODS[method_id][2]))
-            try:
-                self._sock.sendall(frame)
-            except OSError as exc:
-                self._break(errors.Unavailable(f"shm socket closed: {exc}"))
-                raise self._broken from None
-        return pending
-
-    def post(self, name: str, request: Any) -> None:
-        try:
-            self.submit(name, request).posted = True
-        except errors.KVStoreError as exc:
-            # The channel is broken: the node ends a connection's leases when it closes, so
-            # there is nothing left to release or abort.
-            log.debug("%s not sent, the shm channel is broken: %s", name, exc)
-
-    def alive(self) -> bool:
-        """False once the channel broke or the node closed its end (a stopped node's socket reads as hung up).
-
-        One poll(2) with no wait, for POLLRDHUP (POLLHUP and POLLERR come unasked): answers
-        waiting to be read do not count, only the node's end having closed.
-        """
-        return self._broken is None and peer_open(self._sock)
-
-    def flush(self) -> None:
-        """Read the answers of everything sent so far (posted releases included)."""
-        with self._send_lock:
-            last = self._inflight[-1][0] if self._inflight else None
-        if last is not None:
-            try:
-                self._wait_for(last)
-            except errors.KVStoreError:
-                pass
-
-    def close(self) -> None:
-        self.flush()
-        self._sock.close()
-
-    def _wait_for(self, target: Pending) -> None:
-        """Read answers in order, settling each pending one, until `target` is settled."""
-        with self._recv_lock:
-            while not target._done:
-                if self._broken is not None:
-                    target._settle(None, self._broken)
-                    return
-                pending, response_cls = self._inflight[0]
-                if target.deadline is not None and not self._readable_before(target.deadline):
-                    raise errors.DeadlineExceeded(f"{target.name}: no answer on the shm socket within the "
-                                                  "call's timeout_s")
-                try:
-                    header = self._recv_exact(framing.HEADER.size)
-                    length, code = framing.decode_header(header)
-                    payload = self._recv_exact(length)
-                except errors.KVStoreError as exc:
-                    self._break(exc)
-                    continue
-                self._inflight.popleft()
-                if code:
-                    pending._settle(None, errors.error_from_code(code, payload.decode(errors="replace")))
-                else:
-                    pending._settle(response_cls.FromString(payload), None)
-
-    def _break(self, error: errors.KVStoreError) -> None:
-        """A frame may be half sent or read: nothing on this socket can be trusted any more."""
-        with self._send_lock:
-            self._broken = error
-            self._sock.close()
-            for pending, _ in self._inflight:
-                pending._settle(None, error)
-            self._inflight.clear()
-
-    def _readable_before(self, deadline: float) -> bool:
-        """Wait until an answer starts to arrive or `deadline` passes; a frame once started is read whole."""
-        poller = select.poll()
-        poller.register(self._sock, select.POLLIN)
-        return bool(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
-
-    def _recv_exact(self, nbytes: int) -> bytes:
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
-        got = 0
-        try:
-            while got < nbytes:
-                n = self._sock.recv_into(view[got:])
-                if n == 0:
-                    raise errors.Unavailable("the server closed the shm socket")
-                got += n
-        except socket.timeout:
-            raise errors.DeadlineExceeded("no answer on the shm socket within the deadline") from None
-        except OSError as exc:
-            raise errors.Unavailable(f"shm socket failed: {exc}") from None
-        return bytes(buf)

@@ -10,7 +10,8 @@ A miss is a result (a count below len(keys)), never an exception. Page bytes mov
 one data plane (`transport`, see transport_choice.py): the shared-memory arena on the
 node's host, else RDMA, else TCP. With shared memory, control messages go over the
 server's Unix socket when `control="local"` (the default; see framing.py for why) or over
-gRPC; with TCP or RDMA (another host) they go over gRPC. Every data plane runs the same
+gRPC; with TCP, on a call connection of the node's TCP data plane (tcp_control.py) when
+`control="local"` and the node offers one, else over gRPC; with RDMA over gRPC. Every data plane runs the same
 put/get pipeline (pipeline.py) over its own DataPath (data_path.py). Each call is written once, with
 no I/O (node_calls.py); this client takes its steps with blocking I/O (node_steps.drive).
 

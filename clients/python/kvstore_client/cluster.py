@@ -159,8 +159,8 @@ class KVStoreCluster:
                  tls_key: str | None = None, rdma: RdmaOptions | None = None, etcd_tls_ca: str | None = None,
                  etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None):
         """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node). `control`:
-        how same-host nodes are asked ("local": their Unix socket; "grpc"). `replicas`: copies of a hot page
-        (hot_pages.py); `replicated_pages`: leading pages of a chain's first put written to `replicas` nodes
+        how nodes are asked ("local": a same-host node's Unix socket, another's TCP call connection; "grpc").
+        `replicas`: copies of a hot page (hot_pages.py); `replicated_pages`: leading pages of a chain's first put written to `replicas` nodes
         whether hot or not (placement.py; 0 = none). `token`, `tls_*`: who this client is to every node.
         `rdma`: this host's NIC settings (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are
         reached over it; None = TCP. `etcd_tls_*`: etcd over TLS (credentials.EtcdTlsFiles; each one None is read
@@ -697,7 +697,8 @@ class KVStoreCluster:
         # the socket is absent or answers another node's instance id).
         transport = "tcp" if plane == "tcp" else "auto"
         client = KVStoreClient(member.grpc_address, timeout_s=self._timeout_s, transport=transport,
-                               control=self._control if plane == "shm" else "grpc", client_name=self._client_name,
+                               control=self._control if plane in ("shm", "tcp") else "grpc",
+                               client_name=self._client_name,
                                tcp_congestion=self._tcp_congestion,
                                rdma=self._rdma if plane == "rdma" else None,
                                token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key,

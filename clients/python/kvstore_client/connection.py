@@ -1,7 +1,8 @@
 """One connection to a node: what one Hello set up, replaced as a whole when the node is lost.
 
 It holds a gRPC channel, the node's Hello (instance id, limits, offered data planes), the
-control channel calls go over (the local channel, or gRPC), the data path pages move over,
+control channel calls go over (the local channel beside shared memory, a call connection of the
+TCP data plane beside TCP, or gRPC), the data path pages move over,
 and the ids of the namespaces opened on it. The client (client.py) opens a new connection
 when this one is found lost and retires this one: calls still running on it finish or fail
 on it, and it is closed when the last of them leaves, so an arena is never unmapped under a
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import ssl
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -26,6 +28,7 @@ from kvstore_client.node_steps import Steps, drive, take_on
 from kvstore_client.proto import pb
 from kvstore_client.rdma_transport import RdmaOptions
 from kvstore_client.shm_transport import ShmDataPath
+from kvstore_client.tcp_control import TcpControlChannel
 from kvstore_client.tcp_transport import TcpDataPath
 from kvstore_client.transport_choice import candidates
 
@@ -40,7 +43,8 @@ class ConnectOptions:
 
     target: str                 # the node's gRPC address
     timeout_s: float            # deadline of every call, and of each step of opening a connection
-    control: str                # "local" (the node's Unix socket, when shm is used) or "grpc"
+    control: str                # "local" (the node's own in-order channel: its Unix socket beside shm, a TCP
+                                # call connection beside TCP, where Hello offers one) or "grpc"
     transport: str              # "auto", "shm", "rdma" or "tcp" (transport_choice.py)
     client_name: str = ""
     tcp_congestion: str = ""
@@ -53,11 +57,14 @@ class NodeConnection:
         """Hello over gRPC, then the first data path that works; raises what stopped it (Unavailable, ...)."""
         self.grpc = GrpcChannel(options.target, options.timeout_s, options.credentials)
         self.credentials = options.credentials
-        self.local: LocalChannel | None = None
+        self.local: LocalChannel | TcpControlChannel | None = None
         self.data: DataPath | None = None
         try:
             self.hello = self.grpc.call("Hello", pb.HelloRequest(client_name=options.client_name))
             self.data = self._open_data_path(options)
+            if self.data.name == "tcp" and self.hello.tcp_calls and options.control == "local":
+                self.local = TcpControlChannel(self.hello.tcp_endpoint, options.timeout_s, options.tcp_congestion,
+                                               self.hello.data_ticket, self._tcp_tls(options))
         except BaseException:
             self._close()
             raise
@@ -140,7 +147,7 @@ class NodeConnection:
                 if name == "rdma":
                     return rdma_transport.RdmaDataPath(self.grpc, options.timeout_s, options.rdma)
                 return TcpDataPath(hello.tcp_endpoint, options.timeout_s, options.tcp_congestion, hello.data_ticket,
-                                   options.credentials.tcp_tls() if hello.tcp_tls else None)
+                                   self._tcp_tls(options))
             except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable,
                     errors.CapacityExhausted) as exc:
                 if options.transport != "auto":
@@ -148,6 +155,9 @@ class NodeConnection:
                 log.info("data plane %s cannot be used, trying the next: %s", name, exc)
                 failures.append(f"{name}: {exc}")
         raise errors.TransportUnavailable("no data plane of the node works from here: " + "; ".join(failures))
+
+    def _tcp_tls(self, options: ConnectOptions) -> ssl.SSLContext | None:
+        return options.credentials.tcp_tls() if self.hello.tcp_tls else None
 
     def _open_shm(self, timeout_s: float) -> ShmDataPath:
         local = LocalChannel(self.hello.shm_socket, timeout_s, self.credentials.token,

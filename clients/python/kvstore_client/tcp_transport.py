@@ -62,6 +62,28 @@ def sendmsg_all(sock: socket.socket, iov: list) -> None:
             start += 1
 
 
+def connect(endpoint: str, timeout_s: float, congestion: str = "", tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connection to the TCP data plane at host:port, without delay (TCP_NODELAY), with the congestion control
+    asked for ("" = the system's), and speaking TLS where `tls` is given (the node's tcp.tls_cert checked)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError) as exc:
+        raise errors.Unavailable(f"cannot connect to the TCP data plane at {endpoint}: {exc}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+    if tls is not None:
+        try:
+            return tls.wrap_socket(sock, server_hostname=host.strip("[]"))
+        except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
+            sock.close()
+            raise errors.Unavailable(
+                f"TLS with the TCP data plane at {endpoint} failed: {exc} (tls_ca must be the CA that signed "
+                "the node's tcp.tls_cert)") from None
+    return sock
+
+
 class TcpDataPath:
     name = "tcp"
     rdma_qp_num = 0
@@ -71,24 +93,8 @@ class TcpDataPath:
                  tls: ssl.SSLContext | None = None):
         """`ticket`: Hello's data_ticket; when the node handed one out, it opens the connection (its HELLO).
         `tls`: the context of a node whose data plane speaks TLS (Credentials.tcp_tls)."""
-        host, _, port = endpoint.rpartition(":")
-        try:
-            self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-        except (OSError, ValueError) as exc:
-            raise errors.Unavailable(f"cannot connect to the TCP data plane at {endpoint}: {exc}") from None
+        sock = self._sock = connect(endpoint, timeout_s, congestion, tls)
         self.endpoint = endpoint
-        sock = self._sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if congestion:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
-        if tls is not None:
-            try:
-                sock = self._sock = tls.wrap_socket(sock, server_hostname=host.strip("[]"))
-            except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
-                sock.close()
-                raise errors.Unavailable(
-                    f"TLS with the TCP data plane at {endpoint} failed: {exc} (tls_ca must be the CA that signed "
-                    "the node's tcp.tls_cert)") from None
         # Blocking calls bounded by kernel timeouts: no poll() before every recv, as settimeout() adds.
         sock.settimeout(None)
         self._timeout_s = timeout_s

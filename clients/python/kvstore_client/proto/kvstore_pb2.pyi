@@ -156,7 +156,7 @@ class HelloRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits", "tcp_endpoint", "rdma_enabled", "instance_id", "hbm", "data_ticket", "tcp_tls", "local_challenge", "local_answer")
+    __slots__ = ("server_version", "shm_socket", "arena_bytes", "limits", "tcp_endpoint", "rdma_enabled", "instance_id", "hbm", "data_ticket", "tcp_tls", "local_challenge", "local_answer", "tcp_calls")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class HelloResponse(_message.Message):
     TCP_TLS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    TCP_CALLS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     shm_socket: str
     arena_bytes: int
@@ -181,7 +182,8 @@ class HelloResponse(_message.Message):
     tcp_tls: bool
     local_challenge: bytes
     local_answer: bytes
-    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tcp_endpoint: _Optional[str] = ..., rdma_enabled: _Optional[bool] = ..., instance_id: _Optional[bytes] = ..., hbm: _Optional[_Union[HbmRegion, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., tcp_tls: _Optional[bool] = ..., local_challenge: _Optional[bytes] = ..., local_answer: _Optional[bytes] = ...) -> None: ...
+    tcp_calls: bool
+    def __init__(self, server_version: _Optional[str] = ..., shm_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tcp_endpoint: _Optional[str] = ..., rdma_enabled: _Optional[bool] = ..., instance_id: _Optional[bytes] = ..., hbm: _Optional[_Union[HbmRegion, _Mapping]] = ..., data_ticket: _Optional[bytes] = ..., tcp_tls: _Optional[bool] = ..., local_challenge: _Optional[bytes] = ..., local_answer: _Optional[bytes] = ..., tcp_calls: _Optional[bool] = ...) -> None: ...
 
 class HbmRegion(_message.Message):
     __slots__ = ("ipc_handle", "nbytes", "device_uuid")
