@@ -38,6 +38,10 @@ class ConnectionCalls:
             raise errors.MalformedRequest(f"{name}: request is not a valid {request_cls.__name__}: {exc}") from None
         return self._service.handle(name, request, self._owner).SerializeToString()
 
+    def holds_leases(self) -> bool:
+        """Whether a lease its calls opened is still open (a put between its Reserve and its Commit)."""
+        return self._service.store.owns_leases(self._owner)
+
     def close(self) -> None:
         """The connection closed: the leases its calls opened end now, not by their TTL."""
         self._service.end_owner(self._owner)

@@ -50,6 +50,10 @@ class ControlCalls(Protocol):
         """Serve one kvstore.v1 request (on a worker thread); the response's bytes, or the KVStoreError refusing it."""
         ...
 
+    def holds_leases(self) -> bool:
+        """Whether a lease its calls opened is open: the connection is not idle, whatever its frames."""
+        ...
+
     def close(self) -> None:
         """The connection closed: the leases its calls opened end."""
         ...

@@ -500,16 +500,21 @@ class _Connection(asyncio.BufferedProtocol):
 
     def idle_since(self) -> float | None:
         """loop.time() of its last frame when it moves no page now, else None (it is busy)."""
-        if self._closed or self._body is not None or self._reads or self._call_queue:
+        if self._closed or self._body is not None or self._reads or self._busy_with_calls():
             return None
         return self._last_frame
+
+    def _busy_with_calls(self) -> bool:
+        """A call runs, or one opened a lease still open: between a put's Reserve and its Commit, its pages move
+        on another connection, however long this one sends nothing."""
+        return bool(self._call_queue) or (self._calls is not None and self._calls.holds_leases())
 
     def _idle_check(self) -> None:
         """Close the connection once it has sent no frame for idle_timeout_s; a page in flight is not idle."""
         loop, timeout_s = self._server._loop, self._server.settings.idle_timeout_s
         now = loop.time()
-        if self._body is not None or self._reads or self._call_queue:
-            self._last_frame = now  # a page moving or a call running is activity; a lease deadline bounds a page
+        if self._body is not None or self._reads or self._busy_with_calls():
+            self._last_frame = now  # a page moving or a lease of its calls open is activity; leases bound both
         elif now - self._last_frame >= timeout_s:
             self._idle_timer = None
             log.info("tcp peer=%s sent no frame for %.1f s (tcp.idle_timeout_s); closing", self._peer,

@@ -157,6 +157,33 @@ def test_at_the_tcp_limit_the_connection_idle_longest_makes_room(start_server):
     assert "to admit a new one" in server.log()
 
 
+def test_at_the_tcp_limit_a_call_connection_holding_a_lease_is_not_taken(start_server):
+    """A TCP client's call connection sends nothing while its put's pages move on its data connection: the
+    lease it holds keeps it from being reclaimed, though it is the connection idle longest."""
+    from kvstore_client.tcp_control import TcpControlChannel
+
+    server = start_server({"tcp.connections_max": 4})
+    endpoint = json.loads(server.ready_file.read_text())["tcp_endpoint"]
+    with KVStoreClient(server.address, transport="tcp", control="grpc") as opener:
+        ns_id = opener._namespace_id(NS)
+    holder = TcpControlChannel(endpoint, 5.0)
+    host, _, port = endpoint.rpartition(":")
+    idle = []
+    try:
+        reserved = holder.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[b"held"], page_bytes=PAGE,
+                                                            lease_ttl_ms=60_000))
+        idle = [socket.create_connection((host, int(port)), timeout=20) for _ in range(3)]
+        time.sleep(1.2)   # past RECLAIM_IDLE_S, for the holder first
+        with KVStoreClient(server.address, transport="tcp", timeout_s=20) as client:   # two connections
+            put_and_get(client, seed=7)
+        holder.call("Abort", pb.AbortRequest(lease_id=reserved.lease_id))   # its lease, still open
+    finally:
+        holder.close()
+        for sock in idle:
+            sock.close()
+    assert server.log().count("to admit a new one") == 2
+
+
 def test_at_the_local_limit_the_connection_idle_longest_makes_room(start_server):
     """Idle local sockets (one byte each, a frame never finished) lock no local client out."""
     server = start_server({"shm.connections_max": 8})
