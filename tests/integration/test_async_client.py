@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore_client import AsyncKVStoreClient, InvalidArgument, KVStoreClient, Namespace, errors, node_steps, prefix_hashes
+from kvstore_client.async_channel import AsyncTcpControlChannel
 
 PAGE = 8192
 
@@ -187,6 +188,7 @@ def test_pages_over_tcp_come_back_byte_for_byte(start_server):
     async def run():
         async with AsyncKVStoreClient(server.address, transport="tcp", timeout_s=20) as client:
             assert client.transport == "tcp"
+            assert isinstance(client._conn.control, AsyncTcpControlChannel)   # its calls beside its pages
             threads_before = threading.active_count()
             assert await client.put(ns, keys, data, verify=True) == 400
             out = np.zeros_like(data)

@@ -7,8 +7,9 @@
 Same arguments, results (PutResult, counts, RouteResponse, StatsResponse) and errors as
 KVStoreClient; argument checks are shared (arguments.py). Control messages go over the node's
 Unix socket as asyncio streams (the same frames as LocalChannel, answered in order) when the
-node is on this host, else over grpc.aio. Page bytes move through the shared-memory arena,
-copied inline: a memcpy of a page costs less than handing it to a thread. The arena's fd
+node is on this host, on a call connection of its TCP data plane when pages move over TCP (where
+its Hello offers tcp_calls), else over grpc.aio (async_channel.py). Page bytes move through the
+shared-memory arena, copied inline: a memcpy of a page costs less than handing it to a thread. The arena's fd
 comes over its own socket (asyncio streams cannot receive SCM_RIGHTS), which stays open as
 the mapping's liveness signal, exactly as in the sync client: one short blocking exchange on
 the local socket at connect, never per call. Where shared memory cannot be used (the node is
@@ -29,16 +30,12 @@ client serves any number of tasks of one event loop; it is not for use from othe
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 from typing import Any, Callable, Sequence, TypeVar
 
-import grpc
-import grpc.aio
-
-from kvstore_client import errors, framing, node_calls
+from kvstore_client import errors, node_calls
 from kvstore_client.arguments import is_cluster_url, node_target
+from kvstore_client.async_channel import AsyncGrpcChannel, AsyncLocalChannel, AsyncTcpControlChannel
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
 from kvstore_client.credentials import Credentials
@@ -56,155 +53,6 @@ from kvstore_client.transport_choice import candidates
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class AsyncLocalChannel:
-    """kvstore.v1 frames on the node's Unix socket over asyncio streams; answers are matched in order."""
-
-    answers_in_order = True
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self._reader, self._writer = reader, writer
-        self._inflight: collections.deque[tuple[asyncio.Future, type]] = collections.deque()
-        self._broken: errors.KVStoreError | None = None
-        self._reading = asyncio.ensure_future(self._read_answers())
-
-    @classmethod
-    async def open(cls, path: str, token: str = "", proof: tuple[bytes, bytes] | None = None) -> "AsyncLocalChannel":
-        """As LocalChannel: the socket proves it is Hello's node (framing.PROVE), then a token is shown."""
-        try:
-            reader, writer = await asyncio.open_unix_connection(path)
-        except OSError as exc:
-            raise errors.Unavailable(f"cannot connect to the shm socket {path}: {exc}") from None
-        try:
-            if proof is not None:
-                writer.write(framing.encode(framing.PROVE, proof[0]))
-                try:
-                    length, code = framing.decode_header(await reader.readexactly(framing.HEADER.size))
-                    answer = (code, await reader.readexactly(length))
-                except (asyncio.IncompleteReadError, framing.FrameError, OSError):
-                    answer = framing.NO_ANSWER
-                framing.check_proof(path, answer, proof[1])
-            if token:
-                writer.write(framing.encode(framing.AUTHENTICATE, token.encode()))
-                length, code = framing.decode_header(await reader.readexactly(framing.HEADER.size))
-                payload = await reader.readexactly(length)
-                if code:
-                    raise errors.error_from_code(code, payload.decode(errors="replace"))
-        except asyncio.IncompleteReadError:
-            writer.close()
-            raise errors.Unavailable(f"the node closed the shm socket {path} before answering its token") from None
-        except BaseException:
-            writer.close()
-            raise
-        return cls(reader, writer)
-
-    async def call(self, name: str, request: Any, timeout_s: float) -> Any:
-        return await self._within(name, self._submit(name, request), timeout_s)
-
-    def submit(self, name: str, request: Any, timeout_s: float) -> asyncio.Future:
-        """Send now (frames leave in the order submitted); the answer is a future, settled within timeout_s."""
-        return asyncio.ensure_future(self._within(name, self._submit(name, request), timeout_s))
-
-    @staticmethod
-    async def _within(name: str, answer: asyncio.Future, timeout_s: float) -> Any:
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await answer
-        except TimeoutError:   # the answer, when it comes, is read and dropped: the channel stays in step
-            raise errors.DeadlineExceeded(f"{name}: no answer on the shm socket within timeout_s") from None
-
-    def post(self, name: str, request: Any) -> None:
-        """Send without waiting; an error in the answer is logged."""
-        if self._broken is not None:
-            return   # the node ends the connection's leases itself
-        answer = self._submit(name, request)
-        answer.add_done_callback(lambda f: f.cancelled() or f.exception() is None or
-                                 log.warning("%s failed after it was posted: %s", name, f.exception()))
-
-    def alive(self) -> bool:
-        return self._broken is None and not self._reader.at_eof()
-
-    async def close(self, timeout_s: float = 5.0) -> None:
-        """Read the answers of everything sent (posted releases included), then close."""
-        pending = [answer for answer, _ in self._inflight]
-        if pending and self._broken is None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout_s):
-                    await asyncio.gather(*pending, return_exceptions=True)
-        self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
-        self._reading.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reading
-
-    def _submit(self, name: str, request: Any) -> asyncio.Future:
-        if self._broken is not None:
-            raise self._broken
-        method_id = framing.METHOD_IDS[name]
-        answer = asyncio.get_running_loop().create_future()
-        self._inflight.append((answer, framing.METHODS[method_id][2]))
-        self._writer.write(framing.encode(method_id, request.SerializeToString()))
-        return answer
-
-    async def _read_answers(self) -> None:
-        try:
-            while True:
-                length, code = framing.decode_header(await self._reader.readexactly(framing.HEADER.size))
-                payload = await self._reader.readexactly(length)
-                answer, response_cls = self._inflight.popleft()
-                if answer.done():      # its caller gave up (timeout_s)
-                    continue
-                if code:
-                    answer.set_exception(errors.error_from_code(code, payload.decode(errors="replace")))
-                else:
-                    answer.set_result(response_cls.FromString(payload))
-        except (asyncio.IncompleteReadError, OSError) as exc:
-            self._broken = errors.Unavailable(f"the shm socket closed: {exc}")
-            for answer, _ in self._inflight:
-                if not answer.done():
-                    answer.set_exception(self._broken)
-            self._inflight.clear()
-
-
-class AsyncGrpcChannel:
-    """kvstore.v1 over grpc.aio; errors mapped by errors.error_from_rpc, as in the sync client."""
-
-    answers_in_order = False
-
-    def __init__(self, target: str, credentials: Credentials):
-        self._metadata = credentials.metadata
-        self._channel = credentials.aio_channel(target, [("grpc.max_receive_message_length", 64 << 20),
-                                                         ("grpc.use_local_subchannel_pool", 1)])
-        self._stubs = {name: self._channel.unary_unary(f"/kvstore.v1.KVStore/{name}",
-                                                       request_serializer=request_cls.SerializeToString,
-                                                       response_deserializer=response_cls.FromString)
-                       for name, request_cls, response_cls in framing.METHODS.values()}
-        self._posted: set[asyncio.Task] = set()
-
-    async def call(self, name: str, request: Any, timeout_s: float) -> Any:
-        try:
-            return await self._stubs[name](request, timeout=timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise errors.error_from_rpc(exc) from None
-
-    def submit(self, name: str, request: Any, timeout_s: float) -> asyncio.Future:
-        return asyncio.ensure_future(self.call(name, request, timeout_s))
-
-    def post(self, name: str, request: Any, timeout_s: float = 5.0) -> None:
-        task = asyncio.ensure_future(self.call(name, request, timeout_s))
-        self._posted.add(task)
-        task.add_done_callback(lambda t: self._posted.discard(t) or t.cancelled() or t.exception() is None or
-                               log.warning("%s failed after it was posted: %s", name, t.exception()))
-
-    def alive(self) -> bool:
-        return True   # gRPC reconnects by itself; a node it cannot reach fails the call (Unavailable)
-
-    async def close(self) -> None:
-        if self._posted:   # releases and aborts finish first, or their leases would wait for their TTL
-            await asyncio.gather(*self._posted, return_exceptions=True)
-        await self._channel.close()
 
 
 class _ArenaPages:
@@ -238,7 +86,7 @@ class _Connection:
         self.hello, self.grpc, self.timeout_s = hello, grpc_channel, timeout_s
         self.credentials = credentials
         self.token = credentials.token                   # shown on the local socket too (framing.AUTHENTICATE)
-        self.control: AsyncLocalChannel | AsyncGrpcChannel = grpc_channel
+        self.control: AsyncLocalChannel | AsyncTcpControlChannel | AsyncGrpcChannel = grpc_channel
         self.data: _ArenaPages | AsyncTcpDataPath | None = None
         self.no_data_reason = ""                         # why data is None, for put/get to say
         self.arena_channel: LocalChannel | None = None   # the arena came over it; open while the mapping is used
@@ -278,9 +126,7 @@ class _Connection:
                 if name == "shm":
                     await self._open_shm()
                 else:
-                    tls = self.credentials.tcp_tls() if hello.tcp_tls else None
-                    self.data = await asyncio.wait_for(AsyncTcpDataPath.open(hello.tcp_endpoint, hello.data_ticket, tls),
-                                                       self.timeout_s)
+                    await self._open_tcp()
                 return
             except (errors.Unavailable, errors.PermissionDenied, errors.TransportUnavailable, TimeoutError) as exc:
                 if transport != "auto":
@@ -288,6 +134,20 @@ class _Connection:
                 log.info("data plane %s cannot be used, trying the next: %s", name, exc)
                 failures.append(f"{name}: {exc}")
         self.no_data_reason = "no data plane of the node works from here: " + "; ".join(failures)
+
+    async def _open_tcp(self) -> None:
+        """Pages over the TCP data plane, and the calls on a connection of their own beside them where it takes them."""
+        hello = self.hello
+        tls = self.credentials.tcp_tls() if hello.tcp_tls else None
+        data = await asyncio.wait_for(AsyncTcpDataPath.open(hello.tcp_endpoint, hello.data_ticket, tls), self.timeout_s)
+        try:
+            if hello.tcp_calls:
+                self.control = await asyncio.wait_for(
+                    AsyncTcpControlChannel.open(hello.tcp_endpoint, hello.data_ticket, tls), self.timeout_s)
+        except BaseException:
+            data.close()
+            raise
+        self.data = data
 
     async def _open_shm(self) -> None:
         proof = (self.hello.local_challenge, self.hello.local_answer)

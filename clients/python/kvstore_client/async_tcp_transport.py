@@ -30,6 +30,34 @@ from kvstore_client.tcp_framing import (RESPONSE, VOUCHED, FrameError, Op, check
 GET_WINDOW_FRAMES = 256     # GET requests sent ahead of their answers, as tcp_transport.py
 
 
+async def open_stream(endpoint: str, ticket: bytes = b"", tls: ssl.SSLContext | None = None
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the TCP data plane (TCP_NODELAY; TLS where `tls` is given), its HELLO answered where the
+    node handed out a ticket (Hello's data_ticket)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        reader, writer = await asyncio.open_connection(
+            host, int(port), ssl=tls, server_hostname=host.strip("[]") if tls is not None else None)
+    except (OSError, ValueError) as exc:
+        raise errors.Unavailable(f"cannot connect to the TCP data plane at {endpoint}: {exc}") from None
+    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if ticket:
+        try:
+            writer.write(encode_hello(ticket))
+            status, op, length, _ = decode_response(await reader.readexactly(RESPONSE.size))
+            text = await reader.readexactly(length)
+            if status:
+                raise errors.error_from_code(status, text.decode(errors="replace"))
+            check_answer(Op.HELLO, op, length, None)
+        except (OSError, asyncio.IncompleteReadError, FrameError) as exc:
+            writer.transport.abort()
+            raise errors.Unavailable(f"the TCP data plane at {endpoint} did not answer its HELLO: {exc}") from None
+        except BaseException:
+            writer.transport.abort()
+            raise
+    return reader, writer
+
+
 def _view(segment: Segment) -> memoryview:
     address, nbytes = segment
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
@@ -50,21 +78,7 @@ class AsyncTcpDataPath:
     async def open(cls, endpoint: str, ticket: bytes = b"", tls: ssl.SSLContext | None = None) -> "AsyncTcpDataPath":
         """Connect (and show `ticket`, Hello's data_ticket, when the node handed one out); `tls`: the context of
         a node whose data plane speaks TLS (Credentials.tcp_tls)."""
-        host, _, port = endpoint.rpartition(":")
-        try:
-            reader, writer = await asyncio.open_connection(
-                host, int(port), ssl=tls, server_hostname=host.strip("[]") if tls is not None else None)
-        except (OSError, ValueError) as exc:
-            raise errors.Unavailable(f"cannot connect to the TCP data plane at {endpoint}: {exc}") from None
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        path = cls(endpoint, reader, writer)
-        if ticket:
-            try:
-                await path._io(path._hello(ticket))
-            except BaseException:
-                path.close()
-                raise
-        return path
+        return cls(endpoint, *await open_stream(endpoint, ticket, tls))
 
     async def put(self, lease_id: int, token: bytes, pages: list[Page], page_bytes: int) -> None:
         """Write each page into its slot; raises the first refusal after every answer is read."""
@@ -118,12 +132,6 @@ class AsyncTcpDataPath:
             first_error = first_error or error
         if first_error is not None:
             raise first_error
-
-    async def _hello(self, ticket: bytes) -> None:
-        self._writer.write(encode_hello(ticket))
-        refusal, _ = await self._answer(Op.HELLO, None)
-        if refusal is not None:
-            raise refusal
 
     def _check(self) -> None:
         if self._broken is not None:
