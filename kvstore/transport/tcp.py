@@ -20,7 +20,10 @@ the gRPC server.
   the reader skips hashing it.
 - Each frame is resolved through a SlotResolver (the service, wired by server.py): the
   token must be the lease's and the slot one of its slots. A refused frame gets an error
-  answer and the connection goes on.
+  answer and the connection goes on. Headers are read many to a read (tcp_framing.RequestReader),
+  and each read's frames are served in one pass (_serve): a batch of 64 GETs of 1 MiB cost the
+  loop a read and a pass of Python per 40-byte header (gets over loopback, client and node on
+  two cores: 0.85-0.90 of a raw socket before, 0.90-0.98 after, alternated runs).
 - A grant is held until its bytes have moved: a PUT until its body is in, a GET until the
   transport's write queue has drained past it. A connection lost mid-body cuts the write,
   which ends the lease: the torn page is never visible and its slots are reclaimed.
@@ -222,6 +225,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._last_frame = 0.0                     # loop.time() of the last frame received
         self._closed = False
         self._greeted = False                      # a HELLO bound _resolver to the peer's identity
+        self._writing_paused = False               # its output is above write_buffer_high_bytes: no new frame
         self._carries: str | None = None           # "pages" or "calls", from its first PUT, GET or CALL
         self._calls: ControlCalls | None = None    # opened by its first CALL
         self._call_body: tuple[int, memoryview] | None = None   # the CALL being received: (method id, body)
@@ -253,53 +257,16 @@ class _Connection(asyncio.BufferedProtocol):
         return buffer if self._body is None else self._landing.place(buffer)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._body is not None:
-            self._landing.landed(self._reader.buffer(), nbytes)
-        try:
-            event = self._reader.received(nbytes)
-        except FrameError as exc:
-            log.warning("tcp peer=%s sent an unreadable frame, closing: %s", self._peer, exc)
-            self._write([encode_error(0, errors.MalformedRequest.code, str(exc))])
-            self._transport.close()
-            return
-        if event is None:
-            return
-        self._last_frame = self._server._loop.time()
-        if isinstance(event, Hello):
-            self._hello(event.ticket)
-            return
-        if isinstance(event, Request):
-            if not self._greeted and self._server.settings.hello_required:
-                self._refuse(event.op, errors.Unauthenticated(
-                    "this node needs the connection's first frame to be a HELLO with the data_ticket of a gRPC "
-                    "Hello (pass token= or TLS files to KVStoreClient)"))
-                self._transport.close()
-                return
-            if not self._carry("calls" if event.op == Op.CALL else "pages", event):
-                return
-            if event.op == Op.PUT:
-                self._start_put(event)
-            elif event.op == Op.GET:
-                self._get(event)
-            else:
-                self._start_call(event)
-        elif event is Event.BODY_DONE and self._call_body is not None:
-            (method_id, body), self._call_body = self._call_body, None
-            self._queue_call(method_id, body)
-        elif event is Event.BODY_DONE:
-            grant, self._body = self._body, None
-            # Hashed as it landed: its Commit reads nothing back, so no 16 MiB hash sits between the last byte
-            # and the answer.
-            self._resolver.finish_transfer(grant, self._landing.intdigest())
-            self._answer_put()
-        self._collect_reads()
+        self._serve(nbytes)
 
     def pause_writing(self) -> None:
+        self._writing_paused = True
         self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._collect_reads()
-        if not self._closed:
+        self._writing_paused = False
+        self._serve(0)   # the frames read ahead before the pause
+        if not self._closed and not self._writing_paused:
             self._transport.resume_reading()
 
     def eof_received(self) -> bool:
@@ -329,6 +296,68 @@ class _Connection(asyncio.BufferedProtocol):
             self._transport.abort()
 
     # -- frames ------------------------------------------------------------------------
+
+    def _serve(self, nbytes: int) -> None:
+        """Take `nbytes` just read into get_buffer()'s buffer, then what was read ahead with them: the bytes of a
+        body its header came with, and every whole frame, but no new frame while writing is paused."""
+        reader = self._reader
+        try:
+            event = self._received(nbytes) if nbytes else None
+            if event is None and reader.mid_body and not reader.read_ahead():
+                return   # most reads of a page: more of its body, nothing else
+            while True:
+                if event is not None:
+                    self._handle(event)
+                    if self._transport.is_closing():   # refused for good
+                        return
+                if reader.read_ahead():
+                    event = self._received(reader.move_read_ahead(self.get_buffer(0)))
+                elif self._writing_paused:
+                    break
+                else:
+                    event = reader.next_frame()
+                    if event is None and not reader.read_ahead():
+                        break
+        except FrameError as exc:
+            log.warning("tcp peer=%s sent an unreadable frame, closing: %s", self._peer, exc)
+            self._write([encode_error(0, errors.MalformedRequest.code, str(exc))])
+            self._transport.close()
+            return
+        self._collect_reads()
+
+    def _received(self, nbytes: int) -> Request | Event | Hello | None:
+        """What `nbytes` written into get_buffer()'s buffer complete; a body's bytes land in its slot, hashed."""
+        if self._body is not None:
+            self._landing.landed(self._reader.buffer(), nbytes)
+        return self._reader.received(nbytes)
+
+    def _handle(self, event: Request | Event | Hello) -> None:
+        self._last_frame = self._server._loop.time()
+        if isinstance(event, Hello):
+            self._hello(event.ticket)
+        elif isinstance(event, Request):
+            if not self._greeted and self._server.settings.hello_required:
+                self._refuse(event.op, errors.Unauthenticated(
+                    "this node needs the connection's first frame to be a HELLO with the data_ticket of a gRPC "
+                    "Hello (pass token= or TLS files to KVStoreClient)"))
+                self._transport.close()
+            elif not self._carry("calls" if event.op == Op.CALL else "pages", event):
+                pass
+            elif event.op == Op.PUT:
+                self._start_put(event)
+            elif event.op == Op.GET:
+                self._get(event)
+            else:
+                self._start_call(event)
+        elif event is Event.BODY_DONE and self._call_body is not None:
+            (method_id, body), self._call_body = self._call_body, None
+            self._queue_call(method_id, body)
+        elif event is Event.BODY_DONE:
+            grant, self._body = self._body, None
+            # Hashed as it landed: its Commit reads nothing back, so no 16 MiB hash sits between the last byte
+            # and the answer.
+            self._resolver.finish_transfer(grant, self._landing.intdigest())
+            self._answer_put()
 
     def _hello(self, ticket: bytes) -> None:
         try:

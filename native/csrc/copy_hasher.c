@@ -122,7 +122,13 @@ static PyObject *ch_receive(CopyHasher *self, PyObject *args) {
             late = 1;   /* a trickle must not outlive the call */
             n = -1;
         } else {
-            n = recv(fd, buffer.buf, total - got < room ? total - got : room, 0);
+            /* hashing, part-way through a line: read to its end (copy-and-hash runs in one pass from a line on) */
+            size_t want = hashed && got % 64 ? 64 - got % 64 : room;
+            if (want > room)
+                want = room;
+            if (want > total - got)
+                want = total - got;
+            n = recv(fd, buffer.buf, want, 0);
             if (n > 0)
                 land(self, (uint8_t *)dst.buf + got, buffer.buf, (size_t)n, hashed);
             else if (n < 0)

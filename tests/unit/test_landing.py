@@ -69,3 +69,21 @@ def test_reads_are_bounded_by_the_landing_not_the_page():
     assert len(place) == landing.LANDING_BYTES
     place[:3] = b"abc"
     assert bytes(shared[:3]) == b"abc"   # it reads into the buffer it was given, not the page
+
+
+@pytest.mark.skipif(native.CopyHasher is None, reason="CopiedLanding needs kvstore_native's CopyHasher")
+def test_a_hashed_page_cut_part_way_through_a_line_is_read_to_the_line_end_next():
+    """CopyHasher copies and hashes in one pass only from a 64-byte line on: after a read that stops part-way
+    through one, the next read goes only to its end, and the one after is whole again. Unhashed pages read whole."""
+    copied = landing.CopiedLanding(landing.landing_buffer())
+    page = memoryview(bytearray(1 << 20))
+    copied.reset()
+    first = copied.place(page)
+    first[:2520] = bytes(2520)
+    copied.landed(page, 2520)                       # 39 lines and 24 bytes
+    assert len(copied.place(page[2520:])) == 64 - 24
+    copied.landed(page[2520:], 40)
+    assert len(copied.place(page[2560:])) == landing.LANDING_BYTES
+    copied.reset(hashed=False)
+    copied.landed(page, 100)
+    assert len(copied.place(page[100:])) == landing.LANDING_BYTES

@@ -10,25 +10,39 @@ from kvstore_client.tcp_framing import Event, FrameError, Op, Request, RequestRe
 TOKEN = bytes(range(16))
 
 
-def feed(reader: RequestReader, data: bytes, step: int, targets: list):
-    """Receive `data` as the I/O layer would, at most `step` bytes per recv; returns the events.
+def feed(reader: RequestReader, data: bytes, step: int, targets: list, moved: list | None = None):
+    """Receive `data` as the I/O layer would, at most `step` bytes per recv, taking what each read brought
+    ahead (frames, and body bytes moved as if read: their sizes go in `moved`); returns the events.
 
     Each PUT or CALL body goes into the next of `targets` (None: refused, skipped)."""
     events, position = [], 0
+
+    def take(event):
+        while True:
+            if event is not None:
+                events.append(event)
+                if isinstance(event, Request) and event.op in (Op.PUT, Op.CALL) and event.length:
+                    target = targets.pop(0)
+                    if target is None:
+                        reader.skip_body()
+                    else:
+                        reader.accept_body(target)
+            if reader.read_ahead():
+                n = reader.move_read_ahead(reader.buffer())
+                if moved is not None:
+                    moved.append(n)
+                event = reader.received(n)
+            else:
+                event = reader.next_frame()
+                if event is None and not reader.read_ahead():
+                    return
+
     while position < len(data):
         target = reader.buffer()
         n = min(step, len(target), len(data) - position)
         target[:n] = data[position:position + n]
         position += n
-        event = reader.received(n)
-        if event is not None:
-            events.append(event)
-            if isinstance(event, Request) and event.op in (Op.PUT, Op.CALL) and event.length:
-                target = targets.pop(0)
-                if target is None:
-                    reader.skip_body()
-                else:
-                    reader.accept_body(target)
+        take(reader.received(n))
     return events
 
 
@@ -58,7 +72,7 @@ def test_a_call_carries_its_method_and_message_and_may_be_longer_than_a_page(ste
         tf.encode_call(1, bytes(tf.CALL_BYTES_MAX + 1))
     reader = RequestReader(4096, memoryview(bytearray(8)))
     header = tf.REQUEST.pack(Op.CALL, tf.VERSION, 0, tf.CALL_BYTES_MAX + 1, 0, bytes(16), 1, 0)
-    reader.buffer()[:] = header
+    reader.buffer()[:len(header)] = header
     with pytest.raises(FrameError, match="a call of"):
         reader.received(len(header))
 
@@ -70,9 +84,31 @@ def test_a_refused_body_is_skipped_through_bounded_scratch_and_the_stream_stays_
     buffer = reader.buffer
     reader.buffer = lambda: sizes.append(len(buffer())) or buffer()
     stream = tf.encode_request(Op.PUT, 5, TOKEN, 3, 1000) + b"x" * 1000 + tf.encode_request(Op.GET, 1, TOKEN, 2, 10)
-    events = feed(reader, stream, 1 << 20, [None])
+    moved = []
+    events = feed(reader, stream, 1 << 20, [None], moved)   # the body came with its header: moved on from there
     assert events[1] is Event.BODY_SKIPPED and events[2] == Request(Op.GET, 10, 1, TOKEN, 2)
-    assert max(sizes) <= len(scratch)
+    assert sum(moved) == 1000 and max(moved) <= len(scratch)
+    assert max(sizes) <= max(len(scratch), tf.FRAMES_BYTES)
+
+
+@pytest.mark.parametrize("step", [1000, 1 << 20])
+def test_a_batch_of_requests_is_read_many_frames_at_a_time_and_taken_in_order(step):
+    """100 GETs, then a PUT of a small page whose body comes in the same read as its header and the GETs after
+    it: every request comes out once, in order, across reads that cut headers in two."""
+    slot = memoryview(bytearray(448))
+    body = bytes(range(224)) * 2
+    gets = [tf.encode_request(Op.GET, 7, TOKEN, i, 448) for i in range(100)]
+    stream = b"".join(gets) + tf.encode_request(Op.PUT, 8, TOKEN, 0, 448) + body + b"".join(gets[:3])
+    reader = RequestReader(4096, memoryview(bytearray(64)))
+    reads = []
+    buffer = reader.buffer
+    reader.buffer = lambda: reads.append(1) or buffer()
+    events = feed(reader, stream, step, [slot])
+    assert [e.slot for e in events[:100]] == list(range(100))
+    assert events[100:] == [Request(Op.PUT, 448, 8, TOKEN, 0), Event.BODY_DONE] + [Request(Op.GET, 448, 7, TOKEN, i)
+                                                                                  for i in range(3)]
+    assert bytes(slot) == body
+    assert len(reads) < 20   # a few buffers for 104 frames, not one each
 
 
 def test_mid_body_is_reported_until_the_page_is_complete():
@@ -96,7 +132,7 @@ def test_mid_body_is_reported_until_the_page_is_complete():
 ])
 def test_unreadable_headers_are_frame_errors(header, why):
     reader = RequestReader(4096, memoryview(bytearray(8)))
-    reader.buffer()[:] = header
+    reader.buffer()[:len(header)] = header
     with pytest.raises(FrameError, match=why):
         reader.received(len(header))
 

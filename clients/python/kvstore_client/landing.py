@@ -15,7 +15,11 @@ tcp_framing.VOUCHED) starts with `reset(hashed=False)` and lands the same way, u
   0.71 -> 0.79 (native/README.md). An unhashed page is copied out with the same streamed
   stores (CopyHasher.copy_unhashed): a read straight into a cold page is slower than both.
   A reader on a plain blocking socket (the client; `receives`) hands it the whole page
-  instead: `receive` runs the read-and-copy loop natively, without the GIL.
+  instead: `receive` runs the read-and-copy loop natively, without the GIL. A read that leaves
+  the page part-way through a 64-byte line (a socket read returns what has come; the node hands
+  on the bytes of a body read ahead with its header) is followed, where the page is hashed, by
+  one short read to the line's end: CopyHasher copies and hashes in one pass only from a line and
+  an xxh3 stripe on, so one such read would otherwise put the rest of the page on its two-pass path.
 - DirectLanding (without kvstore_native's CopyHasher): reads go straight into place,
   DIRECT_PIECE_BYTES at most, each piece hashed by xxhash right after it lands.
 """
@@ -34,6 +38,8 @@ LANDING_BYTES = 256 << 10
 # A direct read: small enough to be hashed from the CPU's cache, large enough that the extra reads cost little
 # beside the bytes.
 DIRECT_PIECE_BYTES = 1 << 20
+# CopyHasher's one-pass copy-and-hash starts at a cache line of the destination and an xxh3 stripe: both 64 bytes.
+LINE_BYTES = 64
 
 
 def landing_buffer() -> memoryview:
@@ -65,6 +71,11 @@ class CopiedLanding(_Landing):
     def __init__(self, buffer: memoryview) -> None:
         super().__init__(native.CopyHasher())
         self._buffer = buffer
+        self._landed = 0   # bytes of this page landed so far
+
+    def reset(self, hashed: bool = True) -> None:
+        super().reset(hashed)
+        self._landed = 0
 
     def receive(self, fd: int, dst: memoryview, deadline: float | None) -> None:
         """Fill `dst` from the blocking socket `fd`, every read landed as place/landed would land it, in one native
@@ -73,9 +84,11 @@ class CopiedLanding(_Landing):
         self._hasher.receive(fd, dst, self._buffer, self._hashed, deadline or 0.0)
 
     def place(self, dst: memoryview) -> memoryview:
-        return self._buffer[:min(len(dst), LANDING_BYTES)]
+        cut = self._landed % LINE_BYTES if self._hashed else 0   # part-way through a line: read to its end
+        return self._buffer[:min(len(dst), LINE_BYTES - cut if cut else LANDING_BYTES)]
 
     def landed(self, dst: memoryview, nbytes: int) -> None:
+        self._landed += nbytes
         if self._hashed:
             self._hasher.copy(dst, self._buffer[:nbytes])
         else:
