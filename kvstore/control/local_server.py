@@ -42,8 +42,6 @@ import struct
 import threading
 import time
 
-from google.protobuf.message import DecodeError
-
 from kvstore.config import AuthConfig
 from kvstore.control import local_proof
 from kvstore.control.identity import Authenticator, Caller, TokenStanding
@@ -303,15 +301,8 @@ class LocalServer:
         conn.sendmsg([framing.encode(0, answer)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
 
     def _answer(self, conn: socket.socket, kind: int, payload: bytearray, owner: Caller) -> None:
-        method = framing.METHODS.get(kind)
         try:
-            if method is None:
-                raise errors.MalformedRequest(f"unknown method id {kind}")
-            name, request_cls, _ = method
-            try:
-                request = request_cls.FromString(payload)
-            except DecodeError as exc:
-                raise errors.MalformedRequest(f"{name}: request is not a valid {request_cls.__name__}: {exc}") from None
+            name, request = framing.decode_call(kind, payload)
             response = self._service.handle(name, request, owner)
         except errors.KVStoreError as exc:
             _send_error(conn, exc)
@@ -319,7 +310,7 @@ class LocalServer:
         except AssertionError as exc:  # a broken invariant is never answered and carried on from
             stop_node("the local channel", exc)
         except Exception:
-            log.exception("local %s failed", method[0] if method else kind)
+            log.exception("local method %d failed", kind)
             _send_error(conn, errors.Internal("internal error, see the server log"))
             return
         conn.sendall(framing.encode(0, response.SerializeToString()))

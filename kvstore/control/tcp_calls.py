@@ -11,10 +11,8 @@ open end when the connection closes, so a client killed mid-put frees its slots 
 
 from __future__ import annotations
 
-from google.protobuf.message import DecodeError
-
 from kvstore.control.identity import Caller, Identity, TokenStanding
-from kvstore_client import errors, framing
+from kvstore_client import framing
 
 
 class ConnectionCalls:
@@ -28,14 +26,7 @@ class ConnectionCalls:
     def call(self, method_id: int, payload: bytes | bytearray | memoryview) -> bytes:
         """The serialized response to one request; raises the KVStoreError it is refused with."""
         self._standing.check("tcp")
-        method = framing.METHODS.get(method_id)
-        if method is None:
-            raise errors.MalformedRequest(f"unknown method id {method_id} in a CALL frame")
-        name, request_cls, _ = method
-        try:
-            request = request_cls.FromString(payload)
-        except DecodeError as exc:
-            raise errors.MalformedRequest(f"{name}: request is not a valid {request_cls.__name__}: {exc}") from None
+        name, request = framing.decode_call(method_id, payload)
         return self._service.handle(name, request, self._owner).SerializeToString()
 
     def holds_leases(self) -> bool:

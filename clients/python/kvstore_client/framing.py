@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import hmac
 import struct
+from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from kvstore_client import errors
 from kvstore_client.proto import pb
@@ -60,6 +63,19 @@ def encode(kind: int, payload: bytes) -> bytes:
     if len(payload) > FRAME_BYTES_MAX:
         raise FrameError(f"frame of {len(payload)} bytes exceeds {FRAME_BYTES_MAX}")
     return HEADER.pack(len(payload), kind) + payload
+
+
+def decode_call(method_id: int, payload: bytes | bytearray | memoryview) -> tuple[str, Any]:
+    """The method's name and the request a frame carries (here, or in a TCP CALL frame); MalformedRequest
+    naming what is wrong when the id is no method's or the bytes are not its request message."""
+    method = METHODS.get(method_id)
+    if method is None:
+        raise errors.MalformedRequest(f"unknown method id {method_id}")
+    name, request_cls, _ = method
+    try:
+        return name, request_cls.FromString(payload)
+    except DecodeError as exc:
+        raise errors.MalformedRequest(f"{name}: request is not a valid {request_cls.__name__}: {exc}") from None
 
 
 def decode_header(header: bytes) -> tuple[int, int]:
