@@ -111,7 +111,7 @@ class TcpConfig:
     enabled: bool = True
     address: str = ""                       # host:port to listen on (port 0: a free one); "" = grpc's host, port 0
     advertise_host: str = ""                # host put in Hello's tcp_endpoint; "" = derived (transport/advertise.py)
-    connections_max: int = 1024
+    connections_max: int = 1024             # connections at once; a client keeps two (pages, and its calls)
     idle_timeout_s: float = 300.0           # a connection with no frame for this long is closed
     write_buffer_high_bytes: int = 16 << 20  # stop reading a connection's requests above this queued output
     write_buffer_low_bytes: int = 4 << 20
