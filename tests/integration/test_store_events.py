@@ -195,7 +195,17 @@ def test_inventory_rebuilt_through_subscriber_restart_lag_and_node_restart(start
         c = KVStoreClient(server.address, timeout_s=10)
         second.client = c
         after = truth(c)
-        assert set(after) <= set(before) and all(tiers == {"DISK"} for tiers in after.values())
+        assert all(tiers == {"DISK"} for tiers in after.values())
+        # A page the node took off NVMe to make room in the moments before the kill may still be on disk, its
+        # erasure not yet committed: it comes back whole. A page the client deleted never does.
+        back = set(after) - set(before)
+        deleted = {key.encode() for chain in range(92) if chain % 5 == 0 for key in keys_of(chain - 2)[3:]}
+        assert not back & deleted and len(back) <= CHAIN, back
+        for key in back:
+            chain = int(key.decode().removeprefix("chain").split("-")[0])
+            out = np.zeros((1, PAGE), np.uint8)
+            got = c.get(NS, [key.decode()], out)   # 0 where it was evicted again since
+            assert got == 0 or (out == chain % 251).all(), key
         churn(c, range(80, 90))
         final = converge(second, c)
         assert second.restarts >= 1 and second.clears > clears, "the node's new run was not seen as one"
