@@ -336,14 +336,9 @@ class _Connection(asyncio.BufferedProtocol):
         if isinstance(event, Hello):
             self._hello(event.ticket)
         elif isinstance(event, Request):
-            if not self._greeted and self._server.settings.hello_required:
-                self._refuse(event.op, errors.Unauthenticated(
-                    "this node needs the connection's first frame to be a HELLO with the data_ticket of a gRPC "
-                    "Hello (pass token= or TLS files to KVStoreClient)"))
-                self._transport.close()
-            elif not self._carry("calls" if event.op == Op.CALL else "pages", event):
-                pass
-            elif event.op == Op.PUT:
+            if not self._admitted(event):
+                return
+            if event.op == Op.PUT:
                 self._start_put(event)
             elif event.op == Op.GET:
                 self._get(event)
@@ -395,17 +390,23 @@ class _Connection(asyncio.BufferedProtocol):
         self._reads.append((self._sent, grant))
         self._watch_deadline(grant.deadline)
 
-    def _carry(self, kind: str, request: Request) -> bool:
-        """Whether the connection may carry this frame: its first PUT, GET or CALL says whether it carries pages
-        or calls, and a frame of the other kind is refused and closes it (its answer would not be in order)."""
-        if self._carries == kind:
-            return True
-        if self._carries is None:
+    def _admitted(self, request: Request) -> bool:
+        """Whether the connection may serve this frame, else it is refused and the connection closed: after a HELLO
+        where the node needs one; and of the kind its first PUT, GET or CALL set (pages or calls: answers to
+        the other kind would not come in order)."""
+        kind = "calls" if request.op == Op.CALL else "pages"
+        if not self._greeted and self._server.settings.hello_required:
+            refusal = errors.Unauthenticated(
+                "this node needs the connection's first frame to be a HELLO with the data_ticket of a gRPC "
+                "Hello (pass token= or TLS files to KVStoreClient)")
+        elif self._carries not in (None, kind):
+            refusal = errors.MalformedRequest(
+                f"this connection carries {self._carries}, and a {request.op.name} frame is not one: a client moves "
+                "pages on one connection and sends its calls on another")
+        else:
             self._carries = kind
             return True
-        self._refuse(request.op, errors.MalformedRequest(
-            f"this connection carries {self._carries}, and a {request.op.name} frame is not one: a client moves "
-            "pages on one connection and sends its calls on another"))
+        self._refuse(request.op, refusal)
         self._transport.close()
         return False
 

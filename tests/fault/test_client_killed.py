@@ -19,7 +19,7 @@ WRITER = textwrap.dedent("""
     import sys, numpy as np
     from kvstore_client import KVStoreClient, Namespace
     ns = Namespace(model="fault", page_bytes=65536)
-    with KVStoreClient(sys.argv[1]) as c:
+    with KVStoreClient(sys.argv[1], transport=sys.argv[3]) as c:
         for chain in range(40):
             keys = [f"w{sys.argv[2]}-{chain}-{i}" for i in range(32)]
             data = np.stack([np.full(65536, (chain * 32 + i) % 251, np.uint8) for i in range(32)])
@@ -74,11 +74,12 @@ def test_killed_between_copy_and_commit(start_server, control, ttl_ms, transport
         assert c.put(NS, ["after"], np.zeros((1, PAGE), np.uint8)) == 1
 
 
-def test_writers_killed_at_random_points_leave_only_whole_pages(start_server):
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_writers_killed_at_random_points_leave_only_whole_pages(start_server, transport):
     server = start_server({"dram.arena_bytes": "512MiB", "dram.slab_bytes": "8MiB"})  # no eviction here
     rng = random.Random(7)
     for run in range(6):
-        writer = spawn(WRITER, server.address, str(run))
+        writer = spawn(WRITER, server.address, str(run), transport)
         writer.stdout.readline()  # at least one chain is in
         time.sleep(rng.uniform(0.0, 0.2))
         writer.send_signal(signal.SIGKILL)

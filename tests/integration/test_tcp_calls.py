@@ -48,8 +48,7 @@ def answer(sock):
 
 
 def endpoint_of(server):
-    with KVStoreClient(server.address, control="grpc", transport="tcp") as client:
-        host, _, port = client._conn.hello.tcp_endpoint.rpartition(":")
+    host, _, port = json.loads(server.ready_file.read_text())["tcp_endpoint"].rpartition(":")
     return host, int(port)
 
 

@@ -389,6 +389,8 @@ def test_tcp_calls_are_served_as_the_tenant_of_the_connection(node, tokens):
     with pytest.raises((errors.Unavailable, errors.Unauthenticated)):   # closed by the node
         bob.call("Stats", pb.StatsRequest())
     assert alice.call("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=[b"c0"])).hit_pages == 0
+    alice.close()
+    bob.close()
 
 
 def kvstore_cli(node, *args, token=""):

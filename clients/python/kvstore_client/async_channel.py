@@ -22,7 +22,7 @@ import grpc.aio
 from kvstore_client import errors, framing
 from kvstore_client.async_tcp_transport import open_stream
 from kvstore_client.credentials import Credentials
-from kvstore_client.tcp_framing import CALL_BYTES_MAX, RESPONSE, FrameError, Op, decode_response, encode_call
+from kvstore_client.tcp_framing import RESPONSE, decode_call_answer, encode_call
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +167,7 @@ class AsyncTcpControlChannel(AsyncOrderedChannel):
         return encode_call(method_id, payload)
 
     async def _answer_frame(self) -> tuple[int, bytes]:
-        status, op, length, _ = decode_response(await self._reader.readexactly(RESPONSE.size))
-        if length > CALL_BYTES_MAX:
-            raise FrameError(f"an answer of {length} bytes exceeds {CALL_BYTES_MAX}")
-        if op != Op.CALL and not status:
-            raise FrameError(f"answer for op {op} on a connection of calls")
+        status, length = decode_call_answer(await self._reader.readexactly(RESPONSE.size))
         return status, await self._reader.readexactly(length)
 
 

@@ -57,6 +57,8 @@ class NodeConnection:
         """Hello over gRPC, then the first data path that works; raises what stopped it (Unavailable, ...)."""
         self.grpc = GrpcChannel(options.target, options.timeout_s, options.credentials)
         self.credentials = options.credentials
+        # The node's own channel, answered in order: its Unix socket (which also hands out the arena) beside
+        # shared memory, a call connection of its TCP data plane beside TCP pages.
         self.local: LocalChannel | TcpControlChannel | None = None
         self.data: DataPath | None = None
         try:

@@ -70,7 +70,8 @@ def decode_call(method_id: int, payload: bytes | bytearray | memoryview) -> tupl
     naming what is wrong when the id is no method's or the bytes are not its request message."""
     method = METHODS.get(method_id)
     if method is None:
-        raise errors.MalformedRequest(f"unknown method id {method_id}")
+        raise errors.MalformedRequest(f"unknown method id {method_id}: this node does not serve it (a client newer "
+                                      "than the node? upgrade the node, or call it over gRPC)")
     name, request_cls, _ = method
     try:
         return name, request_cls.FromString(payload)

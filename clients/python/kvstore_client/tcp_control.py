@@ -14,7 +14,7 @@ import ssl
 
 from kvstore_client import errors
 from kvstore_client.channel import OrderedChannel
-from kvstore_client.tcp_framing import (CALL_BYTES_MAX, RESPONSE, FrameError, Op, decode_response, encode_call,
+from kvstore_client.tcp_framing import (RESPONSE, Op, decode_call_answer, decode_response, encode_call,
                                         encode_hello)
 from kvstore_client.tcp_transport import connect
 
@@ -47,11 +47,7 @@ class TcpControlChannel(OrderedChannel):
         return encode_call(method_id, payload)
 
     def _answer_frame(self) -> tuple[int, bytes]:
-        status, op, length, _ = decode_response(self._recv_exact(RESPONSE.size))
-        if length > CALL_BYTES_MAX:
-            raise FrameError(f"an answer of {length} bytes exceeds {CALL_BYTES_MAX}")
-        if op != Op.CALL and not status:
-            raise FrameError(f"answer for op {op} on a connection of calls")
+        status, length = decode_call_answer(self._recv_exact(RESPONSE.size))
         return status, self._recv_exact(length)
 
     def _readable_before(self, deadline: float) -> bool:

@@ -142,6 +142,17 @@ def decode_response(header: bytes | bytearray | memoryview) -> Response:
     return Response(status, op, length, flags)
 
 
+def decode_call_answer(header: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """(status, length) of an answer on a connection of calls; FrameError unless it answers a CALL (or is an
+    error) and fits CALL_BYTES_MAX."""
+    status, op, length, _ = decode_response(header)
+    if length > CALL_BYTES_MAX:
+        raise FrameError(f"an answer of {length} bytes exceeds {CALL_BYTES_MAX}")
+    if op != Op.CALL and not status:
+        raise FrameError(f"answer for op {op} on a connection of calls")
+    return status, length
+
+
 def check_answer(op: Op, answered_op: int, length: int, page_bytes: int | None) -> None:
     """Raise FrameError unless an accepted answer to `op` carries `page_bytes` (None: no body)."""
     if answered_op != op:
@@ -182,7 +193,7 @@ class RequestReader:
 
     @property
     def mid_body(self) -> bool:
-        """Part of an accepted PUT body has been received, but not all of it."""
+        """Part of an accepted body (a PUT's, a CALL's, a HELLO's) has been received, but not all of it."""
         return self._state == self._BODY
 
     def buffer(self) -> memoryview:
