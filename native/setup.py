@@ -50,7 +50,7 @@ setup(
                  "csrc/xxh3.c", "csrc/xxh3_scalar.c", "csrc/xxh3_sse2.c", "csrc/xxh3_avx2.c",
                  "csrc/page_index.c", "csrc/page_table.c", "csrc/page_heaps.c", "csrc/index_record.c",
                  "csrc/placement_hash.c", "csrc/key_set.c",
-                 "csrc/copy_hasher.c"],
+                 "csrc/copy_hasher.c", "csrc/sha256_ni.c"],
         include_dirs=["csrc"],
         depends=sorted(glob.glob("csrc/*.h")),   # a changed header rebuilds, as a changed source does
         libraries=[":" + crypto_file],   # -l:libcrypto.so.3, the file itself

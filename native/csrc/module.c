@@ -1,7 +1,8 @@
 /* kvstore_native: the hot loops of kvstore's client and server, for CPython.
  *
- *   prefix_hashes(tokens, page_tokens, prior) -> list[str]   the SHA-256 prefix chain, as hex
- *   prefix_hashes_packed(tokens, page_tokens, prior) -> bytes the same keys, 64 ASCII bytes each, back to back
+ *   prefix_hashes(tokens, page_tokens, prior[, kernel]) -> list[str]   the SHA-256 prefix chain, as hex
+ *   prefix_hashes_packed(tokens, page_tokens, prior[, kernel]) -> bytes the same keys, 64 ASCII bytes
+ *                                                            each, back to back (kernel: tests)
  *   pack_keys(keys, key_bytes_max) -> (bytes, int) | None    str or bytes keys of one length, back to back
  *   copy_hash(dst, segments) -> int                          copy a page into place and xxh3 it
  *   copy_hash_pages(base, pages) -> list[int]                the same for many pages, one call
@@ -54,8 +55,16 @@ static PyObject *prefix_chain(PyObject *args, int packed) {
     PyObject *array;
     Py_buffer tokens, prior;
     Py_ssize_t page_tokens;
-    if (!PyArg_ParseTuple(args, "Ony*", &array, &page_tokens, &prior))
+    const char *kernel_name = "auto";
+    if (!PyArg_ParseTuple(args, "Ony*|s", &array, &page_tokens, &prior, &kernel_name))
         return NULL;
+    int kernel = prefix_hash_kernel(kernel_name);
+    if (kernel < 0) {
+        PyErr_Format(PyExc_ValueError, "kernel %s is not one this CPU runs (auto, libcrypto, or sha_ni where the "
+                     "CPU has the SHA extensions)", kernel_name);
+        PyBuffer_Release(&prior);
+        return NULL;
+    }
     if (PyObject_GetBuffer(array, &tokens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyBuffer_Release(&prior);
         return NULL;
@@ -83,7 +92,7 @@ static PyObject *prefix_chain(PyObject *args, int packed) {
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = prefix_hash_chain(tokens.buf, count, itemsize, is_signed, (size_t)page_tokens,
-                               prior.buf, (size_t)prior.len, digests);
+                               prior.buf, (size_t)prior.len, kernel, digests);
     Py_END_ALLOW_THREADS
     if (failed) {
         PyErr_SetString(PyExc_ValueError, "token ids must be 0 to 2**63-1 (int64's maximum, the widest SGLang hashes)");

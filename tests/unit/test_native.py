@@ -351,6 +351,34 @@ def test_prefix_hashes_equal_hashlibs_sha256_chain():
         assert kvstore_native.prefix_hashes(tokens.astype(np.int64), page, prior) == expected
 
 
+SHA_KERNELS = [pytest.param(k, marks=pytest.mark.skipif(
+    k == "sha_ni" and "sha_ni" not in open("/proc/cpuinfo").read(), reason="this CPU has no SHA extensions"))
+    for k in ("libcrypto", "sha_ni")]
+
+
+@pytest.mark.parametrize("kernel", SHA_KERNELS)
+@pytest.mark.parametrize("page", [1, 7, 8, 9, 16, 17, 31, 32, 33, 64, 100, 1500])
+def test_each_sha256_kernel_equals_hashlib_page_by_page(kernel, page):
+    """Every page length (one, two or three padding cases a block), every prior length, uint32 in place and int64
+    packed: the chain SHA-NI feeds from registers and the one through libcrypto both equal hashlib's."""
+    rng = np.random.default_rng(page)
+    for prior in (b"", rng.bytes(32), rng.bytes(5), rng.bytes(64), rng.bytes(70)):
+        for pages in (0, 1, 2, 5):
+            tokens = rng.integers(0, 2**32 - 1, size=page * pages + page // 2, dtype=np.uint32)
+            expected, digest = [], prior
+            for p in range(pages):
+                digest = hashlib.sha256(digest + tokens[p * page:(p + 1) * page].tobytes()).digest()
+                expected.append(digest.hex())
+            assert kvstore_native.prefix_hashes(tokens, page, prior, kernel) == expected
+            assert kvstore_native.prefix_hashes(tokens.astype(np.int64), page, prior, kernel) == expected
+            assert kvstore_native.prefix_hashes_packed(tokens, page, prior, kernel) == "".join(expected).encode()
+
+
+def test_an_unknown_sha256_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel md5 is not one this CPU runs"):
+        kvstore_native.prefix_hashes(np.zeros(16, dtype=np.uint32), 16, b"", "md5")
+
+
 def test_bad_arguments_raise_not_crash():
     with pytest.raises(TypeError):
         kvstore_native.prefix_hashes(np.zeros(4, dtype=np.float32), 1, b"")
