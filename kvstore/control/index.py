@@ -257,6 +257,18 @@ class PageIndex:
             record.tick = tick
             self._offer(record)
 
+    def read_all(self, records: list[PageRecord]) -> None:
+        """Pages read together: one hit each (saturating at PAGE_HITS_MAX) and one access tick."""
+        for record in records:
+            if record._hits < PAGE_HITS_MAX:
+                record._hits += 1
+        self.touch_all(records)
+
+    @staticmethod
+    def ready_prefix(records: list[PageRecord]) -> int:
+        """How many leading records are alive and in DRAM (what a read lease keeps)."""
+        return sum(1 for _ in itertools.takewhile(lambda r: r.alive and r.offset != NO_SLOT, records))
+
     def pin(self, record: PageRecord) -> None:
         record.pins += 1
 

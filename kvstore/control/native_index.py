@@ -44,8 +44,8 @@ except ImportError:  # pragma: no cover - where native/ is not built
     missing_reason = "kvstore_native is not installed"
 else:
     missing_reason = "" if _NativeIndex is not None else "kvstore_native has no PageIndex"
-if _NativeIndex is not None and not hasattr(_NativeIndex, "leading_places"):   # pragma: no cover
-    missing_reason = "kvstore_native was built from older sources (its PageIndex has no leading_places)"
+if _NativeIndex is not None and not hasattr(_NativeIndex, "ready_prefix"):   # pragma: no cover
+    missing_reason = "kvstore_native was built from older sources (its PageIndex has no ready_prefix)"
     _NativeIndex = None
 
 

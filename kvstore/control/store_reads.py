@@ -8,7 +8,6 @@ A part of PageStore (store.py), which owns the state and the one lock these meth
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from typing import Iterable
 
@@ -71,7 +70,10 @@ class ReadHolds:
     def missing(self, lease: Lease) -> list[PageRecord]:
         """Pages of the lease's chain not in DRAM, in chain order."""
         with self._lock:
-            return [r for r in lease.pinned if r.offset == NO_SLOT]
+            pinned = lease.pinned
+            if self.index.ready_prefix(pinned) == len(pinned):   # the usual Acquire: every page in DRAM
+                return []
+            return [r for r in pinned if r.offset == NO_SLOT]
 
     def want(self, lease: Lease) -> None:
         """Ask for the lease's pages not in DRAM to be promoted in the background."""
@@ -84,7 +86,7 @@ class ReadHolds:
         """Keep the leading pages in DRAM under the lease, unpin the rest, count; None if no page."""
         with self._lock:
             lease.busy -= 1
-            ready = list(itertools.takewhile(lambda r: r.alive and r.offset != NO_SLOT, lease.pinned))
+            ready = lease.pinned[:self.index.ready_prefix(lease.pinned)]
             self.index.unpin_all(lease.pinned[len(ready):])
             lease.pinned = ready
             from_dram = min(from_dram, len(ready))
@@ -94,9 +96,7 @@ class ReadHolds:
             if not ready or lease.ended:
                 self._end_lease(lease)
                 return None
-            for record in ready:
-                record.hits += 1
-            self.index.touch_all(ready)
+            self.index.read_all(ready)
             self.leases.restart(lease, self.clock())   # its TTL runs from the answer, not from before promotion
             self.listener.on_hit(ready)
             self.counters.bytes_acquired += len(ready) * self.namespaces[lease.namespace_id].page_bytes

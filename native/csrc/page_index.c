@@ -1006,6 +1006,31 @@ static PyObject *index_touch_all(index_t *self, PyObject *records) {
     Py_RETURN_NONE;
 }
 
+/* read_all(records): the pages were read together: one hit each (saturating) and one access tick. */
+static PyObject *index_read_all(index_t *self, PyObject *records) {
+    uint64_t tick = self->clock++;
+    FOR_RECORDS(records, page, {
+        page_t *p = &self->pages[page];
+        p->hits += p->hits < UINT32_MAX;
+        p->tick = tick;
+        if (offer(self, (uint32_t)page) < 0)
+            FAIL_IN_LOOP
+    });
+    Py_RETURN_NONE;
+}
+
+/* ready_prefix(records) -> int: how many leading records are alive and in DRAM (what a read lease keeps). */
+static PyObject *index_ready_prefix(index_t *self, PyObject *records) {
+    Py_ssize_t ready = 0;
+    FOR_RECORDS(records, page, {
+        const page_t *p = &self->pages[page];
+        if (!(p->flags & F_ALIVE) || !in_dram(p))
+            break;
+        ready++;
+    });
+    return PyLong_FromSsize_t(ready);
+}
+
 static PyObject *index_pin(index_t *self, PyObject *record) {
     int64_t page = page_of(self, record);
     if (page < 0)
@@ -1666,6 +1691,8 @@ GUARDED_KW(index_places_each)
 GUARDED_KW(index_leading)
 GUARDED_KW(index_leading_places)
 GUARDED_O(index_touch_all)
+GUARDED_O(index_read_all)
+GUARDED_O(index_ready_prefix)
 GUARDED_KW(index_scan)
 GUARDED_O(index_pin)
 GUARDED_KW(index_pin_all)
@@ -1712,6 +1739,9 @@ static PyMethodDef index_methods[] = {
     {"leading_places", (PyCFunction)(void (*)(void))guarded_index_leading_places, METH_VARARGS | METH_KEYWORDS,
      "leading_places(namespace_id, keys, key_bytes=0) -> bytes: where each page of leading(...) is, as places_each"},
     {"touch_all", (PyCFunction)guarded_index_touch_all, METH_O, "touch_all(records): one access tick"},
+    {"read_all", (PyCFunction)guarded_index_read_all, METH_O, "read_all(records): one hit each, one access tick"},
+    {"ready_prefix", (PyCFunction)guarded_index_ready_prefix, METH_O,
+     "ready_prefix(records) -> int: how many leading records are alive and in DRAM"},
     {"scan", (PyCFunction)(void (*)(void))guarded_index_scan, METH_VARARGS | METH_KEYWORDS,
      "scan(start, positions_max, namespace_id=None, keys=False, found_max=-1) -> (pages, next position or None)"},
     {"pin", (PyCFunction)guarded_index_pin, METH_O, "pin(record)"},

@@ -130,10 +130,13 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
             added[1].append(parents[1])
         py.touch_all(added[0])
         c.touch_all(added[1])
-    elif op < 0.4:
+    elif op < 0.4:   # touched, or read (a hit each too), after asking how many lead in DRAM
         chosen = rng.sample(alive, min(len(alive), rng.randrange(1, 5)))
-        py.touch_all([py.get(p) for p in chosen])
-        c.touch_all([c.get(p) for p in chosen])
+        group = ([py.get(p) for p in chosen], [c.get(p) for p in chosen])
+        assert py.ready_prefix(group[0]) == c.ready_prefix(group[1])
+        touch = "read_all" if rng.random() < 0.5 else "touch_all"
+        getattr(py, touch)(group[0])
+        getattr(c, touch)(group[1])
     elif op < 0.5:
         chosen = rng.sample(alive, min(len(alive), rng.randrange(1, 4)))
         hit = rng.random() < 0.5
@@ -294,6 +297,20 @@ def test_add_chain_links_each_page_under_the_one_before(implementation):
     leaf = index.get((1, b"w"))
     assert index.evict_dram(4096, False) is leaf and not leaf.alive   # the new leaf was offered for eviction
     index.check_prefix_closed()
+
+
+@pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
+                                                                    marks=needs_native)])
+def test_a_read_lease_keeps_the_pages_before_the_first_gone_or_not_in_dram(implementation):
+    index = implementation(lambda r: None, lambda r: None)
+    chain = index.add_chain(1, [b"a", b"b", b"c", b"d"], None, [0, 4096, 8192, 12288], 4096, [1, 2, 3, 4])
+    nvme_only = index.add((1, b"e"), chain[-1], NO_SLOT, 4096, 5, on_nvme=True)
+    assert index.ready_prefix(chain) == 4 and index.ready_prefix(chain + [nvme_only]) == 4
+    assert index.ready_prefix([]) == 0
+    index.read_all(chain[:2])
+    assert [r.hits for r in chain] == [1, 1, 0, 0] and chain[0].tick == chain[1].tick > chain[2].tick
+    index.remove_subtree(chain[2])   # c and everything under it
+    assert not chain[2].alive and index.ready_prefix(chain) == 2
 
 
 @pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
