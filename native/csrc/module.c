@@ -3,6 +3,7 @@
  *   prefix_hashes(tokens, page_tokens, prior[, kernel]) -> list[str]   the SHA-256 prefix chain, as hex
  *   prefix_hashes_packed(tokens, page_tokens, prior[, kernel]) -> bytes the same keys, 64 ASCII bytes
  *                                                            each, back to back (kernel: tests)
+ *   encode_keys(keys, key_bytes_max) -> list[bytes] | None   str or bytes keys as bytes, their lengths checked
  *   pack_keys(keys, key_bytes_max) -> (bytes, int) | None    str or bytes keys of one length, back to back
  *   copy_hash(dst, segments) -> int                          copy a page into place and xxh3 it
  *   copy_hash_pages(base, pages) -> list[int]                the same for many pages, one call
@@ -147,6 +148,43 @@ static const char *key_data(PyObject *key, int is_str, Py_ssize_t *len) {
         return NULL;
     *len = PyBytes_GET_SIZE(key);
     return PyBytes_AS_STRING(key);
+}
+
+/* The keys as a list of bytes (an ASCII str encoded, a bytes key itself), every one 1 to
+ * key_bytes_max bytes; None for any other list, which the SDK's Python path then encodes or refuses
+ * naming the key (it accepts what this accepts, and more: non-ASCII str, bytearray, memoryview). */
+static PyObject *py_encode_keys(PyObject *self, PyObject *args) {
+    PyObject *keys;
+    Py_ssize_t key_bytes_max;
+    if (!PyArg_ParseTuple(args, "On", &keys, &key_bytes_max))
+        return NULL;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {   /* checked whole before anything is made */
+        Py_ssize_t len;
+        if (!key_data(items[i], PyUnicode_CheckExact(items[i]), &len) || len <= 0 || len > key_bytes_max)
+            Py_RETURN_NONE;
+    }
+    PyObject *encoded = PyList_New(n);
+    if (!encoded)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        if (PyUnicode_CheckExact(key)) {
+            Py_ssize_t len;
+            const char *data = key_data(key, 1, &len);
+            if (!(key = PyBytes_FromStringAndSize(data, len))) {
+                Py_DECREF(encoded);
+                return NULL;
+            }
+        } else {
+            Py_INCREF(key);
+        }
+        PyList_SET_ITEM(encoded, i, key);
+    }
+    return encoded;
 }
 
 /* Keys of one length, 1 to key_bytes_max, all ASCII str or all bytes, back to back; None for any
@@ -720,6 +758,8 @@ static PyMethodDef methods[] = {
      "prefix_hashes(tokens, page_tokens, prior) -> list[str]: hex SHA-256 chain of every full page"},
     {"prefix_hashes_packed", py_prefix_hashes_packed, METH_VARARGS,
      "prefix_hashes_packed(tokens, page_tokens, prior) -> bytes: the same keys, 64 ASCII hex digits each, back to back"},
+    {"encode_keys", py_encode_keys, METH_VARARGS,
+     "encode_keys(keys, key_bytes_max) -> list[bytes] | None: ASCII str and bytes keys of 1 to key_bytes_max bytes"},
     {"pack_keys", py_pack_keys, METH_VARARGS,
      "pack_keys(keys, key_bytes_max) -> (bytes, key_bytes) | None: ASCII str or bytes keys of one length, back to back"},
     {"copy_hash", py_copy_hash, METH_VARARGS,

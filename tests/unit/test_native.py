@@ -3,6 +3,7 @@
 import ctypes
 import errno
 import hashlib
+import re
 import socket
 import struct
 import threading
@@ -527,6 +528,30 @@ def test_pack_keys_native_equals_python_on_random_lists():
         assert native_answer is None or native_answer == expected   # it declines only what Python decides
         packed_some += expected is not None
     assert packed_some > 50
+
+
+def test_encode_keys_native_equals_python_on_random_lists(monkeypatch):
+    """The same bytes for every list native encode_keys takes; what it declines, the Python path encodes or refuses."""
+    rng = np.random.default_rng(13)
+    odd = [["a", ""], [b"k", b"x" * (keys.KEY_BYTES_MAX + 1)], ["k" * keys.KEY_BYTES_MAX], ["ok", 3], [memoryview(b"m")]]
+    encoded_natively = 0
+    for batch in [*_random_key_lists(rng), *odd]:
+        native_answer = kvstore_native.encode_keys(batch, keys.KEY_BYTES_MAX)
+        with monkeypatch.context() as python_only:
+            python_only.setattr(native, "encode_keys", None)
+            try:
+                expected = keys.encode_keys(batch)
+            except ValueError as refused:
+                expected = refused
+        if isinstance(expected, ValueError):
+            assert native_answer is None
+            with pytest.raises(ValueError, match=re.escape(str(expected))):
+                keys.encode_keys(batch)
+            continue
+        assert native_answer is None or native_answer == expected
+        assert keys.encode_keys(batch) == expected and all(type(k) is bytes for k in expected)
+        encoded_natively += native_answer is not None
+    assert encoded_natively > 150
 
 
 def test_key_set_agrees_with_a_python_set_through_adds_and_discards():

@@ -148,7 +148,11 @@ def encode_keys(keys: Iterable[Key]) -> list[bytes]:
         raise InvalidArgument(f"keys must be a sequence of keys, got {type(keys).__name__}")
     if not isinstance(keys, (list, tuple)):
         keys = list(keys)   # walked twice below when not all str
-    try:   # the common case, str keys, encoded in one pass in C
+    if native.encode_keys is not None:   # ASCII str and bytes keys, checked and encoded in one native pass
+        raw = native.encode_keys(keys, KEY_BYTES_MAX)
+        if raw is not None:
+            return raw
+    try:   # str keys, encoded in one pass in C
         raw = list(map(str.encode, keys))
     except (TypeError, AttributeError):
         raw = [k.encode() if isinstance(k, str) else bytes(k) if isinstance(k, _BYTES) else encode_key(k) for k in keys]
