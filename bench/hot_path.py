@@ -28,7 +28,8 @@ got over KVStoreClient(transport="tcp") beside a raw Python socket doing the sam
 Transfer Engine over TCP, interleaved batch by batch, in both placements (split: client on CPU 0, servers on
 CPU 1; shared: all on CPU 0). Write-down (bench/writedown_latency.py, shortened: --writedown-idle-s,
 --writedown-loaded-s): a one-page get's p99 while write-back saturates one LMDB shard, over its idle p99,
-with the node alone on CPU 1, and the pages written down a second meanwhile.
+with the node alone on CPU 1, and the pages written down a second meanwhile; then its control run (the same
+loader, nothing written down), whose ratio is what the loader alone, on the reader's core, does to the reader.
 
 Last, each goal is printed beside this run's figure, met or short: 1-4 MiB put and get >= 0.9 of memmove and
 >= 1.15x Mooncake, 64 KiB >= 0.7 of memmove, 4 KiB >= 500k pages/s each way, a 128k-token lookup <= 1 ms by
@@ -219,13 +220,18 @@ def tcp_rows(args, mooncake_reason: str) -> list[dict]:
 
 
 def writedown(args) -> dict:
-    """writedown_latency's idle and loaded phases, shortened; the node on its own core."""
-    options = writedown_latency.make_parser().parse_args(
-        ["--idle-s", str(args.writedown_idle_s), "--loaded-s", str(args.writedown_loaded_s),
-         "--client-cpu", str(args.client_cpu), "--loader-cpu", str(args.client_cpu)])
-    result, placement = writedown_latency.run(options)
-    os.sched_setaffinity(0, {args.client_cpu})
-    return {**result, "placement": placement}
+    """writedown_latency's idle and loaded phases, shortened; the node on its own core. Then its control run
+    (--no-nvme: the same loader, pages evicted, nothing written down): the reader shares its core with the
+    loader, and the control shows what that alone does to its p99, beside what write-down does."""
+    runs = {}
+    for name, extra in (("writedown", []), ("control", ["--no-nvme"])):
+        options = writedown_latency.make_parser().parse_args(
+            ["--idle-s", str(args.writedown_idle_s), "--loaded-s", str(args.writedown_loaded_s),
+             "--client-cpu", str(args.client_cpu), "--loader-cpu", str(args.client_cpu), *extra])
+        result, placement = writedown_latency.run(options)
+        os.sched_setaffinity(0, {args.client_cpu})
+        runs[name] = {**result, "placement": placement}
+    return {**runs["writedown"], "control": runs["control"]}
 
 
 def _timed(chain, data) -> float:
@@ -255,6 +261,10 @@ def print_tables(report: dict) -> None:
               f"{w['loaded']['p99_us']:.0f} µs ({w['p99_ratio']:.2f}x); {w['pages_written_down_per_s']:.0f} pages "
               f"written down a second; CPUs busy in the second before: " +
               ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in w["placement"]["cpus_busy_before"].items()))
+        if w.get("control"):
+            c = w["control"]
+            print(f"control, the same loader with nothing written down (pages evicted): p99 idle "
+                  f"{c['idle']['p99_us']:.0f} µs, loaded {c['loaded']['p99_us']:.0f} µs ({c['p99_ratio']:.2f}x)")
 
 
 def print_throughput(report: dict) -> None:
