@@ -204,18 +204,18 @@ static PyObject *py_pack_keys(PyObject *self, PyObject *args) {
     Py_ssize_t key_bytes;
     if (!key_data(items[0], is_str, &key_bytes) || key_bytes <= 0 || key_bytes > key_bytes_max)
         Py_RETURN_NONE;
-    for (Py_ssize_t i = 1; i < n; i++) {   /* checked whole before the buffer is made */
-        Py_ssize_t len;
-        if (!key_data(items[i], is_str, &len) || len != key_bytes)
-            Py_RETURN_NONE;
-    }
     PyObject *packed = PyBytes_FromStringAndSize(NULL, n * key_bytes);
     if (!packed)
         return NULL;
     char *out = PyBytes_AS_STRING(packed);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {   /* checked as it is copied: one pass over the keys, not two */
         Py_ssize_t len;
-        memcpy(out + i * key_bytes, key_data(items[i], is_str, &len), (size_t)key_bytes);
+        const char *data = key_data(items[i], is_str, &len);
+        if (!data || len != key_bytes) {
+            Py_DECREF(packed);
+            Py_RETURN_NONE;
+        }
+        memcpy(out + i * key_bytes, data, (size_t)key_bytes);
     }
     return Py_BuildValue("(Nn)", packed, key_bytes);
 }

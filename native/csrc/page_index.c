@@ -809,6 +809,7 @@ static Py_ssize_t leading_pages(index_t *self, int64_t ns, keys_arg_t *keys, uin
     if (ns < 0 || !self->table)
         return 0;
     Py_ssize_t n = 0;
+    const uint64_t seeds[2] = {key_seed(self, (uint32_t)ns, 0), key_seed(self, (uint32_t)ns, 1)};   /* by k.hex */
     while (n < keys->count) {
         pkey_t k[PROBE_BLOCK];
         uint64_t h[PROBE_BLOCK];
@@ -819,7 +820,7 @@ static Py_ssize_t leading_pages(index_t *self, int64_t ns, keys_arg_t *keys, uin
             if (keys_get(keys, n + ready, &data, &len) < 0)
                 break;
             key_encode(&k[ready], data, len);
-            h[ready] = key_hash(self, (uint32_t)ns, k[ready].data, k[ready].len, k[ready].hex);
+            h[ready] = key_hash_seeded(seeds[k[ready].hex != 0], k[ready].data, k[ready].len);
             __builtin_prefetch(&self->tags[h[ready] & self->table_mask]);
             __builtin_prefetch(&self->table[h[ready] & self->table_mask]);
         }

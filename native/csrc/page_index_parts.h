@@ -147,6 +147,10 @@ extern PI_HIDDEN PyTypeObject RecordType;
 PI_HIDDEN void hex_value_fill(void);
 PI_HIDDEN void key_encode(pkey_t *k, const uint8_t *data, size_t len);
 PI_HIDDEN uint64_t key_hash(const index_t *self, uint32_t ns, const uint8_t *data, size_t len, int hex);
+/* key_hash in two steps: the part of a namespace and kind of key (key_seed), taken once for many keys
+ * (a long lookup's probes: it was a third of each key's hash, on the critical path), then the key's own. */
+PI_HIDDEN uint64_t key_seed(const index_t *self, uint32_t ns, int hex);
+PI_HIDDEN uint64_t key_hash_seeded(uint64_t seed, const uint8_t *data, size_t len);
 PI_HIDDEN uint64_t page_hash(const index_t *self, const page_t *p);
 PI_HIDDEN int page_matches(const page_t *p, uint32_t ns, const pkey_t *k);
 PI_HIDDEN PyObject *page_key_object(const page_t *p);

@@ -72,8 +72,8 @@ static inline uint64_t rotl64(uint64_t x, int r) {
     return x << r | x >> (64 - r);
 }
 
-uint64_t key_hash(const index_t *self, uint32_t ns, const uint8_t *data, size_t len, int hex) {
-    uint64_t h = self->seed ^ mix64((uint64_t)ns << 1 | (uint64_t)hex) ^ len;
+uint64_t key_hash_seeded(uint64_t seed, const uint8_t *data, size_t len) {
+    uint64_t h = seed ^ len;
     size_t i = 0;
     /* 32 bytes at a time in four lanes mixed side by side, then folded: a hex key's 32-byte digest costs
      * one multiply chain's latency instead of four in a row (the chain was a third of a long lookup's
@@ -105,6 +105,14 @@ uint64_t key_hash(const index_t *self, uint32_t ns, const uint8_t *data, size_t 
         h = mix64(h ^ w ^ UINT64_C(0x9e3779b97f4a7c15));
     }
     return mix64(h);
+}
+
+uint64_t key_seed(const index_t *self, uint32_t ns, int hex) {
+    return self->seed ^ mix64((uint64_t)ns << 1 | (uint64_t)hex);
+}
+
+uint64_t key_hash(const index_t *self, uint32_t ns, const uint8_t *data, size_t len, int hex) {
+    return key_hash_seeded(key_seed(self, ns, hex), data, len);
 }
 
 uint64_t page_hash(const index_t *self, const page_t *p) {
