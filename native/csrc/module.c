@@ -755,9 +755,10 @@ not_u32:
 
 static PyMethodDef methods[] = {
     {"prefix_hashes", py_prefix_hashes, METH_VARARGS,
-     "prefix_hashes(tokens, page_tokens, prior) -> list[str]: hex SHA-256 chain of every full page"},
+     "prefix_hashes(tokens, page_tokens, prior, kernel='auto') -> list[str]: hex SHA-256 chain of every full page"},
     {"prefix_hashes_packed", py_prefix_hashes_packed, METH_VARARGS,
-     "prefix_hashes_packed(tokens, page_tokens, prior) -> bytes: the same keys, 64 ASCII hex digits each, back to back"},
+     "prefix_hashes_packed(tokens, page_tokens, prior, kernel='auto') -> bytes: the same keys, 64 ASCII hex digits "
+     "each, back to back"},
     {"encode_keys", py_encode_keys, METH_VARARGS,
      "encode_keys(keys, key_bytes_max) -> list[bytes] | None: ASCII str and bytes keys of 1 to key_bytes_max bytes"},
     {"pack_keys", py_pack_keys, METH_VARARGS,

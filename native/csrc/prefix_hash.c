@@ -2,9 +2,9 @@
  * with a token past uint32 is SHA-256(key_{i-1} || 0xff || its tokens as uint64 LE), as SGLang's
  * hash_binding.cpp hashes it. Tokens past INT64_MAX, or negative, are refused, as SGLang refuses them.
  *
- * Where the CPU has the SHA extensions, pages are hashed by sha256_ni.c (a page's two or three
- * blocks, each page's first block fed the digest before it from registers: a 128k-token
- * chain of 16-token pages in 0.89 ms where libcrypto took 1.03, one core, alternated in one run); elsewhere by
+ * Where the CPU has the SHA extensions, pages are hashed by sha256_ni.c (each page's first block
+ * fed the digest before it from registers: a 128k-token chain of 16-token pages in 0.89 ms where
+ * libcrypto took 1.03, one core, the two alternated in one run); elsewhere by
  * OpenSSL's low-level SHA256 (libcrypto, the one Python's hashlib loads; declared in
  * libcrypto_sha256.h), whose one-shot EVP interface would look its algorithm up again for every
  * page, which costs more than hashing a 64-token page. Tokens are packed into a small stack
