@@ -150,18 +150,28 @@ static const char *key_data(PyObject *key, int is_str, Py_ssize_t *len) {
     return PyBytes_AS_STRING(key);
 }
 
+/* (keys, key_bytes_max): 1 with the items of a list or tuple of keys; 0 for any other object, which
+ * the SDK's Python path then takes; -1 with an exception set when the arguments do not parse. */
+static int key_list_args(PyObject *args, PyObject ***items, Py_ssize_t *n, Py_ssize_t *key_bytes_max) {
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "On", &keys, key_bytes_max))
+        return -1;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys))
+        return 0;
+    *n = PySequence_Fast_GET_SIZE(keys);
+    *items = PySequence_Fast_ITEMS(keys);
+    return 1;
+}
+
 /* The keys as a list of bytes (an ASCII str encoded, a bytes key itself), every one 1 to
  * key_bytes_max bytes; None for any other list, which the SDK's Python path then encodes or refuses
  * naming the key (it accepts what this accepts, and more: non-ASCII str, bytearray, memoryview). */
 static PyObject *py_encode_keys(PyObject *self, PyObject *args) {
-    PyObject *keys;
-    Py_ssize_t key_bytes_max;
-    if (!PyArg_ParseTuple(args, "On", &keys, &key_bytes_max))
-        return NULL;
-    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys))
-        Py_RETURN_NONE;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+    PyObject **items;
+    Py_ssize_t n, key_bytes_max;
+    int listed = key_list_args(args, &items, &n, &key_bytes_max);
+    if (listed <= 0)
+        return listed < 0 ? NULL : Py_NewRef(Py_None);
     for (Py_ssize_t i = 0; i < n; i++) {   /* checked whole before anything is made */
         Py_ssize_t len;
         if (!key_data(items[i], PyUnicode_CheckExact(items[i]), &len) || len <= 0 || len > key_bytes_max)
@@ -190,14 +200,11 @@ static PyObject *py_encode_keys(PyObject *self, PyObject *args) {
 /* Keys of one length, 1 to key_bytes_max, all ASCII str or all bytes, back to back; None for any
  * other list (the SDK's Python path then decides, so both paths pack exactly the same lists). */
 static PyObject *py_pack_keys(PyObject *self, PyObject *args) {
-    PyObject *keys;
-    Py_ssize_t key_bytes_max;
-    if (!PyArg_ParseTuple(args, "On", &keys, &key_bytes_max))
-        return NULL;
-    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys))
-        Py_RETURN_NONE;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+    PyObject **items;
+    Py_ssize_t n, key_bytes_max;
+    int listed = key_list_args(args, &items, &n, &key_bytes_max);
+    if (listed <= 0)
+        return listed < 0 ? NULL : Py_NewRef(Py_None);
     if (n == 0)
         Py_RETURN_NONE;
     int is_str = PyUnicode_CheckExact(items[0]);
