@@ -172,25 +172,22 @@ static PyObject *py_encode_keys(PyObject *self, PyObject *args) {
     int listed = key_list_args(args, &items, &n, &key_bytes_max);
     if (listed <= 0)
         return listed < 0 ? NULL : Py_NewRef(Py_None);
-    for (Py_ssize_t i = 0; i < n; i++) {   /* checked whole before anything is made */
-        Py_ssize_t len;
-        if (!key_data(items[i], PyUnicode_CheckExact(items[i]), &len) || len <= 0 || len > key_bytes_max)
-            Py_RETURN_NONE;
-    }
     PyObject *encoded = PyList_New(n);
     if (!encoded)
         return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {   /* checked as it is encoded: one pass, as pack_keys */
         PyObject *key = items[i];
-        if (PyUnicode_CheckExact(key)) {
-            Py_ssize_t len;
-            const char *data = key_data(key, 1, &len);
-            if (!(key = PyBytes_FromStringAndSize(data, len))) {
-                Py_DECREF(encoded);
-                return NULL;
-            }
-        } else {
-            Py_INCREF(key);
+        int is_str = PyUnicode_CheckExact(key);
+        Py_ssize_t len;
+        const char *data = key_data(key, is_str, &len);
+        if (!data || len <= 0 || len > key_bytes_max) {
+            Py_DECREF(encoded);   /* the slots not yet filled are NULL, which the list's release skips */
+            Py_RETURN_NONE;
+        }
+        key = is_str ? PyBytes_FromStringAndSize(data, len) : Py_NewRef(key);
+        if (!key) {
+            Py_DECREF(encoded);
+            return NULL;
         }
         PyList_SET_ITEM(encoded, i, key);
     }

@@ -110,11 +110,12 @@ void sha256_ni_chain(const uint8_t *data, size_t pages, size_t page_bytes, const
     padding[tail] = 0x80;
     for (int i = 0; i < 8; i++)
         padding[64 * padding_blocks - 1 - i] = (uint8_t)(bits >> (8 * i));
+    __m128i initial_abef, initial_cdgh;
+    to_rounds_order(_mm_loadu_si128((const __m128i *)INITIAL_STATE),
+                    _mm_loadu_si128((const __m128i *)(INITIAL_STATE + 4)), &initial_abef, &initial_cdgh);
     __m128i abcd = message_words(first), efgh = message_words(first + 16);
     for (size_t p = 0; p < pages; p++, data += page_bytes) {
-        __m128i abef, cdgh;
-        to_rounds_order(_mm_loadu_si128((const __m128i *)INITIAL_STATE),
-                        _mm_loadu_si128((const __m128i *)(INITIAL_STATE + 4)), &abef, &cdgh);
+        __m128i abef = initial_abef, cdgh = initial_cdgh;
         block_rounds(&abef, &cdgh, abcd, efgh, message_words(data), message_words(data + 16));
         blocks_rounds(&abef, &cdgh, data + 32, whole);
         memcpy(padding, data + 32 + 64 * whole, tail);

@@ -339,15 +339,22 @@ def test_copy_hasher_receive_stops_at_the_deadline_the_kernel_timeout_and_the_en
             hasher.receive(ours.fileno(), b"read-only", buffer, True, 0.0)
 
 
+def hashlib_chain(tokens: np.ndarray, page: int, prior: bytes) -> list[str]:
+    """The prefix chain of every full page of uint32 `tokens`, hashlib page by page: the reference."""
+    expected, digest = [], prior
+    for p in range(len(tokens) // page):
+        digest = hashlib.sha256(digest + tokens[p * page:(p + 1) * page].astype("<u4").tobytes()).digest()
+        expected.append(digest.hex())
+    return expected
+
+
 def test_prefix_hashes_equal_hashlibs_sha256_chain():
     """The chain from libcrypto, against hashlib page by page: from uint32 tokens in place, and packed from int64."""
     rng = np.random.default_rng(12)
     for page, prior in ((64, b""), (1500, rng.bytes(32)), (1, rng.bytes(5))):
         tokens = rng.integers(0, 2**32 - 1, size=page * 7 + page // 2, dtype=np.uint32)   # and a partial page
-        expected, digest = [], prior
-        for p in range(7):
-            digest = hashlib.sha256(digest + tokens[p * page:(p + 1) * page].astype("<u4").tobytes()).digest()
-            expected.append(digest.hex())
+        expected = hashlib_chain(tokens, page, prior)
+        assert len(expected) == 7
         assert kvstore_native.prefix_hashes(tokens, page, prior) == expected
         assert kvstore_native.prefix_hashes(tokens.astype(np.int64), page, prior) == expected
 
@@ -366,10 +373,8 @@ def test_each_sha256_kernel_equals_hashlib_page_by_page(kernel, page):
     for prior in (b"", rng.bytes(32), rng.bytes(5), rng.bytes(64), rng.bytes(70)):
         for pages in (0, 1, 2, 5):
             tokens = rng.integers(0, 2**32 - 1, size=page * pages + page // 2, dtype=np.uint32)
-            expected, digest = [], prior
-            for p in range(pages):
-                digest = hashlib.sha256(digest + tokens[p * page:(p + 1) * page].tobytes()).digest()
-                expected.append(digest.hex())
+            expected = hashlib_chain(tokens, page, prior)
+            assert len(expected) == pages
             assert kvstore_native.prefix_hashes(tokens, page, prior, kernel) == expected
             assert kvstore_native.prefix_hashes(tokens.astype(np.int64), page, prior, kernel) == expected
             assert kvstore_native.prefix_hashes_packed(tokens, page, prior, kernel) == "".join(expected).encode()
@@ -533,7 +538,8 @@ def test_pack_keys_native_equals_python_on_random_lists():
 def test_encode_keys_native_equals_python_on_random_lists(monkeypatch):
     """The same bytes for every list native encode_keys takes; what it declines, the Python path encodes or refuses."""
     rng = np.random.default_rng(13)
-    odd = [["a", ""], [b"k", b"x" * (keys.KEY_BYTES_MAX + 1)], ["k" * keys.KEY_BYTES_MAX], ["ok", 3], [memoryview(b"m")]]
+    odd = [["a", ""], [b"k", b"x" * (keys.KEY_BYTES_MAX + 1)], ["k" * keys.KEY_BYTES_MAX], ["ok", 3],
+           [memoryview(b"m")]]
     encoded_natively = 0
     for batch in [*_random_key_lists(rng), *odd]:
         native_answer = kvstore_native.encode_keys(batch, keys.KEY_BYTES_MAX)
