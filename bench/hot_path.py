@@ -27,7 +27,8 @@ TCP (bench/tcp_throughput.py's rows, default congestion control, no Redis): 1 an
 got over KVStoreClient(transport="tcp") beside a raw Python socket doing the same exchange and Mooncake's
 Transfer Engine over TCP, interleaved batch by batch, in both placements (split: client on CPU 0, servers on
 CPU 1; shared: all on CPU 0). Write-down (bench/writedown_latency.py, shortened: --writedown-idle-s,
---writedown-loaded-s): a one-page get's p99 while write-back saturates one LMDB shard, over its idle p99,
+--writedown-loaded-s, in four idle and four loaded windows, alternating): a one-page get's p99 while
+write-back saturates one LMDB shard, over its idle p99,
 with the node alone on CPU 1, and the pages written down a second meanwhile; then its control run (the same
 loader, nothing written down), whose ratio is what the loader alone, on the reader's core, does to the reader.
 

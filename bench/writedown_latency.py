@@ -1,6 +1,6 @@
 """Latency of a one-page get from DRAM on an idle node, and while write-back saturates LMDB.
 
-    python bench/writedown_latency.py [--json out.json] [--idle-s 8] [--loaded-s 15]
+    python bench/writedown_latency.py [--json out.json] [--idle-s 8] [--loaded-s 15] [--rounds 4]
 
 A real kvstore-server runs with one NVMe shard in a temp dir, a small DRAM arena and
 controller.write_policy=write_back with high_watermark=0.5. One 64 KiB page is put and
@@ -12,11 +12,15 @@ timed around the call:
           eviction writes some down itself when the loader outruns it). The window opens
           once pages are being written down, and the pages written down in it are counted
           from the server's stats (NVMe tier bytes_in).
-The table gives p50/p99/p999/max of each, and loaded/idle ratios; the goal is a p99 ratio
-of 2 or less. The JSON adds a power-of-two histogram of each phase. A get served from NVMe
-instead of DRAM would measure promotion, so the hot page is got all along (it stays the
-most recently used page) and the window's DRAM and NVMe hits are printed. `--no-nvme` is
-the control: the same loader, pages evicted instead of written down.
+The two phases alternate, `--rounds` windows of each, idle first: the loader is paused between
+its puts for an idle window, which opens once write-down has stopped. On a shared host a slow
+spell of a few seconds otherwise lands in one phase only: run back to back (one idle phase, then
+one loaded), the control's idle p99 came out 0.8-3.6 ms in three runs of one hour, its ratio
+0.43-1.77. The table gives p50/p99/p999/max of each phase's samples, all its windows together,
+and loaded/idle ratios; the goal is a p99 ratio of 2 or less. The JSON adds a power-of-two
+histogram of each phase. A get served from NVMe instead of DRAM would measure promotion, so the
+hot page is got all along (it stays the most recently used page) and the window's DRAM and NVMe
+hits are printed. `--no-nvme` is the control: the same loader, pages evicted instead of written down.
 
 Placement (taskset): server on CPU 1, measured client on CPU 0, loader on `--loader-cpu`
 (default 0, with the measured client, so the server keeps its own core). Sharing that core, the
@@ -29,12 +33,14 @@ ratio: the header shows how busy each CPU was in the second before the run.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -44,6 +50,7 @@ from kvstore_client import KVStoreClient, Namespace
 from kvstore_client.proto import pb
 
 PAGE_BYTES = 64 << 10
+PAUSE, RESUME = signal.SIGUSR1, signal.SIGUSR2   # to the loader: stop putting after this put, go on
 HOT = Namespace(model="bench-hot", page_bytes=PAGE_BYTES)
 LOAD = Namespace(model="bench-load", page_bytes=PAGE_BYTES)
 
@@ -101,19 +108,30 @@ def counters(client: KVStoreClient) -> dict:
             "nvme_write_errors": stats.nvme_write_errors}
 
 
-def run_loader(address: str, batch: int) -> None:
-    """The loader process: put distinct pages in chains of `batch` until SIGTERM; print what it put."""
-    stopping = []
+def run_loader(address: str, batch: int, paused_at_start: bool) -> None:
+    """The loader process: put distinct pages in chains of `batch` until SIGTERM (paused from PAUSE to
+    RESUME); print what it put, and the seconds it spent putting."""
+    stopping, paused = [], threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(PAUSE, lambda *_: paused.set())
+    signal.signal(RESUME, lambda *_: paused.clear())
+    if paused_at_start:
+        paused.set()
+    print("ready", flush=True)   # the signals are handled from here on
     pages = np.random.default_rng(2).integers(0, 256, (batch, PAGE_BYTES), dtype=np.uint8)
-    put, short, started = 0, 0, time.monotonic()
+    put, short, seconds = 0, 0, 0.0
     with KVStoreClient(address, timeout_s=60) as client:
         while not stopping:
+            if paused.is_set():   # between puts: it holds no lease while it waits
+                time.sleep(0.01)
+                continue
             keys = [f"L{put + i}".encode() for i in range(batch)]
+            started = time.monotonic()
             stored = client.put(LOAD, keys, pages)
+            seconds += time.monotonic() - started
             short += stored < batch
             put += batch
-    json.dump({"pages": put, "short_puts": short, "seconds": time.monotonic() - started}, sys.stdout)
+    json.dump({"pages": put, "short_puts": short, "seconds": seconds}, sys.stdout)
 
 
 def wait_writing_down(client: KVStoreClient, watermark: float, timeout_s: float, nvme: bool,
@@ -133,26 +151,56 @@ def wait_writing_down(client: KVStoreClient, watermark: float, timeout_s: float,
     raise RuntimeError(f"no write-down within {timeout_s}s: {counters(client)}")
 
 
+def wait_quiet(client: KVStoreClient, timeout_s: float, interval_s: float) -> None:
+    """Poll until nothing is written down or evicted between two polls (the loader paused, the controller
+    done with what it had claimed); the hot page is got meanwhile, as in wait_writing_down."""
+    deadline = time.monotonic() + timeout_s
+    moving = ("nvme_bytes_in", "dram_evictions")
+    last = counters(client)
+    while time.monotonic() < deadline:
+        sample_gets(client, 0.2, interval_s)
+        now = counters(client)
+        if all(now[key] == last[key] for key in moving):
+            return
+        last = now
+    raise RuntimeError(f"write-down did not stop within {timeout_s}s of pausing the loader: {counters(client)}")
+
+
 def measure(args: argparse.Namespace, address: str) -> dict:
+    """Idle and loaded windows, alternating (`args.rounds` of each, idle first); each phase's samples together."""
     interval_s = args.interval_us / 1e6
+    idle_s, loaded_s = args.idle_s / args.rounds, args.loaded_s / args.rounds
+    idle, loaded, window = [], [], collections.Counter()
+    misses = {"idle": 0, "loaded": 0}
     with KVStoreClient(address, timeout_s=60) as client:
         assert client.put(HOT, [b"hot"], np.full(PAGE_BYTES, 7, dtype=np.uint8)) == 1
         sample_gets(client, 1.0, interval_s)  # warm-up: connections, arena mapping, caches
-        idle, idle_misses = sample_gets(client, args.idle_s, interval_s)
         loader = subprocess.Popen(
             ["nice", "-n", str(args.loader_nice), "taskset", "-c", str(args.loader_cpu), sys.executable, __file__,
-             "--loader", address, "--loader-batch", str(args.loader_batch)], stdout=subprocess.PIPE)
+             "--loader", address, "--loader-batch", str(args.loader_batch), "--loader-paused"], stdout=subprocess.PIPE)
         try:
-            before = wait_writing_down(client, args.high_watermark, 30, not args.no_nvme, interval_s)
-            loaded, loaded_misses = sample_gets(client, args.loaded_s, interval_s)
-            after = counters(client)
+            if loader.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"the loader did not start: exit status {loader.wait()}")
+            for _ in range(args.rounds):
+                latencies, missed = sample_gets(client, idle_s, interval_s)
+                idle.append(latencies)
+                misses["idle"] += missed
+                loader.send_signal(RESUME)
+                before = wait_writing_down(client, args.high_watermark, 30, not args.no_nvme, interval_s)
+                latencies, missed = sample_gets(client, loaded_s, interval_s)
+                after = counters(client)
+                loaded.append(latencies)
+                misses["loaded"] += missed
+                window.update({key: after[key] - before[key] for key in after
+                               if key not in ("dram_used_bytes", "dram_capacity_bytes")})
+                loader.send_signal(PAUSE)
+                wait_quiet(client, 30, interval_s)
         finally:
             loader.send_signal(signal.SIGTERM)
             loader_out, _ = loader.communicate(timeout=60)
     assert loader.returncode == 0, f"loader exited with {loader.returncode}"
-    window = {key: after[key] - before[key] for key in after if key not in ("dram_used_bytes", "dram_capacity_bytes")}
-    result = {"idle": {**percentiles(idle), "misses": idle_misses},
-              "loaded": {**percentiles(loaded), "misses": loaded_misses},
+    result = {"idle": {**percentiles(np.concatenate(idle)), "misses": misses["idle"]},
+              "loaded": {**percentiles(np.concatenate(loaded)), "misses": misses["loaded"]},
               "window": {**window, "pages_written_down": window["nvme_bytes_in"] // PAGE_BYTES,
                          "dram_used_bytes_end": after["dram_used_bytes"],
                          "dram_capacity_bytes": after["dram_capacity_bytes"]},
@@ -162,10 +210,17 @@ def measure(args: argparse.Namespace, address: str) -> dict:
     return result
 
 
+def _at_least_one(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least one window of each")
+    return int(text)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-s", type=float, default=8.0)
     parser.add_argument("--loaded-s", type=float, default=15.0)
+    parser.add_argument("--rounds", type=_at_least_one, default=4, help="idle and loaded windows of each, alternating")
     parser.add_argument("--interval-us", type=int, default=500, help="pause between measured gets")
     parser.add_argument("--arena-mib", type=int, default=256)
     parser.add_argument("--high-watermark", type=float, default=0.5)
@@ -184,6 +239,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="a node setting more (kvstore-server --set), e.g. controller.write_txn_bytes=1MiB")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--loader", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--loader-paused", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -212,18 +268,18 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
 def main() -> None:
     args = make_parser().parse_args()
     if args.loader:
-        run_loader(args.loader, args.loader_batch)
+        run_loader(args.loader, args.loader_batch, args.loader_paused)
         return
     result, placement = run(args)
     busy_before = placement["cpus_busy_before"]
     config = {"page_bytes": PAGE_BYTES, "arena_mib": args.arena_mib, "high_watermark": args.high_watermark,
               "map_gib": args.map_gib, "nvme": not args.no_nvme, "loader_batch_pages": args.loader_batch,
               "interval_us": args.interval_us,
-              "idle_s": args.idle_s, "loaded_s": args.loaded_s}
+              "idle_s": args.idle_s, "loaded_s": args.loaded_s, "rounds": args.rounds}
     window, loader = result["window"], result["loader"]
     print(f"one-page get (64 KiB, in DRAM), write_back with high_watermark {args.high_watermark}, "
           f"DRAM {args.arena_mib} MiB, {'no NVMe (control run)' if args.no_nvme else 'one LMDB shard'}; "
-          f"server on CPU {args.server_cpu}, "
+          f"{args.rounds} idle and {args.rounds} loaded windows alternating; server on CPU {args.server_cpu}, "
           f"measured client on CPU {args.client_cpu}, loader on CPU {args.loader_cpu}; "
           "CPUs busy in the second before: " + ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in busy_before.items()))
     print(f"{'':>8} {'samples':>8} {'p50 µs':>9} {'p99 µs':>9} {'p999 µs':>9} {'max µs':>9} {'misses':>7}")

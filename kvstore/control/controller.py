@@ -5,9 +5,11 @@
   write_through_selective  a page once it has been hit `selective_hits` times;
   write_back               the least recently used DRAM-only pages once DRAM is fuller than
                            `high_watermark`, or as soon as the store reports DRAM short. Under
-                           write_back the store never evicts a page that is not yet on NVMe:
-                           a caller short of slots has the controller write pages down
-                           (`clean`), then asks the store again.
+                           write_back the store never evicts a page that is not yet on NVMe,
+                           and at first only one on NVMe that is older than every unsaved page
+                           (Evict.COLD: a page read all along stays): a caller short of slots
+                           has the controller write pages down (`clean`), then asks the store
+                           again.
   A page is written after its ancestors (its whole unsaved chain goes first), and is marked
   on NVMe only once its parent is, so what is on NVMe stays prefix-closed and survives a
   restart as whole prefixes.

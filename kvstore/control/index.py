@@ -339,23 +339,27 @@ class PageIndex:
         if record.alive:
             self._offer(record)
 
-    def evict_dram(self, slot_bytes: int | None, clean_only: bool, tenant: str | None = None) -> PageRecord | None:
+    def evict_dram(self, slot_bytes: int | None, clean_only: bool, tenant: str | None = None,
+                   older_than_unsaved: bool = False) -> PageRecord | None:
         """Free the DRAM slot of the least recently used evictable page of this size (None: any size),
-        of this tenant (None: any), if there is one."""
-        victim = self._evict_oldest(slot_bytes, clean_only, tenant, notify=True)
+        of this tenant (None: any), if there is one. `clean_only`: of a page also on NVMe; with
+        `older_than_unsaved`, only while that page is older than every evictable page held only in
+        DRAM (of this size and tenant): else None, and the unsaved pages are written down first."""
+        victim = self._evict_oldest(slot_bytes, clean_only, tenant, notify=True, older_than_unsaved=older_than_unsaved)
         return victim[0] if victim else None
 
     def evict_dram_many(self, slot_bytes: int | None, clean_only: bool, count: int, tenant: str | None = None,
-                        until_bytes: int = 0) -> tuple[list[int], list[str]]:
-        """Up to `count` evict_dram(slot_bytes, clean_only, tenant) in a row, with no callback per victim:
-        returns the DRAM offsets the victims held (each now the caller's to free) and their tenants, in
-        eviction order. With `until_bytes`, the victim whose slot brings the run's slot bytes to that many
-        is the last one taken."""
+                        until_bytes: int = 0, older_than_unsaved: bool = False) -> tuple[list[int], list[str]]:
+        """Up to `count` evict_dram(slot_bytes, clean_only, tenant, older_than_unsaved) in a row, with no
+        callback per victim: returns the DRAM offsets the victims held (each now the caller's to free) and
+        their tenants, in eviction order. With `until_bytes`, the victim whose slot brings the run's slot
+        bytes to that many is the last one taken."""
         offsets: list[int] = []
         tenants: list[str] = []
         freed_bytes = 0
         while len(offsets) < count:
-            victim = self._evict_oldest(slot_bytes, clean_only, tenant, notify=False)
+            victim = self._evict_oldest(slot_bytes, clean_only, tenant, notify=False,
+                                        older_than_unsaved=older_than_unsaved)
             if victim is None:
                 break
             record, offset = victim
@@ -367,11 +371,11 @@ class PageIndex:
         return offsets, tenants
 
     def _evict_oldest(self, slot_bytes: int | None, clean_only: bool, tenant: str | None,
-                      notify: bool) -> tuple[PageRecord, int] | None:
+                      notify: bool, older_than_unsaved: bool = False) -> tuple[PageRecord, int] | None:
         """evict_dram's victim and the DRAM offset it held. Without `notify`, neither on_removed nor
         on_dram_dropped is called: the slot is the caller's to free."""
-        entry = self._oldest(slot_bytes, clean_only, tenant)
-        if entry is None:
+        entry = self._oldest(slot_bytes, clean_only and not older_than_unsaved, tenant)
+        if entry is None or (clean_only and not entry[2].on_nvme):   # the oldest is unsaved: written down first
             return None
         record = entry[2]
         heapq.heappop(self._dram[(record.tenant, record.slot_bytes, record.on_nvme)])

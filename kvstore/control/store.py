@@ -110,8 +110,9 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
 
     @property
     def evict_first(self) -> Evict:
-        """What allocation may drop before any page is written down for room (write_back: clean pages only)."""
-        return Evict.CLEAN if self.protect_unsaved else Evict.ANY
+        """What allocation may drop before any page is written down for room (write_back: clean pages older than
+        every unsaved one; once some are written down, Evict.CLEAN)."""
+        return Evict.COLD if self.protect_unsaved else Evict.ANY
 
     def open_namespace(self, namespace: Namespace) -> int:
         ns_id = namespace_id(namespace)

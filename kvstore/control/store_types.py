@@ -38,6 +38,9 @@ def lease_not_found(lease_id: int) -> errors.KVStoreError:
 class Evict(enum.Enum):
     """What allocation may drop to free a slot."""
 
+    # Only DRAM copies of pages also on NVMe, each older than every page held only in DRAM (write_back's first
+    # choice: a hot page already written down stays while colder unsaved pages can be written down instead).
+    COLD = "cold"
     CLEAN = "clean"  # only DRAM copies of pages also on NVMe (write_back keeps the rest until written)
     ANY = "any"      # also least recently used leaves held only in DRAM (they leave the cache)
 

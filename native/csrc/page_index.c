@@ -1134,19 +1134,21 @@ static int tenant_arg(index_t *self, PyObject *tenant, int64_t *slot) {
     return 0;
 }
 
-/* PageIndex._oldest: the DRAM heap whose top is the oldest evictable entry of this size and tenant. */
-static heap_t *oldest_dram(index_t *self, int64_t slot_bytes, int clean_only, int64_t tenant) {
+/* PageIndex._oldest: the DRAM heap whose top is the oldest evictable entry of this size and tenant.
+ * older_than_unsaved (with clean_only): the unsaved heaps compete too, and NULL when one of them holds
+ * the oldest entry (PageIndex.evict_dram). */
+static heap_t *oldest_dram(index_t *self, int64_t slot_bytes, int clean_only, int64_t tenant, int older_than_unsaved) {
     heap_t *best = NULL;
     for (size_t i = 0; i < self->heap_count; i++) {
         heap_t *h = &self->heaps[i];
-        if (h->nvme || (clean_only && !h->clean) || (slot_bytes >= 0 && h->slot_bytes != slot_bytes)
-            || (tenant != -1 && h->tenant != tenant))
+        if (h->nvme || (clean_only && !older_than_unsaved && !h->clean)
+            || (slot_bytes >= 0 && h->slot_bytes != slot_bytes) || (tenant != -1 && h->tenant != tenant))
             continue;
         heap_t *one = h;
         if (oldest_heap(self, &one, 1) && (!best || entry_less(heap_top(h), heap_top(best))))
             best = h;
     }
-    return best;
+    return best && clean_only && !best->clean ? NULL : best;
 }
 
 static int slot_bytes_arg(PyObject *obj, int64_t *slot_bytes) {
@@ -1159,15 +1161,16 @@ static int slot_bytes_arg(PyObject *obj, int64_t *slot_bytes) {
 }
 
 static PyObject *index_evict_dram(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"slot_bytes", "clean_only", "tenant", NULL};
+    static char *names[] = {"slot_bytes", "clean_only", "tenant", "older_than_unsaved", NULL};
     PyObject *size_obj, *tenant_obj = Py_None;
-    int clean_only;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Op|O", names, &size_obj, &clean_only, &tenant_obj))
+    int clean_only, older_than_unsaved = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Op|Op", names, &size_obj, &clean_only, &tenant_obj,
+                                     &older_than_unsaved))
         return NULL;
     int64_t slot_bytes, tenant;
     if (slot_bytes_arg(size_obj, &slot_bytes) < 0 || tenant_arg(self, tenant_obj, &tenant) < 0)
         return NULL;
-    heap_t *best = oldest_dram(self, slot_bytes, clean_only, tenant);
+    heap_t *best = oldest_dram(self, slot_bytes, clean_only, tenant, older_than_unsaved);
     if (!best)
         Py_RETURN_NONE;
     uint32_t page = heap_pop(best).page;
@@ -1184,13 +1187,13 @@ static PyObject *index_evict_dram(index_t *self, PyObject *args, PyObject *kwarg
 
 /* PageIndex.evict_dram_many: victims taken as evict_dram takes them, with no record or callback each. */
 static PyObject *index_evict_dram_many(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"slot_bytes", "clean_only", "count", "tenant", "until_bytes", NULL};
+    static char *names[] = {"slot_bytes", "clean_only", "count", "tenant", "until_bytes", "older_than_unsaved", NULL};
     PyObject *size_obj, *tenant_obj = Py_None;
-    int clean_only;
+    int clean_only, older_than_unsaved = 0;
     Py_ssize_t count;
     long long until_bytes = 0, freed_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Opn|OL", names, &size_obj, &clean_only, &count, &tenant_obj,
-                                     &until_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Opn|OLp", names, &size_obj, &clean_only, &count, &tenant_obj,
+                                     &until_bytes, &older_than_unsaved))
         return NULL;
     int64_t slot_bytes, only;
     if (slot_bytes_arg(size_obj, &slot_bytes) < 0 || tenant_arg(self, tenant_obj, &only) < 0)
@@ -1199,7 +1202,7 @@ static PyObject *index_evict_dram_many(index_t *self, PyObject *args, PyObject *
     if (!offsets || !tenants)
         goto fail;
     while (PyList_GET_SIZE(offsets) < count) {
-        heap_t *best = oldest_dram(self, slot_bytes, clean_only, only);
+        heap_t *best = oldest_dram(self, slot_bytes, clean_only, only, older_than_unsaved);
         if (!best)
             break;
         uint32_t page = heap_pop(best).page;
@@ -1755,9 +1758,9 @@ static PyMethodDef index_methods[] = {
      "set_on_nvme(record, on_nvme)"},
     {"release_busy", (PyCFunction)guarded_index_release_busy, METH_O, "release_busy(record)"},
     {"evict_dram", (PyCFunction)(void (*)(void))guarded_index_evict_dram, METH_VARARGS | METH_KEYWORDS,
-     "evict_dram(slot_bytes, clean_only, tenant=None) -> record | None"},
+     "evict_dram(slot_bytes, clean_only, tenant=None, older_than_unsaved=False) -> record | None"},
     {"evict_dram_many", (PyCFunction)(void (*)(void))guarded_index_evict_dram_many, METH_VARARGS | METH_KEYWORDS,
-     "evict_dram_many(slot_bytes, clean_only, count, tenant=None, until_bytes=0)"
+     "evict_dram_many(slot_bytes, clean_only, count, tenant=None, until_bytes=0, older_than_unsaved=False)"
      " -> (offsets, tenants)"},
     {"evict_nvme", (PyCFunction)(void (*)(void))guarded_index_evict_nvme, METH_VARARGS | METH_KEYWORDS,
      "evict_nvme(shard, count, tenant=None) -> records"},

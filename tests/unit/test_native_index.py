@@ -154,8 +154,9 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         tenant = rng.choice(("a", "b", "nobody", None))
         until_bytes = rng.choice((0, 0, 4096, 12288, 20000))
         count = rng.randrange(0, 8)
-        got = (py.evict_dram_many(size, clean_only, count, tenant, until_bytes),
-               c.evict_dram_many(size, clean_only, count, tenant, until_bytes))
+        cold = clean_only and rng.random() < 0.5
+        got = (py.evict_dram_many(size, clean_only, count, tenant, until_bytes, older_than_unsaved=cold),
+               c.evict_dram_many(size, clean_only, count, tenant, until_bytes, older_than_unsaved=cold))
         assert got[0] == got[1]
         assert len(got[0][0]) <= count and NO_SLOT not in got[0][0]
         if tenant is not None:
@@ -165,7 +166,9 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         size = rng.choice(SIZES + (None,))
         clean_only = rng.random() < 0.3
         tenant = rng.choice(("a", "b", "nobody", None))
-        got = (py.evict_dram(size, clean_only, tenant), c.evict_dram(size, clean_only, tenant))
+        cold = clean_only and rng.random() < 0.5
+        got = (py.evict_dram(size, clean_only, tenant, older_than_unsaved=cold),
+               c.evict_dram(size, clean_only, tenant, older_than_unsaved=cold))
         assert ids_or_none(got[0]) == ids_or_none(got[1])
     elif op < 0.77:
         shard = rng.choice((0, 1, None))
@@ -311,6 +314,25 @@ def test_a_read_lease_keeps_the_pages_before_the_first_gone_or_not_in_dram(imple
     assert [r.hits for r in chain] == [1, 1, 0, 0] and chain[0].tick == chain[1].tick > chain[2].tick
     index.remove_subtree(chain[2])   # c and everything under it
     assert not chain[2].alive and index.ready_prefix(chain) == 2
+
+
+@pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
+                                                                    marks=needs_native)])
+def test_a_clean_page_is_taken_older_than_unsaved_only_while_it_is_the_oldest(implementation):
+    index = implementation(lambda r: None, lambda r: None)
+    old_clean = index.insert((1, b"old"), None, 0, 4096, 1)
+    index.set_on_nvme(old_clean, True)
+    index.touch_all([old_clean])
+    unsaved = index.add_chain(1, [b"u"], None, [4096], 4096, [2])
+    index.touch_all(unsaved)
+    hot = index.insert((1, b"hot"), None, 8192, 4096, 3)
+    index.set_on_nvme(hot, True)
+    index.touch_all([hot])                       # read last: the most recently used page
+    assert index.evict_dram(4096, True, older_than_unsaved=True) is old_clean
+    assert index.evict_dram_many(4096, True, 5, older_than_unsaved=True) == ([], [])   # the unsaved page is older
+    assert hot.in_dram and unsaved[0].in_dram
+    assert index.evict_dram_many(4096, True, 5) == ([8192], [""])   # without the flag: any clean page
+    index.check_prefix_closed()
 
 
 @pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),

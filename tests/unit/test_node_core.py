@@ -134,6 +134,22 @@ def test_write_back_makes_room_with_no_disk_io_under_the_lock(tmp_path):
     close_node(svc)
 
 
+def test_write_back_keeps_a_hot_page_in_dram_once_it_is_on_nvme(tmp_path):
+    """Under write_back, DRAM short of slots drops a page already on NVMe only while it is older than every unsaved
+    page; else the oldest unsaved pages are written down and dropped. A page read all along stays in DRAM."""
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back"])
+    ns = open_ns(svc, BIG)
+    put(svc, ns, [b"hot"], BIG)
+    write_all_down(svc)                          # on NVMe: the one page DRAM could drop without writing
+    for i in range(12):                          # 96 unsaved pages of 64 KiB through a 2 MiB arena
+        put(svc, ns, chain(f"w{i}", 8), BIG)
+        assert get(svc, ns, [b"hot"], BIG) == 1  # read between the puts: the most recently used page
+    assert svc.counters.evictions > 0 and svc.counters.demotions > 0
+    assert svc.counters.promotions == 0, "the hot page was dropped from DRAM and read back from NVMe"
+    assert svc.counters.dram_hits == 12
+    close_node(svc)
+
+
 def test_a_durable_commit_answers_once_its_pages_are_on_disk(node, tmp_path):
     ns = open_ns(node, SMALL)
     keys = chain("dur", 5)
