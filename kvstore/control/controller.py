@@ -131,10 +131,13 @@ class CacheController:
         """Bring these NVMe pages into DRAM, in order, until the deadline; returns the pages promoted and
         how many got no DRAM slot (every page that could make room pinned, moving, or unsaved under write_back)."""
         claim = self._store.claim_for_promotion(records, self._store.evict_first)
-        if claim.short and self._store.protect_unsaved:
+        if claim.short and self._store.protect_unsaved:   # as Reserve does (service.py)
             cleaned = self.clean(claim.short)
-            more = self._store.claim_for_promotion(records, Evict.CLEAN if cleaned else Evict.ANY)
-            claim = Claim(claim.records + more.records, claim.slots + more.slots, more.short)
+            for evict in (Evict.CLEAN,) if cleaned else (Evict.CLEAN, Evict.ANY):
+                more = self._store.claim_for_promotion(records, evict)
+                claim = Claim(claim.records + more.records, claim.slots + more.slots, more.short)
+                if not claim.short:
+                    break
         return self._promote(claim, deadline), claim.short
 
     def take_waiter(self) -> bool:

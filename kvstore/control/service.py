@@ -169,9 +169,11 @@ class KVStoreService:
                 self._touch_rdma(request.rdma_qp_num)
             short = store.fill(reservation, store.evict_first)
             if short and self.controller and store.protect_unsaved:
-                # DRAM is full of pages not yet on NVMe: write some down (outside every lock), ask again.
+                # DRAM holds pages not yet on NVMe older than any it could drop: write some down (outside every
+                # lock), ask again; where none could be written, unsaved pages leave the cache last.
                 cleaned = self.controller.clean(short, reservation.tenant if reservation.refusal else None)
-                store.fill(reservation, Evict.CLEAN if cleaned else Evict.ANY)
+                if store.fill(reservation, Evict.CLEAN) and not cleaned:
+                    store.fill(reservation, Evict.ANY)
         finally:
             store.finish_reservation(reservation)
         if self.clear_reserved_slots:

@@ -150,6 +150,22 @@ def test_write_back_keeps_a_hot_page_in_dram_once_it_is_on_nvme(tmp_path):
     close_node(svc)
 
 
+def test_write_back_that_can_write_nothing_down_drops_a_page_on_nvme_before_an_unsaved_one(tmp_path, monkeypatch):
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back"])
+    ns = open_ns(svc, BIG)
+    put(svc, ns, [b"saved"], BIG)
+    write_all_down(svc)
+    monkeypatch.setattr(svc.controller, "clean", lambda pages, tenant=None: 0)   # NVMe takes nothing more
+    for i in range(3):
+        put(svc, ns, chain(f"w{i}", 8), BIG)     # 25 of the arena's 32 slots
+    assert get(svc, ns, [b"saved"], BIG) == 1    # now newer than every unsaved page
+    put(svc, ns, chain("w3", 8), BIG)            # one slot short
+    held = [svc.lookup(pb.LookupRequest(namespace_id=ns, keys=chain(f"w{i}", 8)), None).hit_pages for i in range(4)]
+    assert held == [8] * 4, f"an unsaved page was dropped while a page on NVMe could go: {held}"
+    assert svc.lookup(pb.LookupRequest(namespace_id=ns, keys=[b"saved"]), None).hit_pages == 1   # on NVMe
+    close_node(svc)
+
+
 def test_a_durable_commit_answers_once_its_pages_are_on_disk(node, tmp_path):
     ns = open_ns(node, SMALL)
     keys = chain("dur", 5)
