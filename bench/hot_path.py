@@ -28,9 +28,9 @@ got over KVStoreClient(transport="tcp") beside a raw Python socket doing the sam
 Transfer Engine over TCP, interleaved batch by batch, in both placements (split: client on CPU 0, servers on
 CPU 1; shared: all on CPU 0). Write-down (bench/writedown_latency.py, shortened: --writedown-idle-s,
 --writedown-loaded-s, in four idle and four loaded windows, alternating): a one-page get's p99 while
-write-back saturates one LMDB shard, over its idle p99,
-with the node alone on CPU 1, and the pages written down a second meanwhile; then its control run (the same
-loader, nothing written down), whose ratio is what the loader alone, on the reader's core, does to the reader.
+write-back saturates one LMDB shard, over its idle p99, with the node alone on CPU 1, and the pages written
+down a second meanwhile; then its control run (the same loader, nothing written down), whose ratio is what
+the loader alone, on the reader's core, does to the reader.
 
 Last, each goal is printed beside this run's figure, met or short: 1-4 MiB put and get >= 0.9 of memmove and
 >= 1.15x Mooncake, 64 KiB >= 0.7 of memmove, 4 KiB >= 500k pages/s each way, a 128k-token lookup <= 1 ms by
@@ -257,11 +257,12 @@ def print_tables(report: dict) -> None:
         print_tcp(report)
     if report["writedown"]:
         w = report["writedown"]
-        print(f"\nwrite-down: one-page 64 KiB get, node on CPU {w['placement']['server_cpu']}, reader and loader on "
-              f"CPU {w['placement']['client_cpu']}; p99 idle {w['idle']['p99_us']:.0f} µs, under write-down "
-              f"{w['loaded']['p99_us']:.0f} µs ({w['p99_ratio']:.2f}x); {w['pages_written_down_per_s']:.0f} pages "
-              f"written down a second; CPUs busy in the second before: " +
-              ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in w["placement"]["cpus_busy_before"].items()))
+        placed = w["placement"]
+        print(f"\nwrite-down: one-page 64 KiB get, node on CPU {placed['server_cpu']}, reader and loader (nice "
+              f"{placed['loader_nice']}) on CPU {placed['client_cpu']}; p99 idle {w['idle']['p99_us']:.0f} µs, "
+              f"under write-down {w['loaded']['p99_us']:.0f} µs ({w['p99_ratio']:.2f}x); "
+              f"{w['pages_written_down_per_s']:.0f} pages written down a second; CPUs busy in the second before: " +
+              ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in placed["cpus_busy_before"].items()))
         if w.get("control"):
             c = w["control"]
             print(f"control, the same loader with nothing written down (pages evicted): p99 idle "
