@@ -27,8 +27,8 @@ Placement (taskset): server on CPU 1, measured client on CPU 0, loader on `--loa
 loader alone raises the client's p99 (the control run's ratio: 1.7-2.0x on a two-core host);
 `--loader-nice 10` lets the measured client take the core first, so what is left is the node's
 side (the control then 0.5-1.8x in six runs of one hour: below 1 where the loader keeps the core
-awake, and the reader wakes sooner than on an idle one). Other work on the machine inflates both phases and shrinks the
-ratio: the header shows how busy each CPU was in the second before the run.
+awake, and the reader wakes sooner than on an idle one). Other work on the machine inflates both
+phases and shrinks the ratio: the header shows how busy each CPU was in the second before the run.
 """
 
 from __future__ import annotations
