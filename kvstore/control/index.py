@@ -458,6 +458,18 @@ class PageIndex:
             self._remove(node)
         return removed
 
+    def remove_subtree_slots(self, record: PageRecord, limit: int = -1) -> tuple[list[PageRecord], list[int]]:
+        """remove_subtree with no on_removed: also returns the DRAM offset each removed page gave up, now the
+        caller's to free (NO_SLOT where it held none, or a lease still reads it: freed as that lease ends)."""
+        removed = list(_post_order(record) if limit < 0 else itertools.islice(_post_order(record), limit))
+        slots = []
+        for node in removed:
+            self._remove(node, notify=False)
+            slots.append(node.offset if node.pins == 0 else NO_SLOT)
+            if node.pins == 0:
+                node.offset = NO_SLOT
+        return removed, slots
+
     def check_prefix_closed(self) -> None:
         """Assert the invariant over the whole index (tests and debugging)."""
         for record in self._pages.values():

@@ -277,12 +277,16 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         """Remove up to `budget` pages of the subtrees of `todo`, leaves first; a record leaves `todo`
         once its subtree is gone (so the next section goes on where this one stopped)."""
         removed: list[PageRecord] = []
+        slots: list[int] = []
         while todo and len(removed) < budget:
             record = todo[-1]
             if record is not None and record.alive:
-                removed += self.index.remove_subtree(record, budget - len(removed))
+                records, offsets = self.index.remove_subtree_slots(record, budget - len(removed))
+                removed += records
+                slots += offsets
             if record is None or not record.alive:
                 todo.pop()
+        self._free_slots(removed, slots)
         return removed
 
     def namespace_page_bytes(self, ns_id: int) -> int:

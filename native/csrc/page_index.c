@@ -1389,9 +1389,40 @@ done:
     return out;
 }
 
-/* Descendants before ancestors, without recursion; the records, in that order. */
-/* remove_subtree(record, limit=-1): remove the page and every page that extends it, descendants first,
- * or only the first `limit` of them in that order (a prefix of a post-order leaves the rest a tree). */
+/* Remove the page and every page that extends it, descendants first, without recursion, or only the first
+ * `limit` of them in that order (a prefix of a post-order leaves the rest a tree); appends their records to
+ * `removed`. With `slots`, no on_removed: each page's DRAM offset, now the caller's to free, is appended to
+ * it (NO_SLOT where the page held none, or a lease still reads it: freed as that lease ends). */
+static int remove_subtree_into(index_t *self, uint32_t top, Py_ssize_t limit, PyObject *removed, PyObject *slots) {
+    /* Walk down to a leaf, remove it, continue from its parent; stop after the top. */
+    uint32_t node = top;
+    for (;;) {
+        while (self->pages[node].child != NONE)
+            node = self->pages[node].child;
+        uint32_t parent = self->pages[node].parent;
+        PyObject *item = record_of(self, node);
+        if (!item || PyList_Append(removed, item) < 0) {
+            Py_XDECREF(item);
+            return -1;
+        }
+        Py_DECREF(item);
+        if (slots) {
+            page_t *p = &self->pages[node];
+            PyObject *slot = PyLong_FromLongLong(p->pins == 0 ? (long long)p->offset : (long long)NO_SLOT);
+            int failed = !slot || PyList_Append(slots, slot) < 0;
+            Py_XDECREF(slot);
+            if (failed)
+                return -1;
+        }
+        if (remove_page_notify(self, node, slots == NULL) < 0)
+            return -1;
+        if (node == top || PyList_GET_SIZE(removed) == limit)
+            return 0;
+        node = parent;
+    }
+}
+
+/* remove_subtree(record, limit=-1) -> records removed, descendants first. */
 static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"record", "limit", NULL};
     PyObject *record;
@@ -1404,24 +1435,27 @@ static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *k
     PyObject *removed = PyList_New(0);
     if (!removed || limit == 0)
         return removed;
-    /* Walk down to a leaf, remove it, continue from its parent; stop after the top. */
-    uint32_t node = (uint32_t)top;
-    for (;;) {
-        while (self->pages[node].child != NONE)
-            node = self->pages[node].child;
-        uint32_t parent = self->pages[node].parent;
-        PyObject *item = record_of(self, node);
-        if (!item || PyList_Append(removed, item) < 0 || remove_page(self, node) < 0) {
-            Py_XDECREF(item);
-            Py_DECREF(removed);
-            return NULL;
-        }
-        Py_DECREF(item);
-        if (node == (uint32_t)top || PyList_GET_SIZE(removed) == limit)
-            break;
-        node = parent;
-    }
+    if (remove_subtree_into(self, (uint32_t)top, limit, removed, NULL) < 0)
+        Py_CLEAR(removed);
     return removed;
+}
+
+/* remove_subtree_slots(record, limit=-1) -> (records, DRAM offsets): remove_subtree without on_removed. */
+static PyObject *index_remove_subtree_slots(index_t *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"record", "limit", NULL};
+    PyObject *record;
+    Py_ssize_t limit = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", names, &record, &limit))
+        return NULL;
+    int64_t top = page_of(self, record);
+    if (top < 0)
+        return NULL;
+    PyObject *removed = PyList_New(0), *slots = PyList_New(0), *out = NULL;
+    if (removed && slots && (limit == 0 || remove_subtree_into(self, (uint32_t)top, limit, removed, slots) == 0))
+        out = PyTuple_Pack(2, removed, slots);
+    Py_XDECREF(removed);
+    Py_XDECREF(slots);
+    return out;
 }
 
 static PyObject *index_roots(index_t *self, PyObject *ns_id) {
@@ -1709,6 +1743,7 @@ GUARDED_KW(index_evict_dram_many)
 GUARDED_KW(index_evict_nvme)
 GUARDED_KW(index_dram_only_lru)
 GUARDED_KW(index_remove_subtree)
+GUARDED_KW(index_remove_subtree_slots)
 GUARDED_O(index_roots)
 GUARDED_O(index_all)
 GUARDED_O(index_offer_recovered)
@@ -1768,6 +1803,9 @@ static PyMethodDef index_methods[] = {
      "dram_only_lru(count, tenant=None) -> records"},
     {"remove_subtree", (PyCFunction)(void (*)(void))guarded_index_remove_subtree, METH_VARARGS | METH_KEYWORDS,
      "remove_subtree(record, limit=-1) -> records removed, descendants first"},
+    {"remove_subtree_slots", (PyCFunction)(void (*)(void))guarded_index_remove_subtree_slots,
+     METH_VARARGS | METH_KEYWORDS,
+     "remove_subtree_slots(record, limit=-1) -> (records, DRAM offsets now the caller's), no on_removed"},
     {"roots", (PyCFunction)guarded_index_roots, METH_O, "roots(namespace_id) -> records"},
     {"_all", (PyCFunction)guarded_index_all, METH_O, "_all(ids) -> every page's record, or page id"},
     {"_offer_recovered", (PyCFunction)guarded_index_offer_recovered, METH_O, "_offer_recovered(records)"},

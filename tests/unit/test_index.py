@@ -3,7 +3,7 @@
 import pytest
 
 from kvstore.control import native_index
-from kvstore.control.index import PageIndex
+from kvstore.control.index import NO_SLOT, PageIndex
 
 SLOT = 4096
 
@@ -80,6 +80,21 @@ def test_remove_subtree_takes_descendants_and_defers_pinned_slots(index, freed):
     assert b"a2" not in freed  # still pinned by a reader: its slot is freed at unpin
     index.unpin_all([a[2]])
     assert b"a2" in freed
+    index.check_prefix_closed()
+
+
+def test_remove_subtree_slots_hands_back_the_free_slots_and_defers_pinned_ones(index, freed):
+    """The slots of removed pages come back to the caller, with no callback a page; a pinned page's slot is
+    held back (NO_SLOT in the answer) and freed through on_removed once its reader unpins it."""
+    a = chain(index, "a", 4)
+    index.pin_all([a[2]], hit=False)
+    records, slots = index.remove_subtree_slots(a[1])
+    by_key = dict(zip((r.page_id[1] for r in records), slots))
+    assert by_key == {b"a1": 1 * SLOT, b"a2": NO_SLOT, b"a3": 3 * SLOT}
+    assert freed == [] and len(index) == 1 and a[1].offset == NO_SLOT
+    index.unpin_all([a[2]])
+    assert freed == [b"a2"]
+    assert index.remove_subtree_slots(a[0], limit=0) == ([], [])
     index.check_prefix_closed()
 
 

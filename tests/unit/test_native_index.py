@@ -206,7 +206,13 @@ def step(pair: Pair, rng: random.Random, pool: list[bytes], pinned: list, offset
         assert ids(py.dram_only_lru(count, tenant)) == ids(c.dram_only_lru(count, tenant))
     elif op < 0.97:
         page_id = rng.choice(alive)
-        removed = (py.remove_subtree(py.get(page_id)), c.remove_subtree(c.get(page_id)))
+        if rng.random() < 0.5:
+            removed = (py.remove_subtree(py.get(page_id)), c.remove_subtree(c.get(page_id)))
+        else:   # the slots come back to the caller: the same ones, page by page
+            (py_records, py_slots), (c_records, c_slots) = (py.remove_subtree_slots(py.get(page_id)),
+                                                            c.remove_subtree_slots(c.get(page_id)))
+            removed = (py_records, c_records)
+            assert sorted(zip(ids(py_records), py_slots)) == sorted(zip(ids(c_records), c_slots))
         assert sorted(ids(removed[0])) == sorted(ids(removed[1]))
         # set iteration order decides the Python index's removal order: compare what was freed as sets
         pair.freed[0].sort()
