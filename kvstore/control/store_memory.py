@@ -22,7 +22,6 @@ class DramSlots:
         """Up to `count` free slots for `tenant`, evicting least recently used pages allowed by `evict`."""
         holder = self.arena.key(tenant)   # slabs are held whole by one tenant's memfd
         offsets = self.allocator.allocate_many(slot_bytes, count, holder, self._new_slabs_allowed(tenant))
-        keep_unsaved, cold = evict is not Evict.ANY, evict is Evict.COLD
         own = tenant if self.arena.tenants_apart else None   # whose victims free slots in `holder`'s slabs
         evicted = False
         while len(offsets) < count:
@@ -31,18 +30,18 @@ class DramSlots:
             # a slab back from one above its own first (_slab_donors).
             freed: list[int] = []
             if self._slab_donors(tenant)[0] == own and self.events is not None:
-                taken = self._evict_each(slot_bytes, keep_unsaved, count - len(offsets), own, cold=cold)
+                taken = self._evict_each(slot_bytes, evict, count - len(offsets), own)
                 if taken:
                     evicted = True
                     offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder,
                                                             self._new_slabs_allowed(tenant))
                     continue
             elif self._slab_donors(tenant)[0] == own:
-                freed, tenants = self.index.evict_dram_many(slot_bytes, keep_unsaved, count - len(offsets),
-                                                            tenant=own, older_than_unsaved=cold)
+                freed, tenants = self.index.evict_dram_many(slot_bytes, evict.clean_only, count - len(offsets),
+                                                            tenant=own, older_than_unsaved=evict.cold)
             if freed:
                 self._evicted_many(slot_bytes, freed, tenants)
-            elif not self._evict_for_slab(keep_unsaved, tenant, cold):
+            elif not self._evict_for_slab(evict, tenant):
                 break
             evicted = True
             offsets += self.allocator.allocate_many(slot_bytes, count - len(offsets), holder,
@@ -59,13 +58,14 @@ class DramSlots:
         limit = self.ledger.dram_limit(tenant)
         if not limit:
             return count
-        keep_unsaved, cold = evict is not Evict.ANY or self.protect_unsaved, evict is Evict.COLD
+        if evict is Evict.ANY and self.protect_unsaved:
+            evict = Evict.CLEAN
         excess = self.ledger.dram_bytes.get(tenant, 0) + count * slot_bytes - limit
         if excess > 0 and self.events is not None:
-            self._evict_each(None, keep_unsaved, len(self.index), tenant, until_bytes=excess, cold=cold)
+            self._evict_each(None, evict, len(self.index), tenant, until_bytes=excess)
         elif excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
-            freed, _ = self.index.evict_dram_many(None, keep_unsaved, len(self.index), tenant=tenant,
-                                                  until_bytes=excess, older_than_unsaved=cold)
+            freed, _ = self.index.evict_dram_many(None, evict.clean_only, len(self.index), tenant=tenant,
+                                                  until_bytes=excess, older_than_unsaved=evict.cold)
             for offset in freed:
                 self._free_slot(offset)
             if freed:
@@ -73,14 +73,13 @@ class DramSlots:
                 self.ledger.of(tenant).evictions += len(freed)
         return min(count, max(limit - self.ledger.dram_bytes.get(tenant, 0), 0) // slot_bytes)
 
-    def _evict_each(self, slot_bytes: int | None, clean_only: bool, count: int, tenant: str | None,
-                    until_bytes: int = 0, cold: bool = False) -> int:
+    def _evict_each(self, slot_bytes: int | None, evict: Evict, count: int, tenant: str | None,
+                    until_bytes: int = 0) -> int:
         """evict_dram_many where page events are published: victim by victim, so that each one's record
-        reaches the callbacks (_on_removed, _free_dram: they free its slot and announce it). Returns victims.
-        `cold`: only pages older than every unsaved one (Evict.COLD)."""
+        reaches the callbacks (_on_removed, _free_dram: they free its slot and announce it). Returns victims."""
         taken = freed_bytes = 0
         while taken < count:
-            victim = self.index.evict_dram(slot_bytes, clean_only, tenant, older_than_unsaved=cold)
+            victim = self.index.evict_dram(slot_bytes, evict.clean_only, tenant, older_than_unsaved=evict.cold)
             if victim is None:
                 break
             self._evicted(victim)
@@ -102,13 +101,13 @@ class DramSlots:
         for tenant, victims in collections.Counter(tenants).items():
             self.ledger.of(tenant).evictions += victims
 
-    def _evict_for_slab(self, keep_unsaved: bool, tenant: str, cold: bool = False) -> bool:
-        """Evict the oldest pages of the tenants _slab_donors names, in its order, until `tenant` may take a
-        whole free slab (bounded). `cold`: only pages older than every unsaved one (Evict.COLD)."""
+    def _evict_for_slab(self, evict: Evict, tenant: str) -> bool:
+        """Evict the oldest pages `evict` allows of the tenants _slab_donors names, in its order, until `tenant`
+        may take a whole free slab (bounded)."""
         budget = self.config.dram.slab_bytes // SLOT_ALIGN   # a slab's worth of the smallest slots
         while not self._slab_takeable(tenant) and budget > 0:
             for donor in self._slab_donors(tenant):
-                victim = self.index.evict_dram(None, keep_unsaved, donor, older_than_unsaved=cold)
+                victim = self.index.evict_dram(None, evict.clean_only, donor, older_than_unsaved=evict.cold)
                 if victim is not None:
                     break
             else:

@@ -44,6 +44,16 @@ class Evict(enum.Enum):
     CLEAN = "clean"  # only DRAM copies of pages also on NVMe (write_back keeps the rest until written)
     ANY = "any"      # also least recently used leaves held only in DRAM (they leave the cache)
 
+    @property
+    def clean_only(self) -> bool:
+        """The page index's clean_only: a page held only in DRAM is never taken."""
+        return self is not Evict.ANY
+
+    @property
+    def cold(self) -> bool:
+        """The page index's older_than_unsaved."""
+        return self is Evict.COLD
+
 
 class Counters:
     def __init__(self) -> None:
