@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from socket_peers import peers
+
 
 class ServerProcess:
     """A kvstore-server child process; `address` is its gRPC target once it is serving."""
@@ -42,6 +44,10 @@ class ServerProcess:
                 raise RuntimeError(f"kvstore-server not ready after {timeout_s}s:\n{self.log()}")
             time.sleep(0.02)
         return json.loads(self.ready_file.read_text())["grpc_address"]
+
+    def connected(self) -> list[str]:
+        """The processes connected to its gRPC port now, one line each (socket_peers.peers)."""
+        return peers(int(self.address.rpartition(":")[2]))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -59,9 +59,12 @@ def test_metrics_move_with_real_traffic(server, caplog):
     assert value(after, "kvstore_rpc_duration_seconds_count", method="Reserve", carrier="local") >= 1
     assert value(after, "kvstore_rpc_duration_seconds_count", method="Commit", carrier="local") >= 1
     calls = _calls_and_errors(after)   # named in a failure: which call was extra, and what it was refused with
-    assert value(after, "kvstore_rpc_duration_seconds_count", method="Acquire", carrier="local") == 2, calls
-    assert value(after, "kvstore_rpc_duration_seconds_count", method="Acquire", carrier="grpc") == 1, calls
-    assert value(after, "kvstore_rpc_duration_seconds_count", method="Hello", carrier="grpc") == 2
+    assert value(after, "kvstore_rpc_duration_seconds_count", method="Acquire", carrier="local") == 2, \
+        (calls, server.connected())
+    assert value(after, "kvstore_rpc_duration_seconds_count", method="Acquire", carrier="grpc") == 1, \
+        (calls, server.connected())
+    assert value(after, "kvstore_rpc_duration_seconds_count", method="Hello", carrier="grpc") == 2, \
+        (calls, server.connected())
     reserve_local = {"method": "Reserve", "carrier": "local"}
     assert value(after, "kvstore_rpc_duration_seconds_bucket", le="+Inf", **reserve_local) == \
         value(after, "kvstore_rpc_duration_seconds_count", **reserve_local)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import signal
 import time
@@ -302,18 +303,19 @@ def test_lookups_of_many_new_chunks_cost_one_lookup(server, engines):
     assert engine.tier.counters()[Metric.LOOKUP_RPCS] - before == 1
 
 
-def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_batch(server, engines):
+def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_batch(server, engines, caplog):
     """Counted where the calls are served (the node's per-method RPC counts): storing 1,000 chunks the node
     does not hold, looking up 1,000 it never held, and looking the stored ones up from another engine each
     cost one Lookup, not one per chunk; the misses are misses and the hits come back with their bytes."""
+    caplog.set_level(logging.INFO, logger="kvstore_client")   # a call made again on a new connection shows in a failure
     fresh = chunk_keys(list(range(9000, 9000 + 1000 * BLOCK_TOKENS)))
     pages = random_pages(len(fresh), seed=15)
     writer = engines(kvstore_tier(server), chunks=1100)
     before = served(server)
     writer.offload("prefill", fresh, pages)
     stored = served(server) - before
-    assert stored["Lookup"] == 1, stored
-    assert stored.total() <= RPCS_PER_BATCH_MAX, stored
+    assert stored["Lookup"] == 1, (stored, refused(server), server.connected())
+    assert stored.total() <= RPCS_PER_BATCH_MAX, (stored, refused(server), server.connected())
 
     reader = engines(kvstore_tier(server), chunks=1100)
     unknown = chunk_keys(list(range(30_000, 30_000 + 1000 * BLOCK_TOKENS)))
@@ -321,13 +323,13 @@ def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_bat
     _, _, final = reader.lookup_all("never-stored", unknown)
     looked_up = served(server) - before
     assert final == [LookupResult.MISS] * len(unknown)
-    assert looked_up["Lookup"] == 1, looked_up
+    assert looked_up["Lookup"] == 1, (looked_up, refused(server), server.connected())
 
     before = served(server)
     context, _, final = reader.lookup_all("follow-up", fresh)
     looked_up = served(server) - before
     assert final == [LookupResult.HIT] * len(fresh)
-    assert looked_up["Lookup"] == 1, looked_up
+    assert looked_up["Lookup"] == 1, (looked_up, refused(server), server.connected())
     assert reader.read(context, fresh) == [p.tobytes() for p in pages]
     assert (served(server) - before).total() <= RPCS_PER_BATCH_MAX
 
@@ -339,15 +341,27 @@ RPCS_PER_BATCH_MAX = 16
 
 def served(server) -> collections.Counter:
     """Calls the node has served, by method, read from its Prometheus endpoint."""
+    calls: collections.Counter = collections.Counter()
+    for sample in _samples(server, "kvstore_rpc_duration_seconds_count"):
+        calls[sample.labels["method"]] += int(sample.value)
+    return calls
+
+
+def refused(server) -> collections.Counter:
+    """Calls the node answered with an error, by method and error (named in a failure: why a call was made
+    again)."""
+    errors: collections.Counter = collections.Counter()
+    for sample in _samples(server, "kvstore_rpc_errors_total"):
+        errors[sample.labels["method"], sample.labels["error"]] += int(sample.value)
+    return errors
+
+
+def _samples(server, name):
     port = json.loads(server.ready_file.read_text())["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    calls: collections.Counter = collections.Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kvstore_rpc_duration_seconds_count":
-                calls[sample.labels["method"]] += int(sample.value)
-    return calls
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == name]
 
 
 def test_vllms_tier_factory_takes_a_cluster_and_a_lost_node_costs_only_its_chunks(cluster_pool, engines):
