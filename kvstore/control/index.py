@@ -465,8 +465,10 @@ class PageIndex:
         slots = []
         for node in removed:
             self._remove(node, notify=False)
-            slots.append(node.offset if node.pins == 0 else NO_SLOT)
-            if node.pins == 0:
+            if node.pins:
+                slots.append(NO_SLOT)
+            else:
+                slots.append(node.offset)
                 node.offset = NO_SLOT
         return removed, slots
 

@@ -25,8 +25,8 @@ one byte a page, with no object per page. `add_chain` adds a commit's pages, eac
 parent, in one call, and makes no record for them when asked not to; `positions_held` finds which of a Reserve's keys are held, in one call;
 `evict_dram_many` takes a run of DRAM victims and hands back their offsets and tenants, with no record
 or callback per victim, and `remove_subtree_slots` hands back the slots of the pages a Delete removes (a
-1,024-page chain: 1.9 ms with a callback a page, 0.5 ms); `ready_prefix` and `read_all` find and count the pages an Acquire keeps (a
-256-page Acquire spent 70 of its 250 us in those two steps in Python).
+1,024-page chain: 1.9 ms with a callback a page, 0.5 ms); `ready_prefix` and `read_all` find and count
+the pages an Acquire keeps (a 256-page Acquire spent 70 of its 250 us in those two steps in Python).
 
 Not thread-safe: the page store's lock guards every call.
 """
