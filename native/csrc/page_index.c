@@ -1422,14 +1422,21 @@ static int remove_subtree_into(index_t *self, uint32_t top, Py_ssize_t limit, Py
     }
 }
 
-/* remove_subtree(record, limit=-1) -> records removed, descendants first. */
-static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *kwargs) {
+/* The arguments (record, limit=-1) of remove_subtree and remove_subtree_slots: the record's page, -1 with an error
+ * set if it is none of this index's. */
+static int64_t subtree_arguments(index_t *self, PyObject *args, PyObject *kwargs, Py_ssize_t *limit) {
     static char *names[] = {"record", "limit", NULL};
     PyObject *record;
-    Py_ssize_t limit = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", names, &record, &limit))
-        return NULL;
-    int64_t top = page_of(self, record);
+    *limit = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", names, &record, limit))
+        return -1;
+    return page_of(self, record);
+}
+
+/* remove_subtree(record, limit=-1) -> records removed, descendants first. */
+static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t limit;
+    int64_t top = subtree_arguments(self, args, kwargs, &limit);
     if (top < 0)
         return NULL;
     PyObject *removed = PyList_New(0);
@@ -1442,12 +1449,8 @@ static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *k
 
 /* remove_subtree_slots(record, limit=-1) -> (records, DRAM offsets): remove_subtree without on_removed. */
 static PyObject *index_remove_subtree_slots(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"record", "limit", NULL};
-    PyObject *record;
-    Py_ssize_t limit = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", names, &record, &limit))
-        return NULL;
-    int64_t top = page_of(self, record);
+    Py_ssize_t limit;
+    int64_t top = subtree_arguments(self, args, kwargs, &limit);
     if (top < 0)
         return NULL;
     PyObject *removed = PyList_New(0), *slots = PyList_New(0), *out = NULL;
