@@ -95,8 +95,7 @@ class DramSlots:
 
     def _evicted_many(self, slot_bytes: int, offsets: list[int], tenants: list[str]) -> None:
         """Victims of one slot size taken by evict_dram_many: their slots freed, their evictions counted."""
-        self.allocator.free_many(offsets, slot_bytes)
-        self.ledger.freed_many(offsets, slot_bytes)
+        self._free_run(offsets, slot_bytes)
         self.counters.evictions += len(tenants)
         for tenant, victims in collections.Counter(tenants).items():
             self.ledger.of(tenant).evictions += victims
@@ -175,8 +174,12 @@ class DramSlots:
             if offset != NO_SLOT:
                 by_size[record.slot_bytes].append(offset)
         for slot_bytes, run in by_size.items():
-            self.allocator.free_many(run, slot_bytes)
-            self.ledger.freed_many(run, slot_bytes)
+            self._free_run(run, slot_bytes)
+
+    def _free_run(self, offsets: list[int], slot_bytes: int) -> None:
+        """Slots of one size back to the allocator and off their tenants' ledger, in one call each."""
+        self.allocator.free_many(offsets, slot_bytes)
+        self.ledger.freed_many(offsets, slot_bytes)
 
     def _free_dram(self, record: PageRecord) -> None:
         self._free_slot(record.offset)
