@@ -78,6 +78,9 @@ def test_every_bad_argument_is_the_sdks_invalid_argument(client, ns, server):
         lambda: prefix_hashes([1] * 32, 0),
         lambda: KVStoreClient(server.address, control="udp"),
         lambda: KVStoreClient(server.address, timeout_s=0),
+        lambda: KVStoreClient(server.address, spin_us=-1),
+        lambda: KVStoreClient(server.address, spin_us=0.5),
+        lambda: KVStoreClient(server.address, spin_us=10_001),
     ]
     for case in cases:
         with pytest.raises(InvalidArgument):
@@ -107,6 +110,16 @@ def test_per_call_timeout_is_honoured(server, ns, control):
         assert client.lookup(ns, ["t0"], timeout_s=30) == 1
         out = np.zeros((1, PAGE), np.uint8)
         assert client.get(ns, ["t0"], out) == 1 and np.array_equal(out, pages(1))
+
+
+@pytest.mark.parametrize("spin_us", [0, 10_000])
+def test_a_client_that_sleeps_at_once_or_polls_long_moves_the_same_pages(server, ns, spin_us):
+    """spin_us changes only how a wait for the node's answer passes (polling, then asleep), never what moves."""
+    data, keys = pages(600, seed=spin_us), [f"spin{spin_us}-{i}" for i in range(600)]
+    with KVStoreClient(server.address, spin_us=spin_us) as client:
+        assert client.put(ns, keys, data) == 600
+        out = np.zeros_like(data)
+        assert client.get(ns, keys, out) == 600 and np.array_equal(out, data)
 
 
 def test_a_put_cut_short_by_a_full_node_says_why(start_server, ns):

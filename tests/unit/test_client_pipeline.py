@@ -2,7 +2,7 @@
 path cuts a put into Reserve groups and Commit runs."""
 
 from kvstore_client.data_path import NETWORK_SHAPE, PipelineShape
-from kvstore_client.pipeline import changed_pages, stored_pages
+from kvstore_client.pipeline import changed_pages, commit_runs, stored_pages
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import HASHING_SHAPE, SHAPE as SHM_SHAPE
 
@@ -55,6 +55,16 @@ def test_a_put_over_shared_memory_reserves_2_mib_first_then_whole_groups():
     assert SHM_SHAPE.reserve_groups(32, 4 << 20) == [(0, 1), (1, 32)]                  # never less than a page
     assert SHM_SHAPE.reserve_groups(10, 64 << 10) == [(0, 10)]
     assert NETWORK_SHAPE.reserve_groups(1024, 4 << 10) == [(0, 1024)]                  # no short first group
+
+
+def test_a_puts_last_group_ends_with_a_commit_of_its_last_mib_and_other_groups_commit_in_runs():
+    assert commit_runs(512, 96, 64 << 10, last=True) == [(0, 80), (80, 96)]          # 16 pages of 64 KiB: 1 MiB
+    assert commit_runs(512, 96, 64 << 10, last=False) == [(0, 96)]
+    assert commit_runs(8192, 512, 4 << 10, last=True) == [(0, 256), (256, 512)]       # halves, as before
+    assert commit_runs(8192, 300, 4 << 10, last=True) == [(0, 300)]                   # under two tails: whole
+    assert commit_runs(8, 31, 4 << 20, last=True) == [(0, 8), (8, 16), (16, 24), (24, 30), (30, 31)]
+    assert commit_runs(32, 1, 1 << 20, last=True) == [(0, 1)]
+    assert commit_runs(32, 0, 1 << 20, last=True) == []                              # nothing reserved
 
 
 def test_shared_memory_acquires_a_long_get_in_a_few_parts_and_the_network_in_one():

@@ -31,6 +31,16 @@ def node_target(target: Any) -> str:
     return target
 
 
+SPIN_US_MAX = 10_000
+
+
+def check_spin_us(spin_us: Any) -> None:
+    """A client's spin_us: whole microseconds, 0 (never spin) to SPIN_US_MAX."""
+    if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= SPIN_US_MAX:
+        raise errors.InvalidArgument(f"spin_us must be a whole number of microseconds from 0 (never spin) to "
+                                     f"{SPIN_US_MAX}, got {spin_us!r}")
+
+
 def keys_or_tokens(keys: Sequence[Key] | None, tokens: Any) -> dict[str, list]:
     """A Lookup's or Route's keys or tokens field (the node hashes tokens itself)."""
     if (keys is None) == (tokens is None):

@@ -43,7 +43,7 @@ import threading
 from typing import Any, Callable, Sequence, TypeVar
 
 from kvstore_client import errors, node_calls
-from kvstore_client.arguments import is_cluster_url, node_target
+from kvstore_client.arguments import check_spin_us, is_cluster_url, node_target
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
@@ -73,22 +73,26 @@ class KVStoreClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = "",
                  transport: str = "auto", tcp_congestion: str = "", rdma: RdmaOptions | None = None,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, tls_server_name: str = ""):
+                 tls_key: str | None = None, tls_server_name: str = "", spin_us: int = 200):
         """`rdma`: device, port, GID index, traffic class, service level and queue sizes of the RDMA data plane
         (experimental: see rdma_transport.py); None = defaults (first ACTIVE port, a RoCE v2 GID).
         `token`, `tls_ca`, `tls_cert`, `tls_key`: who this client is to the node (credentials.py); each
         one left None is read from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY.
-        `tls_server_name`: the name the node's gRPC certificate must carry ("" = the host dialled)."""
+        `tls_server_name`: the name the node's gRPC certificate must carry ("" = the host dialled).
+        `spin_us`: how long a wait for the node's answer on its local channel polls, keeping this thread's core
+        busy, before it sleeps (0: it sleeps at once). A sleeping thread wakes 30-100 us after its answer comes,
+        more than the node takes to answer most calls (channel.py)."""
         target = node_target(target)
         if control not in ("local", "grpc"):
             raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_spin_us(spin_us)
         self._options = ConnectOptions(target=target, timeout_s=timeout_s, control=control, transport=transport,
                                        client_name=client_name, tcp_congestion=tcp_congestion,
                                        rdma=rdma or RdmaOptions(), credentials=Credentials.resolve(
                                            token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                           tls_server_name=tls_server_name))
+                                           tls_server_name=tls_server_name), spin_us=spin_us)
         self._lock = threading.Lock()            # guards _conn and _closed; a call enters _conn under it
         self._replace_lock = threading.Lock()    # one reconnect at a time; the other callers then use it
         self._closed = False

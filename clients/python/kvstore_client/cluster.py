@@ -66,7 +66,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kvstore_client import checksums, errors, groups, lookup, node_calls, placement
-from kvstore_client.arguments import engine_id_list, get_pages, parent_list, put_pages
+from kvstore_client.arguments import check_spin_us, engine_id_list, get_pages, parent_list, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
 from kvstore_client.etcd import parse_endpoint
@@ -157,7 +157,7 @@ class KVStoreCluster:
                  members_wait_s: float = 5.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, rdma: RdmaOptions | None = None, etcd_tls_ca: str | None = None,
-                 etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None):
+                 etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None, spin_us: int = 200):
         """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node). `control`:
         how nodes are asked ("local": a same-host node's Unix socket, another's TCP call connection; "grpc").
         `replicas`: copies of a hot page (hot_pages.py); `replicated_pages`: leading pages of a chain's first put written to `replicas` nodes
@@ -165,19 +165,22 @@ class KVStoreCluster:
         `rdma`: this host's NIC settings (rdma_transport.RdmaOptions); given, nodes that advertise RDMA are
         reached over it; None = TCP. `etcd_tls_*`: etcd over TLS (credentials.EtcdTlsFiles; each one None is read
         from KVSTORE_ETCD_TLS_CA, _CERT, _KEY). With `tls_ca`, only members whose record proves itself are
-        used (record_trust.py), each dialled checking that its certificate names its node id."""
+        used (record_trust.py), each dialled checking that its certificate names its node id. `spin_us`: as
+        KVStoreClient's, for a node on this host."""
         if transport not in ("auto", "tcp"):
             raise errors.InvalidArgument(f"a cluster's transport must be 'auto' or 'tcp', got {transport!r}")
         if control not in ("local", "grpc"):
             raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_spin_us(spin_us)
         placement.check_layout(replicas, replicated_pages)
         endpoints, self.cluster = parse_cluster_url(url)
         self._credentials = Credentials.resolve(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.replicas = replicas
         self.replicated_pages = replicated_pages
         self._timeout_s = timeout_s
+        self._spin_us = spin_us
         self._transport = transport
         self._control = control
         self._tcp_congestion = tcp_congestion
@@ -702,7 +705,7 @@ class KVStoreCluster:
                                tcp_congestion=self._tcp_congestion,
                                rdma=self._rdma if plane == "rdma" else None,
                                token=who.token, tls_ca=who.tls_ca, tls_cert=who.tls_cert, tls_key=who.tls_key,
-                               tls_server_name=member.node_id if who.tls_ca else "")
+                               tls_server_name=member.node_id if who.tls_ca else "", spin_us=self._spin_us)
         client.on_hot = self._hot.flag
         if plane == "rdma" and client.transport != "rdma":
             log.warning("node %s advertises RDMA but it cannot be used from here: its pages move over %s",

@@ -50,6 +50,7 @@ class ConnectOptions:
     tcp_congestion: str = ""
     rdma: RdmaOptions = RdmaOptions()
     credentials: Credentials = Credentials()
+    spin_us: int = 200          # a wait for the local channel's answer polls this long before it sleeps
 
 
 class NodeConnection:
@@ -57,6 +58,7 @@ class NodeConnection:
         """Hello over gRPC, then the first data path that works; raises what stopped it (Unavailable, ...)."""
         self.grpc = GrpcChannel(options.target, options.timeout_s, options.credentials)
         self.credentials = options.credentials
+        self._spin_s = options.spin_us / 1e6
         # The node's own channel, answered in order: its Unix socket (which also hands out the arena) beside
         # shared memory, a call connection of its TCP data plane beside TCP pages.
         self.local: LocalChannel | TcpControlChannel | None = None
@@ -163,7 +165,7 @@ class NodeConnection:
 
     def _open_shm(self, timeout_s: float) -> ShmDataPath:
         local = LocalChannel(self.hello.shm_socket, timeout_s, self.credentials.token,
-                             (self.hello.local_challenge, self.hello.local_answer))
+                             (self.hello.local_challenge, self.hello.local_answer), self._spin_s)
         try:
             path = ShmDataPath(local, self.hello.instance_id)
         except BaseException:
