@@ -318,6 +318,11 @@ class _Shard:
         if size < 2 * self.page_size:   # the meta pages themselves are gone
             return f"file is {size} bytes, shorter than its meta pages: truncated"
         needed = (self.env.info()["last_pgno"] + 1) * self.page_size
+        # The size again, read after the meta page: another thread's commit (write-down runs on the controller
+        # and on RPC threads making room) may have grown the file and moved last_pgno between the two reads.
+        # A file only grows, so read in this order a commit cannot pass for a cut: it once quarantined a
+        # whole healthy shard under write-back load.
+        size = os.fstat(self.data_fd).st_size
         if size < needed:
             return f"file is {size} bytes, its meta page claims {needed}: truncated"
         return ""

@@ -65,3 +65,39 @@ def test_pages_of_every_size_read_back_whole_with_their_checksum(tmp_path, monke
     assert tier.read_into([(1, b"absent", memoryview(wrong_size)), (1, b"k4", memoryview(wrong_size[:-1]))]) == [
         None, None]
     tier.close()
+
+
+class _CommitDuringInfo:
+    """A shard's LMDB environment whose info() lets another writer's commit land first: the moment a
+    concurrent write-down (the controller, or an RPC thread making room) grows the file."""
+
+    def __init__(self, env, commit):
+        self._env, self._commit = env, commit
+
+    def info(self):
+        self._commit()
+        return self._env.info()
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def test_a_commit_that_grows_the_file_during_the_size_check_is_not_a_truncation(tmp_path):
+    """The check reads the meta page's last page, then the file's size: the file only grows, so a commit
+    between the two cannot make a whole shard look cut short (and be quarantined with its pages)."""
+    tier = NvmeTier((str(tmp_path / "shard"),), map_bytes=256 << 20, io_threads=1)
+    shard, page, written = tier.shards[0], memoryview(bytes(PAGE)), []
+
+    def grow():
+        key = b"grown%d" % len(written)
+        with shard.env._env.begin(write=True) as txn:
+            txn.put(record_key(1, key), bytes(16 * PAGE), db=shard.data)
+        written.append(key)
+
+    shard.env = _CommitDuringInfo(shard.env, grow)
+    for i in range(8):
+        assert shard.size_fault() == ""
+        tier.write(0, [(StoredPage(1, b"k%d" % i, b"", PAGE, 0), page)])
+    assert len(written) >= 8 and not tier.quarantined()
+    shard.env = shard.env._env
+    tier.close()
