@@ -263,6 +263,10 @@ def print_tables(report: dict) -> None:
               f"under write-down {w['loaded']['p99_us']:.0f} µs ({w['p99_ratio']:.2f}x); "
               f"{w['pages_written_down_per_s']:.0f} pages written down a second; CPUs busy in the second before: " +
               ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in placed["cpus_busy_before"].items()))
+        if w.get("shard_alone"):
+            alone = w["shard_alone"]
+            print(f"one LMDB shard alone on this disk, the same transactions and windows: {alone['pages_per_s']:.0f} "
+                  f"pages/s (write-down reached {w['pages_written_down_per_s'] / alone['pages_per_s']:.2f} of it)")
         if w.get("control"):
             c = w["control"]
             print(f"control, the same loader with nothing written down (pages evicted): p99 idle "

@@ -21,6 +21,9 @@ and loaded/idle ratios; the goal is a p99 ratio of 2 or less. The JSON adds a po
 histogram of each phase. A get served from NVMe instead of DRAM would measure promotion, so the
 hot page is got all along (it stays the most recently used page) and the window's DRAM and NVMe
 hits are printed. `--no-nvme` is the control: the same loader, pages evicted instead of written down.
+Write-down's pages/s stand beside what one LMDB shard alone commits on the same disk, in the same
+transactions and windows (shard_alone): this host's disk sustained 2,400-2,900 pages of 64 KiB a second
+once a few GB were written, where its first seconds took 4,000-7,000.
 
 Placement (taskset): server on CPU 1, measured client on CPU 0, loader on `--loader-cpu`
 (default 0, with the measured client, so the server keeps its own core). Sharing that core, the
@@ -47,6 +50,8 @@ import time
 import numpy as np
 
 from _server import ServerProcess
+from kvstore import config as config_module
+from kvstore.tiers.nvme import NvmeTier, StoredPage
 from kvstore_client import KVStoreClient, Namespace
 from kvstore_client.proto import pb
 
@@ -211,6 +216,34 @@ def measure(args: argparse.Namespace, address: str) -> dict:
     return result
 
 
+def shard_alone(args: argparse.Namespace, directory: str | None) -> dict:
+    """What one LMDB shard commits on this disk with no node around it: 64 KiB pages of random keys written
+    through NvmeTier (the node's own write path), in the node's transactions (controller.write_txn_bytes),
+    from one thread on the server's CPU, in windows timed like the loaded ones (the idle ones between, so
+    the disk drains as it did). A fresh shard in the same file system: its write-down's physical bound."""
+    txn_pages = max(1, config_module.load(environ={}, overrides=args.set).controller.write_txn_bytes // PAGE_BYTES)
+    page, pages, seconds = memoryview(np.random.default_rng(3).bytes(PAGE_BYTES)), 0, 0.0
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {args.server_cpu})
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvstore-shard-alone-", dir=directory) as path:
+            tier = NvmeTier((path,), args.map_gib << 30, io_threads=1)
+            try:
+                for _ in range(args.rounds):
+                    time.sleep(args.idle_s / args.rounds)
+                    started = time.perf_counter()
+                    while time.perf_counter() - started < args.loaded_s / args.rounds:
+                        tier.write(0, [(StoredPage(1, os.urandom(16).hex().encode(), b"", PAGE_BYTES, 0), page)
+                                       for _ in range(txn_pages)])
+                        pages += txn_pages
+                    seconds += time.perf_counter() - started
+            finally:
+                tier.close()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return {"pages_per_s": pages / seconds, "txn_pages": txn_pages, "pages": pages}
+
+
 def _at_least_one(text: str) -> int:
     if int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text}: at least one window of each")
@@ -264,6 +297,8 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                  "loader_nice": args.loader_nice,
                  "cpus_online": os.cpu_count(), "cpus_busy_before": busy_before}
     result["pages_written_down_per_s"] = result["window"]["pages_written_down"] / args.loaded_s
+    if not args.no_nvme:
+        result["shard_alone"] = shard_alone(args, args.nvme_dir)
     return result, placement
 
 
@@ -294,6 +329,11 @@ def main() -> None:
           f"({result['pages_written_down_per_s']:.0f}/s), {window['dram_evictions']} DRAM evictions, "
           f"{window['nvme_evictions']} NVMe evictions, {window['write_queue_drops']} write-queue drops; "
           f"loader put {loader['pages']} pages in {loader['seconds']:.1f} s")
+    if "shard_alone" in result:
+        alone = result["shard_alone"]
+        print(f"one LMDB shard alone on this disk ({alone['txn_pages']} pages a transaction, the same windows): "
+              f"{alone['pages_per_s']:.0f} pages/s; write-down reached "
+              f"{result['pages_written_down_per_s'] / alone['pages_per_s']:.2f} of it")
     print(f"measured gets in the window served from DRAM: {window['dram_hits']} "
           f"(from NVMe: {window['nvme_hits']}, misses: {result['loaded']['misses']}, "
           f"samples: {result['loaded']['samples']})")
