@@ -126,7 +126,8 @@ def run_loader(address: str, batch: int, paused_at_start: bool) -> None:
     print("ready", flush=True)   # the signals are handled from here on
     pages = np.random.default_rng(2).integers(0, 256, (batch, PAGE_BYTES), dtype=np.uint8)
     put, short, seconds = 0, 0, 0.0
-    with KVStoreClient(address, timeout_s=60) as client:
+    # It shares the measured client's core: polling for answers (spin_us) it would hold that core from the reader.
+    with KVStoreClient(address, timeout_s=60, spin_us=0) as client:
         while not stopping:
             if paused.is_set():   # between puts: it holds no lease while it waits
                 time.sleep(0.01)

@@ -81,7 +81,9 @@ class KVStoreClient:
         `tls_server_name`: the name the node's gRPC certificate must carry ("" = the host dialled).
         `spin_us`: how long a wait for the node's answer on its local channel polls, keeping this thread's core
         busy, before it sleeps (0: it sleeps at once). A sleeping thread wakes 30-100 us after its answer comes,
-        more than the node takes to answer most calls (channel.py)."""
+        more than the node takes to answer most calls (channel.py). Busy clients sharing one core slow each
+        other while they poll: give them 0 (a put loader beside a reader on one core took the reader's
+        one-page get from a median of 0.41-0.48 ms to 0.69-0.72, bench/writedown_latency.py --no-nvme)."""
         target = node_target(target)
         if control not in ("local", "grpc"):
             raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
