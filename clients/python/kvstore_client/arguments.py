@@ -31,6 +31,7 @@ def node_target(target: Any) -> str:
     return target
 
 
+SPIN_US_DEFAULT = 200   # a client's wait for a local answer polls this long before it sleeps (channel.py)
 SPIN_US_MAX = 10_000
 
 

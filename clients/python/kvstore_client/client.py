@@ -43,7 +43,7 @@ import threading
 from typing import Any, Callable, Sequence, TypeVar
 
 from kvstore_client import errors, node_calls
-from kvstore_client.arguments import check_spin_us, is_cluster_url, node_target
+from kvstore_client.arguments import SPIN_US_DEFAULT, check_spin_us, is_cluster_url, node_target
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
@@ -73,7 +73,7 @@ class KVStoreClient:
     def __init__(self, target: str, *, timeout_s: float = 5.0, control: str = "local", client_name: str = "",
                  transport: str = "auto", tcp_congestion: str = "", rdma: RdmaOptions | None = None,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, tls_server_name: str = "", spin_us: int = 200):
+                 tls_key: str | None = None, tls_server_name: str = "", spin_us: int = SPIN_US_DEFAULT):
         """`rdma`: device, port, GID index, traffic class, service level and queue sizes of the RDMA data plane
         (experimental: see rdma_transport.py); None = defaults (first ACTIVE port, a RoCE v2 GID).
         `token`, `tls_ca`, `tls_cert`, `tls_key`: who this client is to the node (credentials.py); each

@@ -66,7 +66,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kvstore_client import checksums, errors, groups, lookup, node_calls, placement
-from kvstore_client.arguments import check_spin_us, engine_id_list, get_pages, parent_list, put_pages
+from kvstore_client.arguments import SPIN_US_DEFAULT, check_spin_us, engine_id_list, get_pages, parent_list, put_pages
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
 from kvstore_client.etcd import parse_endpoint
@@ -157,7 +157,7 @@ class KVStoreCluster:
                  members_wait_s: float = 5.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, rdma: RdmaOptions | None = None, etcd_tls_ca: str | None = None,
-                 etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None, spin_us: int = 200):
+                 etcd_tls_cert: str | None = None, etcd_tls_key: str | None = None, spin_us: int = SPIN_US_DEFAULT):
         """`transport`: "auto" (shm on this host, else RDMA or TCP) or "tcp" (TCP to every node). `control`:
         how nodes are asked ("local": a same-host node's Unix socket, another's TCP call connection; "grpc").
         `replicas`: copies of a hot page (hot_pages.py); `replicated_pages`: leading pages of a chain's first put written to `replicas` nodes

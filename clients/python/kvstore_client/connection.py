@@ -19,6 +19,7 @@ import threading
 from typing import Any, Callable, TypeVar
 
 from kvstore_client import errors, node_calls
+from kvstore_client.arguments import SPIN_US_DEFAULT
 from kvstore_client.channel import GrpcChannel, LocalChannel
 from kvstore_client.credentials import Credentials
 from kvstore_client.data_path import DataPath
@@ -50,7 +51,7 @@ class ConnectOptions:
     tcp_congestion: str = ""
     rdma: RdmaOptions = RdmaOptions()
     credentials: Credentials = Credentials()
-    spin_us: int = 200          # a wait for the local channel's answer polls this long before it sleeps
+    spin_us: int = SPIN_US_DEFAULT
 
 
 class NodeConnection:
