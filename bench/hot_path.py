@@ -266,7 +266,7 @@ def print_tables(report: dict) -> None:
         if w.get("shard_alone"):
             alone = w["shard_alone"]
             print(f"one LMDB shard alone on this disk, the same transactions and windows: {alone['pages_per_s']:.0f} "
-                  f"pages/s (write-down reached {w['pages_written_down_per_s'] / alone['pages_per_s']:.2f} of it)")
+                  f"pages/s (write-down reached {alone['written_down_share']:.2f} of it)")
         if w.get("control"):
             c = w["control"]
             print(f"control, the same loader with nothing written down (pages evicted): p99 idle "

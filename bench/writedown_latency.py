@@ -22,8 +22,9 @@ histogram of each phase. A get served from NVMe instead of DRAM would measure pr
 hot page is got all along (it stays the most recently used page) and the window's DRAM and NVMe
 hits are printed. `--no-nvme` is the control: the same loader, pages evicted instead of written down.
 Write-down's pages/s stand beside what one LMDB shard alone commits on the same disk, in the same
-transactions and windows (shard_alone): this host's disk sustained 2,400-2,900 pages of 64 KiB a second
-once a few GB were written, where its first seconds took 4,000-7,000.
+transactions and windows (shard_alone): LMDB alone on this host's disk sustained 1,900-2,900 pages of
+64 KiB a second once a few GB were written (256 KiB to 1 MiB transactions), where its first seconds took
+3,900-7,300.
 
 Placement (taskset): server on CPU 1, measured client on CPU 0, loader on `--loader-cpu`
 (default 0, with the measured client, so the server keeps its own core). Sharing that core, the
@@ -299,7 +300,8 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                  "cpus_online": os.cpu_count(), "cpus_busy_before": busy_before}
     result["pages_written_down_per_s"] = result["window"]["pages_written_down"] / args.loaded_s
     if not args.no_nvme:
-        result["shard_alone"] = shard_alone(args, args.nvme_dir)
+        alone = result["shard_alone"] = shard_alone(args, args.nvme_dir)
+        alone["written_down_share"] = result["pages_written_down_per_s"] / alone["pages_per_s"]
     return result, placement
 
 
@@ -333,8 +335,7 @@ def main() -> None:
     if "shard_alone" in result:
         alone = result["shard_alone"]
         print(f"one LMDB shard alone on this disk ({alone['txn_pages']} pages a transaction, the same windows): "
-              f"{alone['pages_per_s']:.0f} pages/s; write-down reached "
-              f"{result['pages_written_down_per_s'] / alone['pages_per_s']:.2f} of it")
+              f"{alone['pages_per_s']:.0f} pages/s; write-down reached {alone['written_down_share']:.2f} of it")
     print(f"measured gets in the window served from DRAM: {window['dram_hits']} "
           f"(from NVMe: {window['nvme_hits']}, misses: {result['loaded']['misses']}, "
           f"samples: {result['loaded']['samples']})")

@@ -59,7 +59,6 @@ class NodeConnection:
         """Hello over gRPC, then the first data path that works; raises what stopped it (Unavailable, ...)."""
         self.grpc = GrpcChannel(options.target, options.timeout_s, options.credentials)
         self.credentials = options.credentials
-        self._spin_s = options.spin_us / 1e6
         # The node's own channel, answered in order: its Unix socket (which also hands out the arena) beside
         # shared memory, a call connection of its TCP data plane beside TCP pages.
         self.local: LocalChannel | TcpControlChannel | None = None
@@ -148,7 +147,7 @@ class NodeConnection:
         for name in order:
             try:
                 if name == "shm":
-                    return self._open_shm(options.timeout_s)
+                    return self._open_shm(options)
                 if name == "rdma":
                     return rdma_transport.RdmaDataPath(self.grpc, options.timeout_s, options.rdma)
                 return TcpDataPath(hello.tcp_endpoint, options.timeout_s, options.tcp_congestion, hello.data_ticket,
@@ -164,9 +163,9 @@ class NodeConnection:
     def _tcp_tls(self, options: ConnectOptions) -> ssl.SSLContext | None:
         return options.credentials.tcp_tls() if self.hello.tcp_tls else None
 
-    def _open_shm(self, timeout_s: float) -> ShmDataPath:
-        local = LocalChannel(self.hello.shm_socket, timeout_s, self.credentials.token,
-                             (self.hello.local_challenge, self.hello.local_answer), self._spin_s)
+    def _open_shm(self, options: ConnectOptions) -> ShmDataPath:
+        local = LocalChannel(self.hello.shm_socket, options.timeout_s, self.credentials.token,
+                             (self.hello.local_challenge, self.hello.local_answer), options.spin_us / 1e6)
         try:
             path = ShmDataPath(local, self.hello.instance_id)
         except BaseException:

@@ -130,8 +130,8 @@ class PutBatch:
                                                       checksums_from_writer=from_writer)))
 
 
-# The last Commit of a put is the one whose checking overlaps no copy, and after copying its pages the
-# node has mostly gone to sleep (shm.spin_us) and takes 60-90 us to wake. So a put's last group ends
+# The last Commit of a put is the one whose checking overlaps no copy, and over shared memory the node has
+# mostly gone to sleep by then (shm.spin_us) and takes 60-90 us to wake. So a put's last group ends
 # with a short Commit, of the pages in its last TAIL_COMMIT_BYTES (at least one page): the Commit before
 # it is answered while they are copied (see channel.OrderedChannel._spin_until_readable for what the two
 # gave 64 KiB pages). For 4 KiB pages it halves a group of 512, as before (3-4% more puts/s).
