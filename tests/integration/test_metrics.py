@@ -60,16 +60,22 @@ def test_metrics_move_with_real_traffic(server, caplog):
     assert value(after, "kvstore_rpc_duration_seconds_count", method="Commit", carrier="local") >= 1
     calls = _calls_and_errors(after)   # named in a failure: which call was extra, and what it was refused with
     assert value(after, "kvstore_rpc_duration_seconds_count", method="Acquire", carrier="local") == 2, \
-        (calls, server.connected())
+        _why(calls, server)
     assert value(after, "kvstore_rpc_duration_seconds_count", method="Acquire", carrier="grpc") == 1, \
-        (calls, server.connected())
+        _why(calls, server)
     assert value(after, "kvstore_rpc_duration_seconds_count", method="Hello", carrier="grpc") == 2, \
-        (calls, server.connected())
+        _why(calls, server)
     reserve_local = {"method": "Reserve", "carrier": "local"}
     assert value(after, "kvstore_rpc_duration_seconds_bucket", le="+Inf", **reserve_local) == \
         value(after, "kvstore_rpc_duration_seconds_count", **reserve_local)
     assert value(after, "kvstore_rpc_duration_seconds_sum", **reserve_local) > 0
     assert value(after, "process_resident_memory_bytes") > 0
+
+
+def _why(calls: dict, server) -> str:
+    """A counting assertion's message: every call and error counted, and who is connected to the node. A str,
+    which pytest prints whole (it cuts any other message to one short line)."""
+    return f"calls and errors counted: {calls}; connected to the node now: {server.connected()}"
 
 
 def _calls_and_errors(samples) -> dict:

@@ -314,8 +314,8 @@ def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_bat
     before = served(server)
     writer.offload("prefill", fresh, pages)
     stored = served(server) - before
-    assert stored["Lookup"] == 1, (stored, refused(server), server.connected())
-    assert stored.total() <= RPCS_PER_BATCH_MAX, (stored, refused(server), server.connected())
+    assert stored["Lookup"] == 1, why(stored, server)
+    assert stored.total() <= RPCS_PER_BATCH_MAX, why(stored, server)
 
     reader = engines(kvstore_tier(server), chunks=1100)
     unknown = chunk_keys(list(range(30_000, 30_000 + 1000 * BLOCK_TOKENS)))
@@ -323,13 +323,13 @@ def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_bat
     _, _, final = reader.lookup_all("never-stored", unknown)
     looked_up = served(server) - before
     assert final == [LookupResult.MISS] * len(unknown)
-    assert looked_up["Lookup"] == 1, (looked_up, refused(server), server.connected())
+    assert looked_up["Lookup"] == 1, why(looked_up, server)
 
     before = served(server)
     context, _, final = reader.lookup_all("follow-up", fresh)
     looked_up = served(server) - before
     assert final == [LookupResult.HIT] * len(fresh)
-    assert looked_up["Lookup"] == 1, (looked_up, refused(server), server.connected())
+    assert looked_up["Lookup"] == 1, why(looked_up, server)
     assert reader.read(context, fresh) == [p.tobytes() for p in pages]
     assert (served(server) - before).total() <= RPCS_PER_BATCH_MAX
 
@@ -345,6 +345,12 @@ def served(server) -> collections.Counter:
     for sample in _samples(server, "kvstore_rpc_duration_seconds_count"):
         calls[sample.labels["method"]] += int(sample.value)
     return calls
+
+
+def why(counted: collections.Counter, server) -> str:
+    """A counting assertion's message: the calls counted, those refused, and who is connected to the node. A
+    str, which pytest prints whole (it cuts any other message to one short line)."""
+    return f"served: {dict(counted)}; refused: {dict(refused(server))}; connected to the node now: {server.connected()}"
 
 
 def refused(server) -> collections.Counter:
