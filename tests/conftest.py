@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import Iterator
 
@@ -34,6 +35,23 @@ def start_server(tmp_path: Path) -> Iterator:
 @pytest.fixture
 def server(start_server) -> "ServerProcess":
     return start_server()
+
+
+@pytest.fixture
+def private_server(start_server, tmp_path, monkeypatch) -> "ServerProcess":
+    """A node only this test's clients can call, for tests that count the calls it serves. Every caller shows a
+    token, on the local socket too, and KVSTORE_TOKEN hands it to the clients the test makes; a client of an
+    earlier test that finds this node at a port the kernel gave out again is refused before a call is counted."""
+    from identities import token_line
+
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "private-tokens"
+    tokens.write_text(token_line(token, "tests", "admin"))
+    monkeypatch.setenv("KVSTORE_TOKEN", token)
+    server = start_server({"auth.tokens_file": str(tokens), "auth.local_uids": f"{os.getuid()}:tests:admin",
+                           "auth.local_require_token": "true"})
+    server.token = token
+    return server
 
 
 @pytest.fixture

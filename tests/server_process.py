@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from socket_peers import peers
@@ -19,6 +20,8 @@ from socket_peers import peers
 
 class ServerProcess:
     """A kvstore-server child process; `address` is its gRPC target once it is serving."""
+
+    token = ""   # where the node requires one (conftest's private_server): an admin token, shown by its scrapes
 
     def __init__(self, workdir: Path, settings: dict[str, object], env: dict[str, str] | None = None):
         self.workdir = workdir
@@ -48,6 +51,14 @@ class ServerProcess:
     def connected(self) -> list[str]:
         """The processes connected to its gRPC port now, one line each (socket_peers.peers)."""
         return peers(int(self.address.rpartition(":")[2]))
+
+    def metrics_text(self) -> str:
+        """Its Prometheus endpoint's page, scraped over HTTP."""
+        port = json.loads(self.ready_file.read_text())["metrics_port"]
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.read().decode()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

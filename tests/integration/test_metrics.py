@@ -5,7 +5,6 @@ import json
 import logging
 import socket
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -15,14 +14,11 @@ from kvstore_client import KVStoreClient, Namespace, errors
 from kvstore_client.proto import pb
 
 PAGE = 64 * 1024
-NS = Namespace(model="metrics-model", page_bytes=PAGE, tenant="t1")
+NS = Namespace(model="metrics-model", page_bytes=PAGE, tenant="tests")   # private_server's tenant
 
 
 def scrape(server) -> dict[tuple[str, frozenset], float]:
-    port = json.loads(server.ready_file.read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        assert response.status == 200
-        text = response.read().decode()
+    text = server.metrics_text()
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -31,7 +27,8 @@ def value(samples, name, **labels):
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def test_metrics_move_with_real_traffic(server, caplog):
+def test_metrics_move_with_real_traffic(private_server, caplog):
+    server = private_server
     caplog.set_level(logging.INFO, logger="kvstore_client")   # a call made again on a new connection shows in a failure
     before = scrape(server)
     assert value(before, "kvstore_tier_capacity_bytes", tier="dram") == 64 << 20
@@ -46,7 +43,7 @@ def test_metrics_move_with_real_traffic(server, caplog):
     with KVStoreClient(server.address, control="grpc") as remote:
         assert remote.get(NS, keys[:4], np.zeros((4, PAGE), np.uint8)) == 4
     after = scrape(server)
-    ns_labels = {"model": "metrics-model", "tenant": "t1", "namespace_id": _ns_id(after)}
+    ns_labels = {"model": "metrics-model", "tenant": "tests", "namespace_id": _ns_id(after)}
     assert value(after, "kvstore_tier_pages", tier="dram") == 8
     assert value(after, "kvstore_tier_used_bytes", tier="dram") == 8 * PAGE
     assert value(after, "kvstore_tier_hits_total", tier="dram") == 12

@@ -8,7 +8,6 @@ what is wrong, and the leases a call connection opened end when it closes.
 import json
 import socket
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -31,11 +30,8 @@ def pages(n, seed=0):
 
 
 def calls_per_carrier(server, method):
-    port = json.loads(server.ready_file.read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     counts = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(server.metrics_text()):
         for sample in family.samples:
             if sample.name == "kvstore_rpc_duration_seconds_count" and sample.labels.get("method") == method:
                 counts[sample.labels["carrier"]] = sample.value
@@ -52,7 +48,8 @@ def endpoint_of(server):
     return host, int(port)
 
 
-def test_a_tcp_client_sends_its_leases_calls_on_the_tcp_data_plane(server):
+def test_a_tcp_client_sends_its_leases_calls_on_the_tcp_data_plane(private_server):
+    server = private_server
     data = pages(40)
     keys = [f"k{i}" for i in range(40)]
     with KVStoreClient(server.address, transport="tcp", timeout_s=20) as client:

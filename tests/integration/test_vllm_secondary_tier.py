@@ -11,12 +11,10 @@ reads the rows a CPU->GPU copy would read); everything from the primary tier dow
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import signal
 import time
-import urllib.request
 import uuid
 
 import numpy as np
@@ -303,11 +301,12 @@ def test_lookups_of_many_new_chunks_cost_one_lookup(server, engines):
     assert engine.tier.counters()[Metric.LOOKUP_RPCS] - before == 1
 
 
-def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_batch(server, engines, caplog):
+def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_batch(private_server, engines, caplog):
     """Counted where the calls are served (the node's per-method RPC counts): storing 1,000 chunks the node
     does not hold, looking up 1,000 it never held, and looking the stored ones up from another engine each
     cost one Lookup, not one per chunk; the misses are misses and the hits come back with their bytes."""
     caplog.set_level(logging.INFO, logger="kvstore_client")   # a call made again on a new connection shows in a failure
+    server = private_server
     fresh = chunk_keys(list(range(9000, 9000 + 1000 * BLOCK_TOKENS)))
     pages = random_pages(len(fresh), seed=15)
     writer = engines(kvstore_tier(server), chunks=1100)
@@ -363,10 +362,7 @@ def refused(server) -> collections.Counter:
 
 
 def _samples(server, name):
-    port = json.loads(server.ready_file.read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples
+    return [sample for family in text_string_to_metric_families(server.metrics_text()) for sample in family.samples
             if sample.name == name]
 
 
