@@ -1393,7 +1393,7 @@ done:
  * `limit` of them in that order (a prefix of a post-order leaves the rest a tree); appends their records to
  * `removed`. With `slots`, no on_removed: each page's DRAM offset, now the caller's to free, is appended to
  * it (NO_SLOT where the page held none, or a lease still reads it: freed as that lease ends). */
-static int remove_subtree_into(index_t *self, uint32_t top, Py_ssize_t limit, PyObject *removed, PyObject *slots) {
+static int remove_subtree_into(index_t *self, uint32_t top, Py_ssize_t limit, PyObject *removed) {
     /* Walk down to a leaf, remove it, continue from its parent; stop after the top. */
     uint32_t node = top;
     for (;;) {
@@ -1406,15 +1406,7 @@ static int remove_subtree_into(index_t *self, uint32_t top, Py_ssize_t limit, Py
             return -1;
         }
         Py_DECREF(item);
-        if (slots) {
-            page_t *p = &self->pages[node];
-            PyObject *slot = PyLong_FromLongLong(p->pins == 0 ? (long long)p->offset : (long long)NO_SLOT);
-            int failed = !slot || PyList_Append(slots, slot) < 0;
-            Py_XDECREF(slot);
-            if (failed)
-                return -1;
-        }
-        if (remove_page_notify(self, node, slots == NULL) < 0)
+        if (remove_page_notify(self, node, 1) < 0)
             return -1;
         if (node == top || PyList_GET_SIZE(removed) == limit)
             return 0;
@@ -1442,20 +1434,75 @@ static PyObject *index_remove_subtree(index_t *self, PyObject *args, PyObject *k
     PyObject *removed = PyList_New(0);
     if (!removed || limit == 0)
         return removed;
-    if (remove_subtree_into(self, (uint32_t)top, limit, removed, NULL) < 0)
+    if (remove_subtree_into(self, (uint32_t)top, limit, removed) < 0)
         Py_CLEAR(removed);
     return removed;
 }
 
-/* remove_subtree_slots(record, limit=-1) -> (records, DRAM offsets): remove_subtree without on_removed. */
+/* The pages of the subtree under `top` in an order they can leave the index in, each after its children (the
+ * order remove_subtree_into takes), at most `limit` of them (-1: all), into `order`, which has room for `room`:
+ * how many, or -1 if more than room. */
+static Py_ssize_t subtree_order(const index_t *self, uint32_t top, Py_ssize_t limit, uint32_t *order, Py_ssize_t room) {
+    Py_ssize_t n = 0;
+    uint32_t node = top;
+    for (;;) {
+        while (self->pages[node].child != NONE)
+            node = self->pages[node].child;
+        for (;;) {   /* a leaf of what is left: it goes next; then its next sibling's subtree, or its parent */
+            if (n == limit)
+                return n;
+            if (n == room)
+                return -1;
+            order[n++] = node;
+            if (node == top)
+                return n;
+            if (self->pages[node].next != NONE) {
+                node = self->pages[node].next;
+                break;
+            }
+            node = self->pages[node].parent;
+        }
+    }
+}
+
+/* remove_subtree_slots(record, limit=-1) -> (records, DRAM offsets): remove_subtree without on_removed.
+ * Every object it answers with is made before the first page leaves the index, so running out of memory
+ * removes nothing: a failure part-way would lose the slots of the pages already removed. */
 static PyObject *index_remove_subtree_slots(index_t *self, PyObject *args, PyObject *kwargs) {
     Py_ssize_t limit;
     int64_t top = subtree_arguments(self, args, kwargs, &limit);
     if (top < 0)
         return NULL;
-    PyObject *removed = PyList_New(0), *slots = PyList_New(0), *out = NULL;
-    if (removed && slots && (limit == 0 || remove_subtree_into(self, (uint32_t)top, limit, removed, slots) == 0))
-        out = PyTuple_Pack(2, removed, slots);
+    Py_ssize_t room = limit >= 0 ? limit : self->alive;
+    uint32_t *order = PyMem_Malloc((room ? room : 1) * sizeof *order);
+    if (!order)
+        return PyErr_NoMemory();
+    PyObject *removed = NULL, *slots = NULL, *out = NULL;
+    Py_ssize_t n = subtree_order(self, (uint32_t)top, limit, order, room);
+    if (n < 0) {
+        PyErr_SetString(PyExc_AssertionError, "a subtree holds more pages than the index");
+        goto done;
+    }
+    if (!(removed = PyList_New(n)) || !(slots = PyList_New(n)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const page_t *p = &self->pages[order[i]];
+        PyObject *record = record_of(self, order[i]);
+        PyObject *slot = PyLong_FromLongLong(p->pins == 0 ? (long long)p->offset : (long long)NO_SLOT);
+        if (!record || !slot) {
+            Py_XDECREF(record);
+            Py_XDECREF(slot);
+            goto done;
+        }
+        PyList_SET_ITEM(removed, i, record);
+        PyList_SET_ITEM(slots, i, slot);
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (remove_page_notify(self, order[i], 0) < 0)
+            goto done;
+    out = PyTuple_Pack(2, removed, slots);
+done:
+    PyMem_Free(order);
     Py_XDECREF(removed);
     Py_XDECREF(slots);
     return out;

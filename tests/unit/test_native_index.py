@@ -492,3 +492,30 @@ def test_places_each_says_where_each_key_is_on_its_own(implementation):
     assert index.places_each(9, [b"r"]) == b"\x00" and index.places_each(1, []) == b""
     with pytest.raises(ValueError, match="multiple of key_bytes"):
         index.places_each(1, b"rxn", key_bytes=2)
+
+
+@needs_native
+@pytest.mark.parametrize("limit", [-1, 0, 1, 3, 5, 8, 20])
+def test_remove_subtree_slots_takes_the_pages_remove_subtree_takes_in_its_order(limit):
+    """A branching tree, cut short by each limit: the slots variant removes the same pages, leaves first,
+    each page's slot beside it (it walks the subtree before it removes anything)."""
+    def tree():
+        index = native_index.NativePageIndex(lambda r: None, lambda r: None)
+        offsets = iter(range(0, 1 << 30, 4096))
+        top = index.add((1, b"top"), None, next(offsets), 4096, 0)
+        for branch in range(3):   # three children of the top, each with a chain, one of them branching again
+            node = index.add((1, b"b%d" % branch), top, next(offsets), 4096, 0)
+            for depth in range(2):
+                node = index.add((1, b"b%d-%d" % (branch, depth)), node, next(offsets), 4096, 0)
+                if branch == 1:
+                    index.add((1, b"b1-side%d" % depth), node, next(offsets), 4096, 0)
+        index.add((1, b"outside"), None, next(offsets), 4096, 0)
+        return index, top
+    plain, top = tree()
+    expected = [(r.page_id, r.offset) for r in plain.remove_subtree(top, limit)] if limit else []
+    index, top = tree()
+    records, slots = index.remove_subtree_slots(top, limit)
+    assert [(r.page_id, offset) for r, offset in zip(records, slots)] == expected
+    assert len(records) == (12 if limit == -1 else min(limit, 12))
+    assert len(index) == 13 - len(records) and index.get((1, b"outside")) is not None
+    index.check_prefix_closed()
