@@ -74,10 +74,13 @@ def test_every_bad_argument_is_the_sdks_invalid_argument(client, ns, server):
         lambda: client.put(ns, ["a"], np.empty((1, PAGE // 8), object)),
         lambda: client.get(ns, ["a"], np.zeros((1, PAGE), np.uint8), policy="soon"),
         lambda: client.lookup(ns, ["a"], timeout_s=-1),
+        lambda: client.lookup(ns, ["a"], timeout_s="5"),                     # seconds as a number
+        lambda: client.lookup(ns, ["a"], timeout_s=True),
         lambda: client.route(ns, "engine-a", keys=["a"]),                    # engine_ids is a list
         lambda: prefix_hashes([1] * 32, 0),
         lambda: KVStoreClient(server.address, control="udp"),
         lambda: KVStoreClient(server.address, timeout_s=0),
+        lambda: KVStoreClient(server.address, timeout_s=True),
         lambda: KVStoreClient(server.address, spin_us=-1),
         lambda: KVStoreClient(server.address, spin_us=0.5),
         lambda: KVStoreClient(server.address, spin_us=10_001),

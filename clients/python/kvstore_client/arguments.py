@@ -31,6 +31,12 @@ def node_target(target: Any) -> str:
     return target
 
 
+def check_timeout_s(timeout_s: Any) -> None:
+    """A client's or a call's timeout_s: a positive number of seconds."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+
 SPIN_US_DEFAULT = 200   # a client's wait for a local answer polls this long before it sleeps (channel.py)
 SPIN_US_MAX = 10_000
 

@@ -34,7 +34,7 @@ import logging
 from typing import Any, Callable, Sequence, TypeVar
 
 from kvstore_client import errors, node_calls
-from kvstore_client.arguments import is_cluster_url, node_target
+from kvstore_client.arguments import check_timeout_s, is_cluster_url, node_target
 from kvstore_client.async_channel import AsyncGrpcChannel, AsyncLocalChannel, AsyncTcpControlChannel
 from kvstore_client.async_tcp_transport import AsyncTcpDataPath
 from kvstore_client.channel import LocalChannel
@@ -189,8 +189,7 @@ class AsyncKVStoreClient:
                  tls_key: str | None = None):
         """Nothing is sent until the first call (or `await client.connect()`, or `async with`). `token` and
         the TLS files as KVStoreClient's (credentials.py; each one None is read from its KVSTORE_* variable)."""
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout_s(timeout_s)
         if transport not in ("auto", "shm", "tcp", "rdma"):
             raise errors.InvalidArgument(f"transport must be auto, shm, tcp or rdma, got {transport!r}")
         self._target, self._timeout_s, self._transport, self._client_name = (node_target(target), timeout_s,
@@ -322,8 +321,8 @@ class AsyncKVStoreClient:
 
     async def _run(self, call: Steps[T], timeout_s: float | None) -> T:
         """Await a call (node_calls.py) to its end, all of it within `timeout_s`."""
-        if timeout_s is not None and not timeout_s > 0:
-            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if timeout_s is not None:
+            check_timeout_s(timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
                 return await drive_async(call, self._on_node)

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import grpc
 
 from kvstore_client import errors, framing
+from kvstore_client.arguments import check_timeout_s
 from kvstore_client.credentials import Credentials
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,7 @@ def call_deadline(timeout_s: float | None) -> Iterator[None]:
     if timeout_s is None:
         yield
         return
-    if not timeout_s > 0:
-        raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    check_timeout_s(timeout_s)
     outer = _call_deadline.get()
     deadline = time.monotonic() + timeout_s
     token = _call_deadline.set(deadline if outer is None else min(outer, deadline))

@@ -43,7 +43,7 @@ import threading
 from typing import Any, Callable, Sequence, TypeVar
 
 from kvstore_client import errors, node_calls
-from kvstore_client.arguments import SPIN_US_DEFAULT, check_spin_us, is_cluster_url, node_target
+from kvstore_client.arguments import SPIN_US_DEFAULT, check_spin_us, check_timeout_s, is_cluster_url, node_target
 from kvstore_client.channel import call_deadline
 from kvstore_client.connection import ConnectOptions, NodeConnection
 from kvstore_client.credentials import Credentials
@@ -87,8 +87,7 @@ class KVStoreClient:
         target = node_target(target)
         if control not in ("local", "grpc"):
             raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout_s(timeout_s)
         check_spin_us(spin_us)
         self._options = ConnectOptions(target=target, timeout_s=timeout_s, control=control, transport=transport,
                                        client_name=client_name, tcp_congestion=tcp_congestion,

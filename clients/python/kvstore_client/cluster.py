@@ -66,7 +66,8 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kvstore_client import checksums, errors, groups, lookup, node_calls, placement
-from kvstore_client.arguments import SPIN_US_DEFAULT, check_spin_us, engine_id_list, get_pages, parent_list, put_pages
+from kvstore_client.arguments import (SPIN_US_DEFAULT, check_spin_us, check_timeout_s, engine_id_list, get_pages,
+                                      parent_list, put_pages)
 from kvstore_client.client import KVStoreClient
 from kvstore_client.credentials import Credentials, EtcdTlsFiles
 from kvstore_client.etcd import parse_endpoint
@@ -171,8 +172,7 @@ class KVStoreCluster:
             raise errors.InvalidArgument(f"a cluster's transport must be 'auto' or 'tcp', got {transport!r}")
         if control not in ("local", "grpc"):
             raise errors.InvalidArgument(f"control must be 'local' or 'grpc', got {control!r}")
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise errors.InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout_s(timeout_s)
         check_spin_us(spin_us)
         placement.check_layout(replicas, replicated_pages)
         endpoints, self.cluster = parse_cluster_url(url)
