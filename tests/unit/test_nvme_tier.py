@@ -95,9 +95,11 @@ def test_a_commit_that_grows_the_file_during_the_size_check_is_not_a_truncation(
         written.append(key)
 
     shard.env = _CommitDuringInfo(shard.env, grow)
-    for i in range(8):
-        assert shard.size_fault() == ""
-        tier.write(0, [(StoredPage(1, b"k%d" % i, b"", PAGE, 0), page)])
-    assert len(written) >= 8 and not tier.quarantined()
-    shard.env = shard.env._env
-    tier.close()
+    try:
+        for i in range(8):
+            assert shard.size_fault() == ""
+            tier.write(0, [(StoredPage(1, b"k%d" % i, b"", PAGE, 0), page)])
+        assert len(written) >= 8 and not tier.quarantined()
+    finally:
+        shard.env = shard.env._env
+        tier.close()
