@@ -12,7 +12,7 @@ from typing import Sequence
 from kvstore.config import Config
 from kvstore.limits import Limits
 from kvstore_client import errors
-from kvstore_client.keys import Namespace, encode_keys, prefix_hashes
+from kvstore_client.keys import HEX_DIGEST_BYTES, Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
 
 _NAME_FIELDS = ("model", "tenant", "kv_dtype", "layout")
@@ -71,12 +71,15 @@ def lookup_keys(namespace: Namespace, request: pb.LookupRequest | pb.RouteReques
     return encode_keys(prefix_hashes(request.tokens, namespace.page_tokens, seed))
 
 
-def lookup_packed_keys(request: pb.LookupRequest, limits: Limits) -> tuple[bytes, int]:
-    """A Lookup's keys_packed and key_bytes, checked by size alone before any key is read: keys of
-    1 to key_bytes_max bytes, a whole number of them, at most lookup_pages_max."""
+def lookup_packed_keys(request: pb.LookupRequest, limits: Limits) -> tuple[bytes, int, bool]:
+    """A Lookup's keys_packed, key_bytes and hex_digests, checked by size alone before any key is read: keys
+    of 1 to key_bytes_max bytes (hex digests: 32), a whole number of them, at most lookup_pages_max."""
     if request.keys or request.tokens or request.parent_key:
         raise errors.InvalidArgument("keys_packed holds the whole chain: send it without keys, tokens or parent_key")
-    key_bytes, packed = request.key_bytes, request.keys_packed
+    key_bytes, packed, digests = request.key_bytes, request.keys_packed, request.hex_digests
+    if digests and key_bytes != HEX_DIGEST_BYTES:
+        raise errors.InvalidArgument(f"key_bytes={key_bytes} with hex_digests: a hex key's digest is "
+                                     f"{HEX_DIGEST_BYTES} bytes; set key_bytes={HEX_DIGEST_BYTES}")
     if not 0 < key_bytes <= limits.key_bytes_max:
         raise errors.InvalidArgument(f"key_bytes={key_bytes}; keys are 1 to {limits.key_bytes_max} bytes "
                                      "(limits.key_bytes_max): set key_bytes to the length of each packed key")
@@ -89,7 +92,7 @@ def lookup_packed_keys(request: pb.LookupRequest, limits: Limits) -> tuple[bytes
     if pages > limits.lookup_pages_max:
         raise errors.BatchTooLarge(f"{pages} keys in one call; limits.lookup_pages_max is {limits.lookup_pages_max}: "
                                    "split it")
-    return packed, key_bytes
+    return packed, key_bytes, digests
 
 
 def parent_keys(request: pb.ReserveRequest, keys: Sequence[bytes],

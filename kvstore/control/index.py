@@ -31,6 +31,7 @@ Not thread-safe: the page store's lock guards every call (store.py).
 
 from __future__ import annotations
 
+import binascii
 import collections
 import heapq
 import itertools
@@ -200,10 +201,11 @@ class PageIndex:
         held = self._pages
         return [i for i, key in enumerate(keys) if (namespace_id, key) in held]
 
-    def places_each(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+    def places_each(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0,
+                    digests: bool = False) -> bytes:
         """Where each key's page is, each key on its own: 0 not held, 1 in DRAM, 2 on NVMe only (one byte a key).
-        With key_bytes, `keys` is one buffer of keys that long, back to back."""
-        keys = _key_list(keys, key_bytes)
+        With key_bytes, `keys` is one buffer of keys that long, back to back; with digests, hex keys' 32 bytes."""
+        keys = _key_list(keys, key_bytes, digests)
         pages = self._pages
         places = bytearray(len(keys))
         for i, key in enumerate(keys):
@@ -212,10 +214,12 @@ class PageIndex:
                 places[i] = 1 if record.offset != NO_SLOT else 2
         return bytes(places)
 
-    def leading_places(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+    def leading_places(self, namespace_id: int, keys: list[bytes] | bytes, key_bytes: int = 0,
+                       digests: bool = False) -> bytes:
         """Where each page of leading(namespace_id, keys) is, as places_each answers (1 in DRAM, 2 on NVMe
-        only). With key_bytes, `keys` is one buffer of keys that long, back to back."""
-        keys = _key_list(keys, key_bytes)
+        only). With key_bytes, `keys` is one buffer of keys that long, back to back; with digests, hex keys'
+        32 bytes."""
+        keys = _key_list(keys, key_bytes, digests)
         return bytes(1 if record.offset != NO_SLOT else 2 for record in self.leading(namespace_id, keys))
 
     def roots(self, namespace_id: int) -> list[PageRecord]:
@@ -623,8 +627,13 @@ def _post_order(record: PageRecord) -> Iterator[PageRecord]:
             stack.extend((child, False) for child in node.children)
 
 
-def _key_list(keys: list[bytes] | bytes, key_bytes: int) -> list[bytes]:
-    """`keys` as a list: with key_bytes, one buffer of keys that long, back to back (cut by struct, in C)."""
+def _key_list(keys: list[bytes] | bytes, key_bytes: int, digests: bool = False) -> list[bytes]:
+    """`keys` as a list: with key_bytes, one buffer of keys that long, back to back (cut by struct, in C); with
+    digests, each a hex key's 32 bytes, listed as its 64 digits."""
+    if digests:
+        if key_bytes != 32:
+            raise ValueError(f"digests are 32 bytes each, not key_bytes={key_bytes}")
+        keys, key_bytes = binascii.hexlify(keys), 64
     if not key_bytes:
         return keys
     if len(keys) % key_bytes:

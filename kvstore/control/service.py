@@ -12,6 +12,7 @@ carriers turn them into statuses.
 
 from __future__ import annotations
 
+import binascii
 import ctypes
 import logging
 import secrets
@@ -34,6 +35,7 @@ from kvstore.control.store import PageStore
 from kvstore.control.store_types import CommitPart, Counters, Evict
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
 from kvstore_client import errors
+from kvstore_client.keys import HEX_DIGEST_BYTES
 from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ class KVStoreService:
             limits=pb.Limits(
                 batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
                 lookup_pages_max=self.limits.lookup_pages_max, lookup_keys_packed=True,
+                lookup_hex_digests=True,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
             tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, tcp_calls=self.tcp_calls,
@@ -122,19 +125,23 @@ class KVStoreService:
             if request.engine_ids else []
         route.check_block_tokens(namespace.page_tokens, {e: self.engines.block_tokens(e) for e in engine_ids})
         followed = self.engines.heard_of(engine_ids)   # the others hold nothing this node knows of
+        digests = False
+        if request.hex_digests and not (request.key_bytes or request.keys_packed):
+            raise errors.InvalidArgument("hex_digests says what keys_packed holds: send the digests there, "
+                                         f"key_bytes={HEX_DIGEST_BYTES}")
         if request.each_key:
             if request.tokens:
                 raise errors.InvalidArgument("each_key asks about keys: send them in keys or keys_packed, not as tokens")
-            if request.keys_packed or request.key_bytes:
-                keys, key_bytes = checks.lookup_packed_keys(request, self.limits)
+            if request.key_bytes or request.keys_packed:
+                keys, key_bytes, digests = checks.lookup_packed_keys(request, self.limits)
             else:
                 keys, key_bytes = checks.lookup_keys(namespace, request, self.limits, request.parent_key), 0
-            held = self.store.tiers_each(request.namespace_id, keys, key_bytes)
+            held = self.store.tiers_each(request.namespace_id, keys, key_bytes, digests)
             leading = held.find(0)
             answer = pb.LookupResponse(hit_pages=len(held) if leading < 0 else leading, held=held)
-        elif request.keys_packed or request.key_bytes:
-            keys, key_bytes = checks.lookup_packed_keys(request, self.limits)
-            tiers_packed = self.store.tiers_packed(request.namespace_id, keys, key_bytes)
+        elif request.key_bytes or request.keys_packed:
+            keys, key_bytes, digests = checks.lookup_packed_keys(request, self.limits)
+            tiers_packed = self.store.tiers_packed(request.namespace_id, keys, key_bytes, digests)
             answer = pb.LookupResponse(hit_pages=len(tiers_packed), tiers_packed=tiers_packed)
         else:
             keys, key_bytes = checks.lookup_keys(namespace, request, self.limits, request.parent_key), 0
@@ -144,6 +151,8 @@ class KVStoreService:
         if request.load_rates:
             answer.load_rates.extend(self.load_rates.answer())
         if engine_ids:   # the engines' own caches, from their KV events (Route's view, as leading runs)
+            if digests and followed:   # the engines' index knows hex keys by their digits
+                keys, key_bytes = binascii.hexlify(keys), 2 * HEX_DIGEST_BYTES
             runs = self.engines.leading(keys, engine_ids, list(request.tokens) or None, namespace.page_tokens,
                                         key_bytes) if followed else [(0, 0)] * len(engine_ids)
             answer.engines.extend(pb.EnginePrefix(engine_id=engine_id, gpu_pages=gpu, held_pages=held)

@@ -178,24 +178,27 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         """The tier of each leading page held here (HBM, else DRAM when it is in both, else NVMe)."""
         return list(self.tiers_packed(ns_id, keys))
 
-    def tiers_packed(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+    def tiers_packed(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0, digests: bool = False) -> bytes:
         """tiers() as one byte (a Tier) per leading page held; with key_bytes, `keys` is one buffer of keys
-        that long, back to back (the C index reads it whole: no object per key)."""
+        that long, back to back (the C index reads it whole: no object per key); with digests, hex keys'
+        32 bytes (LookupRequest.hex_digests)."""
         with self._lock:
-            places = self.index.leading_places(ns_id, keys, key_bytes=key_bytes)
+            places = self.index.leading_places(ns_id, keys, key_bytes=key_bytes, digests=digests)
             in_hbm = 0
             if self._hbm_per_namespace[ns_id]:   # else no key need be cut out of the buffer
-                leading = unpack_keys(keys[:len(places) * key_bytes], key_bytes) if key_bytes else keys[:len(places)]
+                leading = unpack_keys(keys[:len(places) * key_bytes], key_bytes, digests) if key_bytes \
+                    else keys[:len(places)]
                 in_hbm = self._hbm_leading(ns_id, leading)
         return _HBM_BYTE * in_hbm + places[in_hbm:].translate(_TIER_OF_PLACE)
 
-    def tiers_each(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0) -> bytes:
+    def tiers_each(self, ns_id: int, keys: list[bytes] | bytes, key_bytes: int = 0, digests: bool = False) -> bytes:
         """One byte per key, each key on its own: 0 when its page is not held here, else the tier it is read
-        from (a Tier: HBM over DRAM over NVMe). With key_bytes, keys of that length back to back."""
+        from (a Tier: HBM over DRAM over NVMe). With key_bytes, keys of that length back to back (digests:
+        hex keys' 32 bytes)."""
         with self._lock:   # bounded: at most the Lookup's keys, one table probe each, in C
-            places = self.index.places_each(ns_id, keys, key_bytes=key_bytes).translate(_TIER_OF_PLACE)
+            places = self.index.places_each(ns_id, keys, key_bytes=key_bytes, digests=digests).translate(_TIER_OF_PLACE)
             if self._hbm_per_namespace[ns_id]:
-                listed = unpack_keys(keys, key_bytes) if key_bytes else keys
+                listed = unpack_keys(keys, key_bytes, digests) if key_bytes else keys
                 places = self._hbm_mark_each(ns_id, listed, places)
         return places
 

@@ -5,6 +5,7 @@
  *                                                            each, back to back (kernel: tests)
  *   encode_keys(keys, key_bytes_max) -> list[bytes] | None   str or bytes keys as bytes, their lengths checked
  *   pack_keys(keys, key_bytes_max) -> (bytes, int) | None    str or bytes keys of one length, back to back
+ *   hex_digests(packed) -> bytes | None                      packed hex keys (64 digits each) as their 32 bytes
  *   copy_hash(dst, segments) -> int                          copy a page into place and xxh3 it
  *   copy_hash_pages(base, pages) -> list[int]                the same for many pages, one call
  *   copy_hash_into(base, offsets, pages) -> list[int]        the same, offsets and segments apart
@@ -222,6 +223,32 @@ static PyObject *py_pack_keys(PyObject *self, PyObject *args) {
         memcpy(out + i * key_bytes, data, (size_t)key_bytes);
     }
     return Py_BuildValue("(Nn)", packed, key_bytes);
+}
+
+/* Packed keys of 64 lowercase hex digits each as the 32 bytes each spells, back to back: a Lookup's keys in
+ * half the bytes (LookupRequest.hex_digests). None when the length is not a multiple of 64 or any key is not
+ * such digits (uppercase ones are other keys), as keys.hex_digests_python. */
+static PyObject *py_hex_digests(PyObject *self, PyObject *arg) {
+    Py_buffer in;
+    if (PyObject_GetBuffer(arg, &in, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    if (in.len % 64) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (!(out = PyBytes_FromStringAndSize(NULL, in.len / 2)))
+        goto done;
+    const uint8_t *keys = in.buf;
+    uint8_t *digests = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < in.len / 64; i++)
+        if (!hex64_decode(keys + 64 * i, digests + 32 * i)) {
+            Py_SETREF(out, Py_NewRef(Py_None));
+            break;
+        }
+done:
+    PyBuffer_Release(&in);
+    return out;
 }
 
 /* Segments of one page from a list of (address, nbytes) pairs; *total gets their sum. The list is read
@@ -767,6 +794,8 @@ static PyMethodDef methods[] = {
      "encode_keys(keys, key_bytes_max) -> list[bytes] | None: ASCII str and bytes keys of 1 to key_bytes_max bytes"},
     {"pack_keys", py_pack_keys, METH_VARARGS,
      "pack_keys(keys, key_bytes_max) -> (bytes, key_bytes) | None: ASCII str or bytes keys of one length, back to back"},
+    {"hex_digests", py_hex_digests, METH_O,
+     "hex_digests(packed) -> bytes | None: keys of 64 lowercase hex digits, back to back, as their 32 bytes each"},
     {"copy_hash", py_copy_hash, METH_VARARGS,
      "copy_hash(dst, segments) -> int: copy (address, nbytes) segments to dst; XXH3_64bits of the bytes"},
     {"copy_hash_pages", py_copy_hash_pages, METH_VARARGS,

@@ -732,16 +732,23 @@ done:
     return out;
 }
 
-/* The keys argument of leading: a list of bytes, or one bytes-like of keys `key_bytes` long each. */
+/* The keys argument of leading: a list of bytes, or one bytes-like of keys `key_bytes` long each; with
+ * `digests`, each packed key is a hex key's 32 bytes (the key is its 64 lowercase digits). */
 typedef struct {
     PyObject *list;
     Py_buffer packed;
     Py_ssize_t count, key_bytes;
+    int digests;
 } keys_arg_t;
 
-static int keys_open(keys_arg_t *keys, PyObject *obj, Py_ssize_t key_bytes) {
+static int keys_open(keys_arg_t *keys, PyObject *obj, Py_ssize_t key_bytes, int digests) {
     keys->list = NULL;
     keys->key_bytes = key_bytes;
+    keys->digests = digests;
+    if (digests && key_bytes != 32) {
+        PyErr_Format(PyExc_ValueError, "digests are 32 bytes each, not key_bytes=%zd", key_bytes);
+        return -1;
+    }
     if (key_bytes <= 0) {
         if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
             PyErr_SetString(PyExc_TypeError, "keys is a list of bytes, or packed bytes with key_bytes given");
@@ -783,6 +790,19 @@ static int keys_get(keys_arg_t *keys, Py_ssize_t i, const uint8_t **data, size_t
     return 0;
 }
 
+/* Key i in its stored form (key_encode's, or a digest as it is). */
+static int keys_key(keys_arg_t *keys, Py_ssize_t i, pkey_t *k) {
+    const uint8_t *data;
+    size_t len;
+    if (keys_get(keys, i, &data, &len) < 0)
+        return -1;
+    if (keys->digests)
+        *k = (pkey_t){.data = data, .len = len, .hex = 1};
+    else
+        key_encode(k, data, len);
+    return 0;
+}
+
 static void keys_close(keys_arg_t *keys) {
     if (!keys->list)
         PyBuffer_Release(&keys->packed);
@@ -815,11 +835,8 @@ static Py_ssize_t leading_pages(index_t *self, int64_t ns, keys_arg_t *keys, uin
         uint64_t h[PROBE_BLOCK];
         Py_ssize_t block = keys->count - n < PROBE_BLOCK ? keys->count - n : PROBE_BLOCK, ready = 0;
         for (; ready < block; ready++) {
-            const uint8_t *data;
-            size_t len;
-            if (keys_get(keys, n + ready, &data, &len) < 0)
+            if (keys_key(keys, n + ready, &k[ready]) < 0)
                 break;
-            key_encode(&k[ready], data, len);
             h[ready] = key_hash_seeded(seeds[k[ready].hex != 0], k[ready].data, k[ready].len);
             __builtin_prefetch(&self->tags[h[ready] & self->table_mask]);
             __builtin_prefetch(&self->table[h[ready] & self->table_mask]);
@@ -843,10 +860,11 @@ static Py_ssize_t leading_pages(index_t *self, int64_t ns, keys_arg_t *keys, uin
 
 /* leading(ns_id, keys, key_bytes=0) -> list[record]; places=True: where each is instead, as bytes. */
 static PyObject *leading_common(index_t *self, PyObject *args, PyObject *kwargs, int places) {
-    static char *names[] = {"namespace_id", "keys", "key_bytes", NULL};
+    static char *names[] = {"namespace_id", "keys", "key_bytes", "digests", NULL};
     PyObject *ns_id, *obj;
     Py_ssize_t key_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n", names, &ns_id, &obj, &key_bytes))
+    int digests = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|np", names, &ns_id, &obj, &key_bytes, &digests))
         return NULL;
     /* the namespace first: its id's __hash__ and __eq__ may run Python code, which must not run while
      * the keys' list is read */
@@ -854,7 +872,7 @@ static PyObject *leading_common(index_t *self, PyObject *args, PyObject *kwargs,
     if (ns < 0 && PyErr_Occurred())
         return NULL;
     keys_arg_t keys;
-    if (keys_open(&keys, obj, key_bytes) < 0)
+    if (keys_open(&keys, obj, key_bytes, digests) < 0)
         return NULL;
     PyObject *out = NULL;
     uint32_t *found = PyMem_Malloc((keys.count ? keys.count : 1) * sizeof *found);
@@ -905,7 +923,7 @@ static PyObject *index_positions_held(index_t *self, PyObject *args, PyObject *k
     if (ns < 0 && PyErr_Occurred())
         return NULL;
     keys_arg_t keys;
-    if (keys_open(&keys, obj, 0) < 0)
+    if (keys_open(&keys, obj, 0, 0) < 0)
         return NULL;
     PyObject *out = PyList_New(0);
     if (!out || ns < 0) {
@@ -938,16 +956,17 @@ static PyObject *index_positions_held(index_t *self, PyObject *args, PyObject *k
 /* places_each(ns_id, keys, key_bytes=0) -> bytes: where each key's page is, each key on its own: 0 not held,
  * 1 in DRAM, 2 on NVMe only (a residency query's answer, one byte a key, no object per key). */
 static PyObject *index_places_each(index_t *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"namespace_id", "keys", "key_bytes", NULL};
+    static char *names[] = {"namespace_id", "keys", "key_bytes", "digests", NULL};
     PyObject *ns_id, *obj;
     Py_ssize_t key_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n", names, &ns_id, &obj, &key_bytes))
+    int digests = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|np", names, &ns_id, &obj, &key_bytes, &digests))
         return NULL;
     int64_t ns = ns_lookup(self, ns_id, 0);   /* before the keys are read, as in leading_common */
     if (ns < 0 && PyErr_Occurred())
         return NULL;
     keys_arg_t keys;
-    if (keys_open(&keys, obj, key_bytes) < 0)
+    if (keys_open(&keys, obj, key_bytes, digests) < 0)
         return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, keys.count);
     if (!out) {
@@ -957,14 +976,11 @@ static PyObject *index_places_each(index_t *self, PyObject *args, PyObject *kwar
     uint8_t *places = (uint8_t *)PyBytes_AS_STRING(out);
     memset(places, 0, (size_t)keys.count);
     for (Py_ssize_t i = 0; i < keys.count && ns >= 0; i++) {
-        const uint8_t *data;
-        size_t len;
-        if (keys_get(&keys, i, &data, &len) < 0) {
+        pkey_t k;
+        if (keys_key(&keys, i, &k) < 0) {
             Py_CLEAR(out);
             break;
         }
-        pkey_t k;
-        key_encode(&k, data, len);
         uint32_t page = table_find(self, (uint32_t)ns, &k, NULL);
         if (page != NONE)
             places[i] = self->pages[page].offset != NO_SLOT ? 1 : 2;
@@ -1821,12 +1837,14 @@ static PyMethodDef index_methods[] = {
     {"positions_held", (PyCFunction)(void (*)(void))guarded_index_positions_held, METH_VARARGS | METH_KEYWORDS,
      "positions_held(namespace_id, keys) -> positions of the keys whose pages are held, in order"},
     {"places_each", (PyCFunction)(void (*)(void))guarded_index_places_each, METH_VARARGS | METH_KEYWORDS,
-     "places_each(namespace_id, keys, key_bytes=0) -> bytes: 0 not held, 1 in DRAM, 2 on NVMe only, a key each"},
+     "places_each(namespace_id, keys, key_bytes=0, digests=False) -> bytes: 0 not held, 1 in DRAM, 2 on NVMe only, "
+     "a key each; digests: the packed keys are hex keys' 32 bytes"},
     {"leading", (PyCFunction)(void (*)(void))guarded_index_leading, METH_VARARGS | METH_KEYWORDS,
-     "leading(namespace_id, keys, key_bytes=0) -> records of the leading keys present; keys may be one "
-     "bytes-like of key_bytes-long keys"},
+     "leading(namespace_id, keys, key_bytes=0, digests=False) -> records of the leading keys present; keys may be "
+     "one bytes-like of key_bytes-long keys (digests: hex keys' 32 bytes each)"},
     {"leading_places", (PyCFunction)(void (*)(void))guarded_index_leading_places, METH_VARARGS | METH_KEYWORDS,
-     "leading_places(namespace_id, keys, key_bytes=0) -> bytes: where each page of leading(...) is, as places_each"},
+     "leading_places(namespace_id, keys, key_bytes=0, digests=False) -> bytes: where each page of leading(...) is, "
+     "as places_each"},
     {"touch_all", (PyCFunction)guarded_index_touch_all, METH_O, "touch_all(records): one access tick"},
     {"read_all", (PyCFunction)guarded_index_read_all, METH_O, "read_all(records): one hit each, one access tick"},
     {"ready_prefix", (PyCFunction)guarded_index_ready_prefix, METH_O,

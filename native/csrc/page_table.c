@@ -61,9 +61,13 @@ static int hex64_table(const uint8_t *in, uint8_t *out) {
     return bad >= 0;
 }
 
+int hex64_decode(const uint8_t *in, uint8_t *out) {
+    return decode_avx2 ? hex64_avx2(in, out) : hex64_table(in, out);
+}
+
 /* The stored form of a key: a 64-character lowercase hex key as its 32 bytes. */
 void key_encode(pkey_t *k, const uint8_t *data, size_t len) {
-    k->hex = len == 64 && (decode_avx2 ? hex64_avx2(data, k->bytes) : hex64_table(data, k->bytes));
+    k->hex = len == 64 && hex64_decode(data, k->bytes);
     k->data = k->hex ? k->bytes : data;
     k->len = k->hex ? 32 : len;
 }

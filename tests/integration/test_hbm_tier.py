@@ -111,6 +111,20 @@ def test_pages_read_again_on_this_host_come_into_hbm_and_are_answered_from_it(st
         assert stats.promotions == 3 and stats.hits >= 6
 
 
+def test_hex_keys_sent_as_their_digests_are_found_in_the_pool(start_server):
+    """A chain of hex keys (a token chain's) goes to the node as their digests (LookupRequest.hex_digests): the
+    pages in the pool are named HBM by that form as by the keys' digits, each key on its own too."""
+    server = start_server(HBM)
+    with KVStoreClient(server.address, timeout_s=10) as client:
+        keys = [hashlib.sha256(b"%d" % i).hexdigest().encode() for i in range(3)]
+        stored(client, keys)
+        read(client, keys, times=2)
+        assert until(lambda: tiers(client, keys) == ["hbm"] * 3)
+        by_digits = client._conn.call_in(NS, "Lookup", pb.LookupRequest(keys=keys))
+        assert [TIER_NAMES[t] for t in by_digits.tiers] == ["hbm"] * 3
+        assert client.held(NS, keys + [b"0" * 64]) == [True] * 3 + [False]
+
+
 def test_only_a_gpu_reader_on_this_host_is_named_hbm_offsets(start_server):
     server = start_server({**HBM, "tcp.enabled": "true"})
     keys = chain("r", 2)

@@ -8,7 +8,8 @@ import pytest
 
 from node_parts import ManualClock, close_node, drop_dram_copies, make_node, make_service, write_all_down
 from kvstore_client import errors
-from kvstore_client.keys import Namespace, pack_keys, pack_keys_python, prefix_hashes_python
+from kvstore_client.keys import (Namespace, hex_digests, hex_digests_python, pack_keys, pack_keys_python,
+                                 prefix_hashes_python)
 from kvstore_client.lookup import PART_PAGES, PackedKeys, TokenChain, chain_keys, leading_hits, lookup_chain
 from kvstore_client.node_steps import drive, take_on
 from kvstore_client.proto import pb
@@ -80,6 +81,8 @@ def test_a_packed_lookup_of_another_namespace_is_a_miss_or_not_found(node):
     ({"keys_packed": b"x" * 8, "key_bytes": 8, "keys": [b"k"]}, errors.InvalidArgument, "without keys"),
     ({"keys_packed": b"x" * 8, "key_bytes": 8, "tokens": [1]}, errors.InvalidArgument, "without keys"),
     ({"keys_packed": b"x" * 8, "key_bytes": 8, "parent_key": b"ab"}, errors.InvalidArgument, "without keys"),
+    ({"keys_packed": b"x" * 64, "key_bytes": 64, "hex_digests": True}, errors.InvalidArgument, "key_bytes=32"),
+    ({"keys": [b"k"], "hex_digests": True}, errors.InvalidArgument, "send the digests there"),
 ])
 def test_a_packed_lookup_is_refused_by_its_size_before_any_key_is_read(fields, error, message):
     svc = make_service(["dram.arena_bytes=1MiB", "dram.slab_bytes=256KiB", "limits.batch_pages_max=64",
@@ -94,6 +97,71 @@ def test_a_packed_lookup_is_refused_by_its_size_before_any_key_is_read(fields, e
     assert svc.handle("Lookup", most).hit_pages == 0
     assert svc.hello(pb.HelloRequest(), None).limits.lookup_keys_packed
     svc.store.arena.close()
+
+
+def hex_chain(n, seed=0):
+    return [key.encode() for key in prefix_hashes_python(np.arange(seed, seed + 4 * n, dtype=np.uint32), 4)]
+
+
+def test_hex_keys_sent_as_digests_get_the_pages_and_tiers_of_their_digits(node):
+    ns = open_ns(node)
+    keys = hex_chain(40)
+    put(node, ns, keys[:16])
+    write_all_down(node)
+    drop_dram_copies(node)                        # the first 16 pages on NVMe only
+    put(node, ns, keys[16:30], parent=keys[15])
+    for asked in (keys, keys[:16], keys[10:20], keys[30:], keys[:1]):
+        digits = node.handle("Lookup", packed_request(ns, asked))
+        digests = node.handle("Lookup", digests_request(ns, asked))
+        assert digests.hit_pages == digits.hit_pages and digests.tiers_packed == digits.tiers_packed
+        each = [node.handle("Lookup", pb.LookupRequest(each_key=True, **fields)).held
+                for fields in (packed_fields(ns, asked), digests_fields(ns, asked))]
+        assert each[0] == each[1] == bytes([pb.NVME] * 16 + [pb.DRAM] * 14 + [0] * 10)[keys.index(asked[0]):][:len(asked)]
+    assert node.handle("Lookup", digests_request(ns, [keys[0].upper()])).hit_pages == 1   # the digest of either
+    assert node.handle("Lookup", packed_request(ns, [keys[0].upper()])).hit_pages == 0    # another key
+
+
+def packed_fields(ns, keys):
+    return {"namespace_id": ns, "keys_packed": b"".join(keys), "key_bytes": len(keys[0])}
+
+
+def digests_fields(ns, keys):
+    return {"namespace_id": ns, "keys_packed": b"".join(bytes.fromhex(k.decode()) for k in keys), "key_bytes": 32,
+            "hex_digests": True}
+
+
+def digests_request(ns, keys):
+    return pb.LookupRequest(**digests_fields(ns, keys))
+
+
+@pytest.mark.parametrize("keys", [
+    [b"0123456789abcdef" * 4, b"f" * 64, b"0" * 64],
+    *[[b"0123456789abcdef" * 4, b"0" * at + bytes([c]) + b"0" * (63 - at)] for at in (0, 31, 32, 63) for c in b"AFg/:`\x80"],
+    [b"0" * 63], [b"0" * 65], [b""], [b"0" * 32],
+])
+def test_hex_digests_takes_only_lowercase_hex_keys(keys):
+    packed = b"".join(keys)
+    expected = bytes.fromhex(packed.decode()) if all(set(k) <= set(b"0123456789abcdef") and len(k) == 64
+                                                     for k in keys) else None
+    if packed == b"":
+        expected = b""
+    assert hex_digests(packed) == expected == hex_digests_python(packed)
+
+
+@pytest.mark.parametrize("digests_read", [True, False])
+def test_a_node_that_reads_digests_is_sent_them_and_an_older_one_the_digits(node, digests_read):
+    ns = open_ns(node)
+    keys = hex_chain(200, seed=7)
+    for start in range(0, 150, 50):
+        put(node, ns, keys[start:start + 50], parent=keys[start - 1] if start else b"")
+    limits = pb.Limits(lookup_pages_max=128, lookup_keys_packed=True, lookup_hex_digests=digests_read)
+    control = _Node(node)
+    assert control.drive(leading_hits(limits, ns, lookup_chain(Namespace("m", PAGE), keys, None))) == 150
+    assert [(r.hex_digests, r.key_bytes) for r in control.sent] == [(digests_read, 32 if digests_read else 64)] * 2
+    mixed = keys[:10] + [keys[10].upper()]   # an uppercase digit: not a digest's digits, sent as given
+    control.sent.clear()
+    assert control.drive(leading_hits(limits, ns, lookup_chain(Namespace("m", PAGE), mixed, None))) == 10
+    assert [(r.hex_digests, r.key_bytes) for r in control.sent] == [(False, 64)]
 
 
 @pytest.mark.parametrize("keys, expected", [

@@ -292,6 +292,31 @@ def test_packed_keys_give_the_same_leading_pages():
 
 @pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
                                                                     marks=needs_native)])
+def test_digests_find_the_pages_of_their_hex_keys_and_no_others(implementation):
+    """A hex key's 32 bytes (digests=True) name the page of its 64 lowercase digits; the same 32 bytes as a
+    key of their own, and the digits in uppercase, are other keys."""
+    index = implementation(lambda r: None, lambda r: None)
+    rng = random.Random(3)
+    keys = [rng.randbytes(32).hex().encode() for _ in range(6)]
+    parent = None
+    for i, key in enumerate(keys):
+        parent = index.add((7, key), parent, i * 4096, 4096, i)
+    raw = index.add((7, bytes.fromhex(keys[0].decode())[::-1]), None, 6 * 4096, 4096, 6)   # a 32-byte key
+    index.set_on_nvme(index.get((7, keys[3])), True)
+    assert index.evict_dram(4096, True) is not None
+    digests = b"".join(bytes.fromhex(k.decode()) for k in keys)
+    assert index.leading_places(7, digests, key_bytes=32, digests=True) == \
+        index.leading_places(7, b"".join(keys), key_bytes=64) == bytes([1, 1, 1, 2, 1, 1])
+    assert index.places_each(7, digests[32:] + digests[:32], key_bytes=32, digests=True) == bytes([1, 1, 2, 1, 1, 1])
+    assert index.places_each(7, raw.page_id[1], key_bytes=32, digests=True) == b"\0"   # not the 32-byte key
+    assert index.places_each(7, raw.page_id[1], key_bytes=32) == b"\1"
+    assert index.places_each(7, keys[0].upper(), key_bytes=64) == b"\0"
+    with pytest.raises(ValueError, match="key_bytes=64"):
+        index.leading_places(7, b"".join(keys), key_bytes=64, digests=True)
+
+
+@pytest.mark.parametrize("implementation", [PageIndex, pytest.param(getattr(native_index, "NativePageIndex", None),
+                                                                    marks=needs_native)])
 def test_add_chain_links_each_page_under_the_one_before(implementation):
     index = implementation(lambda r: None, lambda r: None)
     root = index.add((1, b"r"), None, 0, 4096, 0)

@@ -11,6 +11,7 @@ keys travel unchanged; either way at most KEY_BYTES_MAX bytes.
 
 from __future__ import annotations
 
+import binascii
 import dataclasses
 import hashlib
 import json
@@ -172,9 +173,32 @@ def pack_keys(keys: Sequence[Key]) -> tuple[bytes, int] | None:
     return packed if packed is not None else pack_keys_python(keys)
 
 
-def unpack_keys(packed: bytes, key_bytes: int) -> list[bytes]:
+HEX_DIGITS = b"0123456789abcdef"
+HEX_DIGEST_BYTES = 32   # the bytes a hex key's 64 digits spell
+
+
+def hex_digests(packed: bytes) -> bytes | None:
+    """Packed keys of 64 lowercase hex digits each (a token chain's) as the 32 bytes each spells, back to back:
+    a Lookup's keys in half the bytes (LookupRequest.hex_digests). None unless every key is such digits
+    (an uppercase digit makes another key). One native pass where kvstore_native has it."""
+    if native.hex_digests is not None:
+        return native.hex_digests(packed)
+    return hex_digests_python(packed)
+
+
+def hex_digests_python(packed: bytes) -> bytes | None:
+    """hex_digests without kvstore_native: what the native pass must equal."""
+    if len(packed) % 64 or bytes(packed).translate(None, HEX_DIGITS):
+        return None
+    return binascii.unhexlify(packed)
+
+
+def unpack_keys(packed: bytes, key_bytes: int, digests: bool = False) -> list[bytes]:
     """Keys of `key_bytes` each, back to back, as a list of bytes: one numpy pass (a void dtype keeps every
-    byte, NULs too), five times faster than slicing key by key."""
+    byte, NULs too), five times faster than slicing key by key. With digests, hex keys' 32 bytes each
+    (hex_digests), listed as their 64 digits."""
+    if digests:
+        packed, key_bytes = binascii.hexlify(packed), 64
     return np.frombuffer(packed, dtype=f"V{key_bytes}").tolist() if packed else []
 
 

@@ -14,7 +14,10 @@ part before). One Lookup of 32768 keys took twice as long as the same keys in pa
 
 Keys of one length travel packed (LookupRequest.keys_packed): one buffer instead of a field, and
 an object on each side, per key. Keys of mixed lengths, and any key to a node from before
-keys_packed, go as the repeated field.
+keys_packed, go as the repeated field. Hex keys (a token chain's, SGLang's: 64 lowercase hex
+digits) travel as the 32 bytes each spells (hex_digests): half the bytes to send, and none to
+decode on the node: a lookup of 8,192 hex keys took 0.67-0.69 ms that way against 0.77-0.81 ms as
+digits (32,768: 2.6-2.7 against 3.1-3.2 ms), the two alternated call by call on one node.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 import numpy as np
 
 from kvstore_client import errors
-from kvstore_client.keys import Key, Namespace, encode_keys, pack_keys, prefix_hashes_packed, unpack_keys
+from kvstore_client.keys import (HEX_DIGEST_BYTES, Key, Namespace, encode_keys, hex_digests, pack_keys,
+                                 prefix_hashes_packed, unpack_keys)
 from kvstore_client.node_steps import Answer, Send, Steps
 from kvstore_client.proto import pb
 from kvstore_client.load_estimate import LoadCosts, TransferRate
@@ -175,7 +179,7 @@ def lookup_requests(limits: pb.Limits, namespace_id: int, chain: Chain,
     for part in parts:
         if isinstance(part, PackedKeys) and not limits.lookup_keys_packed:
             part = part.unpacked()   # a node from before keys_packed
-        yield _request(namespace_id, part)
+        yield _request(namespace_id, part, limits.lookup_hex_digests)
 
 
 def residency_of(limits: pb.Limits, namespace_id: int, chain: Chain, engine_ids: list[str],
@@ -240,13 +244,23 @@ def held_each(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> Steps[
 
 
 def held_requests(limits: pb.Limits, namespace_id: int, keys: list[bytes]) -> list[pb.LookupRequest]:
-    """Lookups asking whether each key is held (each_key), at most pages_per_part keys each."""
-    part = pages_per_part(limits)
-    return [pb.LookupRequest(namespace_id=namespace_id, keys=keys[start:start + part], each_key=True)
-            for start in range(0, len(keys), part)]
+    """Lookups asking whether each key is held (each_key), at most pages_per_part keys each, packed as
+    lookup_requests packs them; none for no keys."""
+    if not keys:
+        return []
+    packed = pack_keys(keys)
+    requests = list(lookup_requests(limits, namespace_id, PackedKeys(*packed) if packed is not None else keys))
+    for request in requests:
+        request.each_key = True
+    return requests
 
 
-def _request(namespace_id: int, part: PackedKeys | list) -> pb.LookupRequest:
-    if isinstance(part, PackedKeys):
-        return pb.LookupRequest(namespace_id=namespace_id, keys_packed=part.buffer, key_bytes=part.key_bytes)
-    return pb.LookupRequest(namespace_id=namespace_id, keys=part)
+def _request(namespace_id: int, part: PackedKeys | list, digests_read: bool) -> pb.LookupRequest:
+    """A part's Lookup: hex keys as their digests where the node reads them (digests_read), else as given."""
+    if not isinstance(part, PackedKeys):
+        return pb.LookupRequest(namespace_id=namespace_id, keys=part)
+    digests = hex_digests(part.buffer) if digests_read and part.key_bytes == HEX_KEY_BYTES else None
+    if digests is not None:
+        return pb.LookupRequest(namespace_id=namespace_id, keys_packed=digests, key_bytes=HEX_DIGEST_BYTES,
+                                hex_digests=True)
+    return pb.LookupRequest(namespace_id=namespace_id, keys_packed=part.buffer, key_bytes=part.key_bytes)

@@ -30,6 +30,7 @@ def available() -> bool:
 # Added to kvstore_native after its first functions: None where an older build is installed, and
 # the SDK takes the Python path for them.
 pack_keys = getattr(module, "pack_keys", None)
+hex_digests = getattr(module, "hex_digests", None)
 encode_keys = getattr(module, "encode_keys", None)
 prefix_hashes_packed = getattr(module, "prefix_hashes_packed", None)
 key_hashes = getattr(module, "key_hashes", None)

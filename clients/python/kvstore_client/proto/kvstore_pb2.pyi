@@ -130,7 +130,7 @@ class NamespaceSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_tokens: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[str] = ..., page_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed")
+    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed", "lookup_hex_digests")
     BATCH_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class Limits(_message.Message):
     FRAME_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HEX_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     batch_pages_max: int
     page_bytes_max: int
     key_bytes_max: int
@@ -147,7 +148,8 @@ class Limits(_message.Message):
     frame_bytes_max: int
     lookup_pages_max: int
     lookup_keys_packed: bool
-    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ...) -> None: ...
+    lookup_hex_digests: bool
+    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ..., lookup_hex_digests: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -208,7 +210,7 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes", "each_key", "engine_ids", "load_rates")
+    __slots__ = ("namespace_id", "keys", "tokens", "parent_key", "keys_packed", "key_bytes", "each_key", "engine_ids", "load_rates", "hex_digests")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +220,7 @@ class LookupRequest(_message.Message):
     EACH_KEY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     LOAD_RATES_FIELD_NUMBER: _ClassVar[int]
+    HEX_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -227,7 +230,8 @@ class LookupRequest(_message.Message):
     each_key: bool
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     load_rates: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., each_key: _Optional[bool] = ..., engine_ids: _Optional[_Iterable[str]] = ..., load_rates: _Optional[bool] = ...) -> None: ...
+    hex_digests: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., each_key: _Optional[bool] = ..., engine_ids: _Optional[_Iterable[str]] = ..., load_rates: _Optional[bool] = ..., hex_digests: _Optional[bool] = ...) -> None: ...
 
 class TierRate(_message.Message):
     __slots__ = ("tier", "seconds_per_page", "pages")
