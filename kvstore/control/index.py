@@ -39,6 +39,7 @@ import struct
 from typing import Callable, Iterator
 
 from kvstore.config import PAGE_HITS_MAX   # a page's hits saturate there, as the C index's 32-bit count does
+from kvstore_client.keys import HEX_DIGEST_BYTES, HEX_KEY_BYTES
 
 PageId = tuple[int, bytes]  # (namespace_id, key)
 NO_SLOT = -1
@@ -631,9 +632,9 @@ def _key_list(keys: list[bytes] | bytes, key_bytes: int, digests: bool = False) 
     """`keys` as a list: with key_bytes, one buffer of keys that long, back to back (cut by struct, in C); with
     digests, each a hex key's 32 bytes, listed as its 64 digits."""
     if digests:
-        if key_bytes != 32:
-            raise ValueError(f"digests are 32 bytes each, not key_bytes={key_bytes}")
-        keys, key_bytes = binascii.hexlify(keys), 64
+        if key_bytes != HEX_DIGEST_BYTES:
+            raise ValueError(f"digests are {HEX_DIGEST_BYTES} bytes each, not key_bytes={key_bytes}")
+        keys, key_bytes = binascii.hexlify(keys), HEX_KEY_BYTES
     if not key_bytes:
         return keys
     if len(keys) % key_bytes:

@@ -35,7 +35,7 @@ from kvstore.control.store import PageStore
 from kvstore.control.store_types import CommitPart, Counters, Evict
 from kvstore.transport.slots import QueuePairAddress, RdmaAcceptor
 from kvstore_client import errors
-from kvstore_client.keys import HEX_DIGEST_BYTES
+from kvstore_client.keys import HEX_DIGEST_BYTES, HEX_KEY_BYTES
 from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class KVStoreService:
             answer.load_rates.extend(self.load_rates.answer())
         if engine_ids:   # the engines' own caches, from their KV events (Route's view, as leading runs)
             if digests and followed:   # the engines' index knows hex keys by their digits
-                keys, key_bytes = binascii.hexlify(keys), 2 * HEX_DIGEST_BYTES
+                keys, key_bytes = binascii.hexlify(keys), HEX_KEY_BYTES
             runs = self.engines.leading(keys, engine_ids, list(request.tokens) or None, namespace.page_tokens,
                                         key_bytes) if followed else [(0, 0)] * len(engine_ids)
             answer.engines.extend(pb.EnginePrefix(engine_id=engine_id, gpu_pages=gpu, held_pages=held)

@@ -174,7 +174,8 @@ def pack_keys(keys: Sequence[Key]) -> tuple[bytes, int] | None:
 
 
 HEX_DIGITS = b"0123456789abcdef"
-HEX_DIGEST_BYTES = 32   # the bytes a hex key's 64 digits spell
+HEX_KEY_BYTES = 64      # a token chain's key: a SHA-256 digest in hex
+HEX_DIGEST_BYTES = 32   # the bytes a hex key's digits spell
 
 
 def hex_digests(packed: bytes) -> bytes | None:
@@ -188,7 +189,7 @@ def hex_digests(packed: bytes) -> bytes | None:
 
 def hex_digests_python(packed: bytes) -> bytes | None:
     """hex_digests without kvstore_native: what the native pass must equal."""
-    if len(packed) % 64 or bytes(packed).translate(None, HEX_DIGITS):
+    if len(packed) % HEX_KEY_BYTES or bytes(packed).translate(None, HEX_DIGITS):
         return None
     return binascii.unhexlify(packed)
 
@@ -198,7 +199,7 @@ def unpack_keys(packed: bytes, key_bytes: int, digests: bool = False) -> list[by
     byte, NULs too), five times faster than slicing key by key. With digests, hex keys' 32 bytes each
     (hex_digests), listed as their 64 digits."""
     if digests:
-        packed, key_bytes = binascii.hexlify(packed), 64
+        packed, key_bytes = binascii.hexlify(packed), HEX_KEY_BYTES
     return np.frombuffer(packed, dtype=f"V{key_bytes}").tolist() if packed else []
 
 

@@ -30,15 +30,14 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 import numpy as np
 
 from kvstore_client import errors
-from kvstore_client.keys import (HEX_DIGEST_BYTES, Key, Namespace, encode_keys, hex_digests, pack_keys,
-                                 prefix_hashes_packed, unpack_keys)
+from kvstore_client.keys import (HEX_DIGEST_BYTES, HEX_KEY_BYTES, Key, Namespace, encode_keys, hex_digests,
+                                 pack_keys, prefix_hashes_packed, unpack_keys)
 from kvstore_client.node_steps import Answer, Send, Steps
 from kvstore_client.proto import pb
 from kvstore_client.load_estimate import LoadCosts, TransferRate
 from kvstore_client.residency import EngineHeld, Leading, Residency
 from kvstore_client.tokens import token_array
 
-HEX_KEY_BYTES = 64   # a token chain's key: a SHA-256 digest in hex
 PART_PAGES = 2048    # pages of one Lookup at most: the node looks up one part while the next comes
 
 
