@@ -66,8 +66,7 @@ class DramSlots:
         elif excess > 0:   # its own least recently used pages, any size, until their slots cover the excess
             freed, _ = self.index.evict_dram_many(None, evict.clean_only, len(self.index), tenant=tenant,
                                                   until_bytes=excess, older_than_unsaved=evict.cold)
-            for offset in freed:
-                self._free_slot(offset)
+            self._free_sized(freed)
             if freed:
                 self.counters.evictions += len(freed)
                 self.ledger.of(tenant).evictions += len(freed)
@@ -173,6 +172,14 @@ class DramSlots:
         for record, offset in zip(records, offsets):
             if offset != NO_SLOT:
                 by_size[record.slot_bytes].append(offset)
+        for slot_bytes, run in by_size.items():
+            self._free_run(run, slot_bytes)
+
+    def _free_sized(self, offsets: list[int]) -> None:
+        """Slots of any sizes, each size's freed as one run (_free_run), in the order given."""
+        by_size: dict[int, list[int]] = collections.defaultdict(list)
+        for offset in offsets:
+            by_size[self.allocator.slot_bytes_of(offset)].append(offset)
         for slot_bytes, run in by_size.items():
             self._free_run(run, slot_bytes)
 
