@@ -8,6 +8,7 @@ A part of PageStore (store.py), which owns the state and the one lock these meth
 from __future__ import annotations
 
 import collections
+from typing import Iterable
 
 from kvstore import failpoints
 from kvstore.control.index import NO_SLOT, PageRecord
@@ -168,18 +169,18 @@ class DramSlots:
     def _free_slots(self, records: list[PageRecord], offsets: list[int]) -> None:
         """The DRAM slots removed pages gave up (the index's remove_subtree_slots), freed a size at a time: a
         run of slots in one call each to the allocator and the ledger, where a callback a page cost 2 us."""
-        by_size: dict[int, list[int]] = collections.defaultdict(list)
-        for record, offset in zip(records, offsets):
-            if offset != NO_SLOT:
-                by_size[record.slot_bytes].append(offset)
-        for slot_bytes, run in by_size.items():
-            self._free_run(run, slot_bytes)
+        self._free_by_size((record.slot_bytes, offset) for record, offset in zip(records, offsets)
+                           if offset != NO_SLOT)
 
     def _free_sized(self, offsets: list[int]) -> None:
-        """Slots of any sizes, each size's freed as one run (_free_run), in the order given."""
+        """Slots of any sizes, freed a size at a time as _free_slots frees them."""
+        self._free_by_size((self.allocator.slot_bytes_of(offset), offset) for offset in offsets)
+
+    def _free_by_size(self, sized: Iterable[tuple[int, int]]) -> None:
+        """(slot bytes, offset) pairs: each size's slots freed as one run (_free_run), in the order given."""
         by_size: dict[int, list[int]] = collections.defaultdict(list)
-        for offset in offsets:
-            by_size[self.allocator.slot_bytes_of(offset)].append(offset)
+        for slot_bytes, offset in sized:
+            by_size[slot_bytes].append(offset)
         for slot_bytes, run in by_size.items():
             self._free_run(run, slot_bytes)
 
