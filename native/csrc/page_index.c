@@ -1407,8 +1407,7 @@ done:
 
 /* Remove the page and every page that extends it, descendants first, without recursion, or only the first
  * `limit` of them in that order (a prefix of a post-order leaves the rest a tree); appends their records to
- * `removed`. With `slots`, no on_removed: each page's DRAM offset, now the caller's to free, is appended to
- * it (NO_SLOT where the page held none, or a lease still reads it: freed as that lease ends). */
+ * `removed`, and calls on_removed for each. */
 static int remove_subtree_into(index_t *self, uint32_t top, Py_ssize_t limit, PyObject *removed) {
     /* Walk down to a leaf, remove it, continue from its parent; stop after the top. */
     uint32_t node = top;
@@ -1481,9 +1480,10 @@ static Py_ssize_t subtree_order(const index_t *self, uint32_t top, Py_ssize_t li
     }
 }
 
-/* remove_subtree_slots(record, limit=-1) -> (records, DRAM offsets): remove_subtree without on_removed.
- * Every object it answers with is made before the first page leaves the index, so running out of memory
- * removes nothing: a failure part-way would lose the slots of the pages already removed. */
+/* remove_subtree_slots(record, limit=-1) -> (records, DRAM offsets): remove_subtree without on_removed; each
+ * page's DRAM offset is the caller's to free (NO_SLOT where the page held none, or a lease still reads it: freed
+ * as that lease ends). Every object it answers with is made before the first page leaves the index, so running
+ * out of memory removes nothing: a failure part-way would lose the slots of the pages already removed. */
 static PyObject *index_remove_subtree_slots(index_t *self, PyObject *args, PyObject *kwargs) {
     Py_ssize_t limit;
     int64_t top = subtree_arguments(self, args, kwargs, &limit);
