@@ -31,15 +31,13 @@ Not thread-safe: the page store's lock guards every call (store.py).
 
 from __future__ import annotations
 
-import binascii
 import collections
 import heapq
 import itertools
-import struct
 from typing import Callable, Iterator
 
 from kvstore.config import PAGE_HITS_MAX   # a page's hits saturate there, as the C index's 32-bit count does
-from kvstore_client.keys import HEX_DIGEST_BYTES, HEX_KEY_BYTES
+from kvstore_client.keys import HEX_DIGEST_BYTES, unpack_keys
 
 PageId = tuple[int, bytes]  # (namespace_id, key)
 NO_SLOT = -1
@@ -629,14 +627,12 @@ def _post_order(record: PageRecord) -> Iterator[PageRecord]:
 
 
 def _key_list(keys: list[bytes] | bytes, key_bytes: int, digests: bool = False) -> list[bytes]:
-    """`keys` as a list: with key_bytes, one buffer of keys that long, back to back (cut by struct, in C); with
-    digests, each a hex key's 32 bytes, listed as its 64 digits."""
-    if digests:
-        if key_bytes != HEX_DIGEST_BYTES:
-            raise ValueError(f"digests are {HEX_DIGEST_BYTES} bytes each, not key_bytes={key_bytes}")
-        keys, key_bytes = binascii.hexlify(keys), HEX_KEY_BYTES
+    """`keys` as a list: with key_bytes, one buffer of keys that long, back to back; with digests, each a hex
+    key's 32 bytes, listed as its 64 digits (keys.unpack_keys)."""
+    if digests and key_bytes != HEX_DIGEST_BYTES:
+        raise ValueError(f"digests are {HEX_DIGEST_BYTES} bytes each, not key_bytes={key_bytes}")
     if not key_bytes:
         return keys
     if len(keys) % key_bytes:
         raise ValueError(f"packed keys are {len(keys)} bytes, not a multiple of key_bytes={key_bytes}")
-    return list(struct.unpack(f"{key_bytes}s" * (len(keys) // key_bytes), keys))
+    return unpack_keys(keys, key_bytes, digests)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
-import urllib.request
 
 import numpy as np
 
@@ -17,9 +15,7 @@ from kvstore_client.keys import Namespace, prefix_hashes
 
 
 def metrics(node: ServerProcess) -> str:
-    port = json.loads(node.ready_file.read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        return answer.read().decode()
+    return node.metrics_text()
 
 
 def test_second_node_with_the_same_id_refuses_to_start(start_node, etcd):

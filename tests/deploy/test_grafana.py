@@ -3,7 +3,6 @@ in its queries appears in a scrape after traffic."""
 
 import json
 import re
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +21,7 @@ def queries(dashboard):
 
 
 def exported_names(server):
-    port = json.loads(server.ready_file.read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {sample.name for family in text_string_to_metric_families(server.metrics_text()) for sample in family.samples}
 
 
 def test_every_query_reads_an_exported_metric(server):

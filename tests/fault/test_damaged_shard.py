@@ -3,10 +3,8 @@ zeroed meta pages, found at start-up or mid-run, quarantine the shard (its file 
 Stats, metrics and the log) while every page of the other shards is served byte for byte and the
 damaged shard's pages answer as misses."""
 
-import json
 import os
 import struct
-import urllib.request
 
 import numpy as np
 import pytest
@@ -52,10 +50,7 @@ def data_file(tmp_path):
 
 
 def scrape(server):
-    port = json.loads(server.ready_file.read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return [s for family in text_string_to_metric_families(text) for s in family.samples
+    return [s for family in text_string_to_metric_families(server.metrics_text()) for s in family.samples
             if s.name == "kvstore_nvme_shard_quarantined"]
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -227,9 +225,7 @@ def test_blocks_route_cannot_attribute_are_counted_and_never_credited(start_serv
             engine_tier = [t for t in client.stats().tiers if t.tier == pb.ENGINE]
             assert engine_tier and engine_tier[0].pages == 1
 
-            port = json.loads(server.ready_file.read_text())["metrics_port"]
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-                metrics = response.read().decode()
+            metrics = server.metrics_text()
             assert 'kvstore_engine_blocks_unattributable_total{engine_id="v"} 6.0' in metrics
             assert 'kvstore_engine_pages{engine_id="v"} 1.0' in metrics
     finally:

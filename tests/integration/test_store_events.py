@@ -4,9 +4,7 @@ killed and restarted."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -39,10 +37,7 @@ def settings(tmp_path, **more):
 
 
 def scrape(server) -> dict[str, float]:
-    port = json.loads(server.ready_file.read_text())["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {s.name: s.value for family in text_string_to_metric_families(server.metrics_text()) for s in family.samples}
 
 
 def keys_of(chain: int) -> list[str]:
