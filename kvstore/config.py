@@ -9,7 +9,9 @@ server reads os.environ.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import ipaddress
+import math
 import os
 import re
 import tempfile
@@ -440,10 +442,11 @@ def _parse(dotted: str, kind: Any, value: Any) -> Any:
             if not match:
                 raise ValueError
             number, unit = match.groups()
-            result = float(number) * _UNITS[(unit or "")[:1].lower()]
-            if result != int(result):
+            scale = _UNITS[(unit or "")[:1].lower()]
+            amount = fractions.Fraction(number) * scale
+            if scale == 1 and amount.denominator != 1:     # a fraction of a byte or of a count
                 raise ValueError
-            return int(result)
+            return math.floor(amount)     # 21.9GiB: the whole bytes it names, as a refusal's "at most" quotes them
         if kind is float:
             if isinstance(value, bool):
                 raise ValueError

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore import config
 from kvstore.tiers import host_memory
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -70,3 +71,14 @@ def test_huge_pages_come_from_their_own_pool(tmp_path):
                                           (1023, "1023B")])
 def test_sizes_round_down_in_the_form_settings_take(nbytes, text):
     assert host_memory._size(nbytes) == text
+
+
+@pytest.mark.parametrize("available", [4 * GiB, 22 * GiB + 100 * MiB, 22 * GiB + 300 * MiB, 700 * MiB, 5 << 40])
+def test_the_largest_arena_a_refusal_names_reads_as_a_setting_and_passes(tmp_path, available):
+    proc, root = fake_host(tmp_path, available // 1024, "0::/", {"cgroup.controllers": "memory"})
+    with pytest.raises(OSError, match="at most") as refused:
+        host_memory.check_arena(available + GiB, False, False, proc, root)
+    advised = str(refused.value).rsplit("at most ", 1)[1]
+    arena_bytes = config.load(environ={}, overrides=[f"dram.arena_bytes={advised}"]).dram.arena_bytes
+    host_memory.check_arena(arena_bytes, False, False, proc, root)
+    assert arena_bytes > available - host_memory.NODE_OVERHEAD_BYTES - available // 50    # rounded down by little

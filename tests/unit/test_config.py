@@ -56,6 +56,18 @@ def test_sizes_and_lists_parse():
     assert cfg.allowed_uids == frozenset({1000, 1001})
 
 
+@pytest.mark.parametrize("text, nbytes", [("21.9GiB", 219 * (1 << 30) // 10), ("1.5GiB", 3 << 29), ("65536.3KiB", 67109171),
+                                          ("67108864", 67108864)])
+def test_a_size_with_a_fraction_reads_as_the_whole_bytes_it_names(text, nbytes):
+    assert config.load(environ={}, overrides=[f"dram.arena_bytes={text}"]).dram.arena_bytes == nbytes
+
+
+@pytest.mark.parametrize("text", ["1.5", "1.5B", "0.5"])
+def test_a_fraction_of_a_byte_or_a_count_is_refused(text):
+    with pytest.raises(ConfigError, match=r"dram\.arena_bytes: cannot read"):
+        config.load(environ={}, overrides=[f"dram.arena_bytes={text}"])
+
+
 @pytest.mark.parametrize("override, dotted", [
     ("tcp.address=localhost", "tcp.address"),
     ("tcp.write_buffer_low_bytes=64MiB", "tcp.write_buffer_low_bytes"),
