@@ -30,7 +30,7 @@ got over KVStoreClient(transport="tcp") beside a raw Python socket doing the sam
 Transfer Engine over TCP, interleaved batch by batch, in both placements (split: client on CPU 0, servers on
 CPU 1; shared: all on CPU 0). Write-down (bench/writedown_latency.py, shortened: --writedown-idle-s,
 --writedown-loaded-s, in four idle and four loaded windows, alternating): a one-page get's p99 while
-write-back saturates one LMDB shard, over its idle p99, with the node alone on CPU 1, and the pages written
+write-back saturates the node's LMDB shards, over its idle p99, with the node alone on CPU 1, and the pages written
 down a second meanwhile; then its control run (the same loader, nothing written down), whose ratio is what
 the loader alone, on the reader's core, does to the reader.
 
@@ -278,10 +278,10 @@ def print_tables(report: dict) -> None:
               f"under write-down {w['loaded']['p99_us']:.0f} µs ({w['p99_ratio']:.2f}x); "
               f"{w['pages_written_down_per_s']:.0f} pages written down a second; CPUs busy in the second before: " +
               ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in placed["cpus_busy_before"].items()))
-        if w.get("shard_alone"):
-            alone = w["shard_alone"]
-            print(f"one LMDB shard alone on this disk, the same transactions and windows: {alone['pages_per_s']:.0f} "
-                  f"pages/s (write-down reached {alone['written_down_share']:.2f} of it)")
+        if w.get("shards_alone"):
+            alone = w["shards_alone"]
+            print(f"the node's {alone['shards']} LMDB shards alone on this disk, the same transactions and windows: "
+                  f"{alone['pages_per_s']:.0f} pages/s (write-down reached {alone['written_down_share']:.2f} of it)")
         if w.get("control"):
             c = w["control"]
             print(f"control, the same loader with nothing written down (pages evicted): p99 idle "

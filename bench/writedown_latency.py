@@ -2,7 +2,7 @@
 
     python bench/writedown_latency.py [--json out.json] [--idle-s 8] [--loaded-s 15] [--rounds 4]
 
-A real kvstore-server runs with one NVMe shard in a temp dir, a small DRAM arena and
+A real kvstore-server runs with one NVMe path in a temp dir (its nvme.shards_per_path shards), a small DRAM arena and
 controller.write_policy=write_back with high_watermark=0.5. One 64 KiB page is put and
 then got back (KVStoreClient.get of one key, the page in DRAM) every `--interval-us`,
 timed around the call:
@@ -21,10 +21,10 @@ and loaded/idle ratios; the goal is a p99 ratio of 2 or less. The JSON adds a po
 histogram of each phase. A get served from NVMe instead of DRAM would measure promotion, so the
 hot page is got all along (it stays the most recently used page) and the window's DRAM and NVMe
 hits are printed. `--no-nvme` is the control: the same loader, pages evicted instead of written down.
-Write-down's pages/s stand beside what one LMDB shard alone commits on the same disk, in the same
-transactions and windows (shard_alone): LMDB alone on this host's disk sustained 1,900-2,900 pages of
-64 KiB a second once a few GB were written (256 KiB to 1 MiB transactions), where its first seconds took
-3,900-7,300.
+Write-down's pages/s stand beside what the node's shards alone commit on the same disk, a thread a shard,
+in the same transactions and windows (shards_alone): one LMDB shard alone on this host's disk sustained
+1,900-2,900 pages of 64 KiB a second once a few GB were written (256 KiB to 1 MiB transactions), where its
+first seconds took 3,900-7,300; four at once, 5,000-5,800 in their first seconds.
 
 Placement (taskset): server on CPU 1, measured client on CPU 0, loader on `--loader-cpu`
 (default 0, with the measured client, so the server keeps its own core). Sharing that core, the
@@ -52,6 +52,7 @@ import numpy as np
 
 from _server import ServerProcess
 from kvstore import config as config_module
+from kvstore.tiers import nvme_layout
 from kvstore.tiers.nvme import NvmeTier, StoredPage
 from kvstore_client import KVStoreClient, Namespace
 from kvstore_client.proto import pb
@@ -218,32 +219,46 @@ def measure(args: argparse.Namespace, address: str) -> dict:
     return result
 
 
-def shard_alone(args: argparse.Namespace, directory: str | None) -> dict:
-    """What one LMDB shard commits on this disk with no node around it: 64 KiB pages of random keys written
-    through NvmeTier (the node's own write path), in the node's transactions (controller.write_txn_bytes),
-    from one thread on the server's CPU, in windows timed like the loaded ones (the idle ones between, so
-    the disk drains as it did). A fresh shard in the same file system: its write-down's physical bound."""
-    txn_pages = max(1, config_module.load(environ={}, overrides=args.set).controller.write_txn_bytes // PAGE_BYTES)
-    page, pages, seconds = memoryview(np.random.default_rng(3).bytes(PAGE_BYTES)), 0, 0.0
+def shards_alone(args: argparse.Namespace, directory: str | None) -> dict:
+    """What the node's NVMe shards commit on this disk with no node around them: 64 KiB pages of random keys
+    written through NvmeTier (the node's own write path) into one path laid out as the node lays it out
+    (nvme.shards_per_path), in the node's transactions (controller.write_txn_bytes), a thread a shard as
+    write-down writes them, on the server's CPU, in windows timed like the loaded ones (the idle ones between,
+    so the disk drains as it did). Fresh shards in the same file system: write-down's physical bound."""
+    settings = config_module.load(environ={}, overrides=args.set)
+    txn_pages = max(1, settings.controller.write_txn_bytes // PAGE_BYTES)
+    per_path = settings.nvme.shards_per_path
+    page, pages, seconds = memoryview(np.random.default_rng(3).bytes(PAGE_BYTES)), [0] * per_path, 0.0
     allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {args.server_cpu})
+    os.sched_setaffinity(0, {args.server_cpu})   # the writer threads inherit it
+
+    def write_until(tier: NvmeTier, shard: int, end: float) -> None:
+        while time.perf_counter() < end:
+            tier.write(shard, [(StoredPage(1, os.urandom(16).hex().encode(), b"", PAGE_BYTES, 0), page)
+                               for _ in range(txn_pages)])
+            pages[shard] += txn_pages
+
     try:
-        with tempfile.TemporaryDirectory(prefix="kvstore-shard-alone-", dir=directory) as path:
-            tier = NvmeTier((path,), args.map_gib << 30, io_threads=1)
+        with tempfile.TemporaryDirectory(prefix="kvstore-shards-alone-", dir=directory) as path:
+            tier = NvmeTier(nvme_layout.shard_directories((path,), per_path), (args.map_gib << 30) // per_path,
+                            io_threads=1)
             try:
                 for _ in range(args.rounds):
                     time.sleep(args.idle_s / args.rounds)
                     started = time.perf_counter()
-                    while time.perf_counter() - started < args.loaded_s / args.rounds:
-                        tier.write(0, [(StoredPage(1, os.urandom(16).hex().encode(), b"", PAGE_BYTES, 0), page)
-                                       for _ in range(txn_pages)])
-                        pages += txn_pages
+                    writers = [threading.Thread(target=write_until,
+                                                args=(tier, shard, started + args.loaded_s / args.rounds))
+                               for shard in range(per_path)]
+                    for writer in writers:
+                        writer.start()
+                    for writer in writers:
+                        writer.join()
                     seconds += time.perf_counter() - started
             finally:
                 tier.close()
     finally:
         os.sched_setaffinity(0, allowed)
-    return {"pages_per_s": pages / seconds, "txn_pages": txn_pages, "pages": pages}
+    return {"pages_per_s": sum(pages) / seconds, "txn_pages": txn_pages, "shards": per_path, "pages": sum(pages)}
 
 
 def _at_least_one(text: str) -> int:
@@ -260,7 +275,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--interval-us", type=int, default=500, help="pause between measured gets")
     parser.add_argument("--arena-mib", type=int, default=256)
     parser.add_argument("--high-watermark", type=float, default=0.5)
-    parser.add_argument("--map-gib", type=int, default=16, help="nvme.map_bytes of the one shard")
+    parser.add_argument("--map-gib", type=int, default=16, help="nvme.map_bytes of the one path")
     parser.add_argument("--nvme-dir", help="where the shard goes (default: a temp dir)")
     parser.add_argument("--no-nvme", action="store_true",
                         help="control run: the same loader, but DRAM only (pages evicted, nothing written down), "
@@ -280,7 +295,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> tuple[dict, dict]:
-    """A node with one LMDB shard, measured (measure()); (the result, where each process ran). This process
+    """A node with one NVMe path, measured (measure()); (the result, where each process ran). This process
     moves to --client-cpu."""
     os.sched_setaffinity(0, {args.client_cpu})
     busy_before = cpus_busy(1.0)  # other work on these two cores inflates both phases: rerun when quiet
@@ -300,7 +315,7 @@ def run(args: argparse.Namespace) -> tuple[dict, dict]:
                  "cpus_online": os.cpu_count(), "cpus_busy_before": busy_before}
     result["pages_written_down_per_s"] = result["window"]["pages_written_down"] / args.loaded_s
     if not args.no_nvme:
-        alone = result["shard_alone"] = shard_alone(args, args.nvme_dir)
+        alone = result["shards_alone"] = shards_alone(args, args.nvme_dir)
         alone["written_down_share"] = result["pages_written_down_per_s"] / alone["pages_per_s"]
     return result, placement
 
@@ -318,7 +333,7 @@ def main() -> None:
               "idle_s": args.idle_s, "loaded_s": args.loaded_s, "rounds": args.rounds}
     window, loader = result["window"], result["loader"]
     print(f"one-page get (64 KiB, in DRAM), write_back with high_watermark {args.high_watermark}, "
-          f"DRAM {args.arena_mib} MiB, {'no NVMe (control run)' if args.no_nvme else 'one LMDB shard'}; "
+          f"DRAM {args.arena_mib} MiB, {'no NVMe (control run)' if args.no_nvme else 'one NVMe path'}; "
           f"{args.rounds} idle and {args.rounds} loaded windows alternating; server on CPU {args.server_cpu}, "
           f"measured client on CPU {args.client_cpu}, loader on CPU {args.loader_cpu}; "
           "CPUs busy in the second before: " + ", ".join(f"{cpu} {busy:.0%}" for cpu, busy in busy_before.items()))
@@ -332,9 +347,10 @@ def main() -> None:
           f"({result['pages_written_down_per_s']:.0f}/s), {window['dram_evictions']} DRAM evictions, "
           f"{window['nvme_evictions']} NVMe evictions, {window['write_queue_drops']} write-queue drops; "
           f"loader put {loader['pages']} pages in {loader['seconds']:.1f} s")
-    if "shard_alone" in result:
-        alone = result["shard_alone"]
-        print(f"one LMDB shard alone on this disk ({alone['txn_pages']} pages a transaction, the same windows): "
+    if "shards_alone" in result:
+        alone = result["shards_alone"]
+        print(f"the node's {alone['shards']} LMDB shards alone on this disk ({alone['txn_pages']} pages a transaction, "
+              "a thread a shard, the same windows): "
               f"{alone['pages_per_s']:.0f} pages/s; write-down reached {alone['written_down_share']:.2f} of it")
     print(f"measured gets in the window served from DRAM: {window['dram_hits']} "
           f"(from NVMe: {window['nvme_hits']}, misses: {result['loaded']['misses']}, "

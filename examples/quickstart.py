@@ -2,7 +2,7 @@
 
     python examples/quickstart.py
 
-Starts `kvstore-server` on the embedded default (DRAM tier + one LMDB shard, here in a temp
+Starts `kvstore-server` on the embedded default (DRAM tier + LMDB shards, here in a temp
 dir; gRPC on a free loopback port, its Unix socket beside it), then acts as an engine would: hashes a long prompt into page keys, stores each page's
 KV bytes, asks how much of a follow-up prompt is cached, loads those pages back and checks
 them. Prints hits and GB/s, then stops the node with SIGTERM.

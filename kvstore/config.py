@@ -53,8 +53,14 @@ class DramConfig:
 @dataclasses.dataclass(frozen=True)
 class NvmeConfig:
     enabled: bool = True
-    paths: tuple[str, ...] = ()             # one LMDB shard per directory; () = <cache dir>/kvstore/nvme-0
-    map_bytes: int = 16 << 30               # upper bound of each shard's file; full -> evict
+    paths: tuple[str, ...] = ()             # a directory per disk; () = <cache dir>/kvstore/nvme-0
+    # LMDB shards in each path, written at once (tiers/nvme_layout.py). LMDB alone on one core of a virtual
+    # disk: 3,650 pages of 64 KiB a second with one shard, 4,800 with two, 5,500 with four. A node confined to
+    # one core (bench/writedown_latency.py) wrote down 1.45x the pages with four, and 1.0-1.2x at writer_nice
+    # 19, but its writers took the CPU from serving: a reader's p99 under write-down 5.2-5.4x idle at nice 0,
+    # 4.4-4.9 ms at 19, against 1.9-2.8 ms with one shard. Give a node with cores to spare more than one.
+    shards_per_path: int = 1
+    map_bytes: int = 16 << 30               # upper bound of each path's files (its shards share it); full -> evict
     io_threads: int = 8                     # page reads in flight at once (promotion)
 
 
@@ -70,6 +76,11 @@ class ControllerConfig:
     # (bench/writedown_latency.py) 4 MiB commits put a one-page get's p99 at 11 ms, 256 KiB
     # ones at 1.9 ms (idle: 0.5 ms), for 25% less write-down throughput (more fsyncs).
     write_txn_bytes: int = 256 << 10
+    # Niceness the background write-down threads add to the node's, so that serving threads have the CPU first
+    # (0: the same). Four shards, the node on one core (bench/writedown_latency.py): a reader's p99 under
+    # write-down 5.2-5.4x idle at 0, 1.9-4.3x at 10, 1.4-3.0x at 19, for 10-25% fewer pages a second. Not more:
+    # a writer holding the GIL when it is put aside holds up the serving thread that needs it.
+    writer_nice: int = 0
     prefetch_timeout_ms: int = 1000         # TIMEOUT policy default, and the bound of background prefetch
     promote_wait_ms_max: int = 10_000       # WAIT_COMPLETE waits at most this long
 
@@ -496,8 +507,11 @@ def _validate(config: Config) -> None:
         ("server.log_level", config.server.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
          "must be DEBUG, INFO, WARNING or ERROR"),
         ("server.grpc_address", ":" in config.server.grpc_address, "must look like host:port"),
-        ("nvme.map_bytes", config.nvme.map_bytes >= 1 << 20, "must be at least 1MiB"),
-        ("nvme.paths", len(config.nvme.paths) <= 256, "at most 256 shards (the page index numbers them in a byte)"),
+        ("nvme.shards_per_path", 1 <= config.nvme.shards_per_path <= 64, "must be 1 to 64"),
+        ("nvme.paths", max(len(config.nvme.paths), 1) * max(config.nvme.shards_per_path, 1) <= 256,
+         "with nvme.shards_per_path, at most 256 shards in all (the page index numbers them in a byte)"),
+        ("nvme.map_bytes", config.nvme.map_bytes // max(config.nvme.shards_per_path, 1) >= 2 << 20,
+         f"must be at least 2MiB for each of a path's nvme.shards_per_path ({config.nvme.shards_per_path}) shards"),
         ("nvme.io_threads", 0 < config.nvme.io_threads <= 256, "must be 1 to 256"),
         ("controller.write_policy", config.controller.write_policy in
          ("write_through", "write_through_selective", "write_back"),
@@ -508,6 +522,7 @@ def _validate(config: Config) -> None:
         ("controller.queue_pages_max", config.controller.queue_pages_max > 0, "must be positive"),
         ("controller.write_batch_pages", config.controller.write_batch_pages > 0, "must be positive"),
         ("controller.write_txn_bytes", config.controller.write_txn_bytes >= 4096, "must be at least 4KiB"),
+        ("controller.writer_nice", 0 <= config.controller.writer_nice <= 19, "must be 0 to 19"),
         ("tcp.address", not config.tcp.address or config.tcp.address.rpartition(":")[2].isdigit(),
          "must look like host:port"),
         ("tcp.connections_max", config.tcp.connections_max > 0, "must be positive"),

@@ -47,7 +47,7 @@ from kvstore.ops.metrics import Metrics
 from kvstore.ops.notify import Notifier
 from kvstore.ops.supervise import serve_until_stopped
 from kvstore.tiers.dram import Arena
-from kvstore.tiers import host_memory
+from kvstore.tiers import host_memory, nvme_layout
 from kvstore.tiers.hbm import open_pool
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.transport import advertise
@@ -88,7 +88,9 @@ class Node:
             except OSError as exc:
                 raise OSError(f"cannot read auth.tokens_file {config.auth.tokens_file}: {exc.strerror}") from None
             if config.nvme.enabled:
-                self.nvme = NvmeTier(config.nvme_paths, config.nvme.map_bytes, config.nvme.io_threads)
+                per_path = config.nvme.shards_per_path
+                self.nvme = NvmeTier(nvme_layout.shard_directories(config.nvme_paths, per_path),
+                                     config.nvme.map_bytes // per_path, config.nvme.io_threads)
             socket_path = config.shm_socket_path if config.shm.enabled else ""
             self.store = PageStore(config, self.arena)
             self.events_out = _events_out(config, self.store)

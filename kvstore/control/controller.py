@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
+from concurrent import futures
 
 
 from kvstore import failpoints
@@ -69,6 +71,13 @@ class CacheController:
         self._full_logged_at = -FULL_LOG_EVERY_S
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="cache-controller", daemon=True)
+        # A disk commits several shards' transactions in the time of fewer than that many one after another
+        # (its queue takes the syncs together): a batch's shards are written at once, a thread each. The
+        # background's writers yield the CPU to serving (writer_nice); a caller's own write-down (room for
+        # its Reserve, a durable commit) is serving, and has writers of its own.
+        self._background_writers = futures.ThreadPoolExecutor(
+            len(nvme.shards), thread_name_prefix="nvme-writer", initializer=self._yield_cpu)
+        self._foreground_writers = futures.ThreadPoolExecutor(len(nvme.shards), thread_name_prefix="nvme-writer-fg")
         store.protect_unsaved = config.write_policy == WRITE_BACK
         store.listener = self
 
@@ -83,6 +92,8 @@ class CacheController:
             self._stopping = True
             self._queue.notify_all()
         self._thread.join(10)
+        self._background_writers.shutdown(wait=True)
+        self._foreground_writers.shutdown(wait=True)
 
     # -- listener (the store's lock is held: queue only) ---------------------------------
 
@@ -196,7 +207,15 @@ class CacheController:
         short, self._dram_short = self._dram_short, False
         return writes, prefetch, short
 
+    def _yield_cpu(self) -> None:
+        """This thread (a background writer, or the controller's own) lets serving threads have the CPU first:
+        writer_nice above the node's niceness (a Linux thread's is its own; raising it needs no privilege)."""
+        thread = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, thread) + self.config.writer_nice
+        os.setpriority(os.PRIO_PROCESS, thread, min(nice, 19))
+
     def _run(self) -> None:
+        self._yield_cpu()
         while True:
             with self._queue:
                 if not (self._stopping or self._writes or self._prefetch or self._dram_short):
@@ -218,7 +237,7 @@ class CacheController:
             writes += self._store.unsaved_lru(self.config.write_batch_pages)
         batch = self._store.claim_unsaved(writes, self.config.write_batch_pages)
         if batch:
-            self._write_down(batch)
+            self._write_down(batch, background=True)
         if prefetch:
             self.promote(prefetch, time.monotonic() + self.config.prefetch_timeout_ms / 1000)
 
@@ -251,40 +270,53 @@ class CacheController:
 
     # -- write-down -------------------------------------------------------------------
 
-    def _write_down(self, batch: list[PageRecord]) -> list[PageRecord]:
-        """Write a claimed batch (chain order) to its shards; release it. Returns pages now on NVMe."""
+    def _write_down(self, batch: list[PageRecord], background: bool = False) -> list[PageRecord]:
+        """Write a claimed batch (chain order) to its shards (on the background's writers, or a caller's); release
+        it. Returns pages now on NVMe."""
+        writers = self._background_writers if background else self._foreground_writers
         started = time.perf_counter()
         on_disk: set[PageRecord] = set()
         try:
             admitted, victims = self._store.admit_nvme(batch)   # tenants' NVMe quotas: room from their own pages
             self._delete_from_nvme([r.page_id for r in victims])
-            on_disk = self._write_pages(admitted)
+            on_disk = self._write_pages(admitted, writers)
         finally:
             written, garbage = self._store.finish_writedown(batch, on_disk)
         self._delete_from_nvme(garbage)
         log.debug("write-down complete pages=%d duration_ms=%.1f", len(written), (time.perf_counter() - started) * 1e3)
         return written
 
-    def _write_pages(self, batch: list[PageRecord]) -> dict[PageRecord, int]:
-        """One transaction per shard; returns the pages that reached disk, each with its shard (the
-        store decides which count as on NVMe: those whose parent does)."""
+    def _write_pages(self, batch: list[PageRecord], writers: futures.Executor) -> dict[PageRecord, int]:
+        """Each shard's pages in transactions of their own, the shards at once; returns the pages that reached
+        disk, each with its shard (the store decides which count as on NVMe: those whose parent does).
+        Every shard's writes are over when this returns, failed or not: the caller releases the batch."""
         by_shard: dict[int, list[PageRecord]] = {}
         for record in batch:
             by_shard.setdefault(self._nvme.shard_of(*record.page_id), []).append(record)
+        if len(by_shard) == 1:
+            return self._write_shard(*next(iter(by_shard.items())))
+        writes = [writers.submit(self._write_shard, *item) for item in by_shard.items()]
+        futures.wait(writes)
         on_disk: dict[PageRecord, int] = {}
-        txn_bytes = self.config.write_txn_bytes
-        for shard, group in (item for pair in by_shard.items() for item in _by_bytes(*pair, txn_bytes)):
-            stored = [(record, page) for record in group if (page := self._stored(record)) is not None]
-            group, pages = [record for record, _ in stored], [page for _, page in stored]
-            if not pages:   # every page of the group was deleted since it was claimed
+        for write in writes:
+            on_disk.update(write.result())   # a broken invariant in any of them is raised here, after all ended
+        return on_disk
+
+    def _write_shard(self, shard: int, group: list[PageRecord]) -> dict[PageRecord, int]:
+        """One shard's pages in chain order, a transaction per write_txn_bytes; returns those on disk."""
+        on_disk: dict[PageRecord, int] = {}
+        for run in _by_bytes(group, self.config.write_txn_bytes):
+            stored = [(record, page) for record in run if (page := self._stored(record)) is not None]
+            run, pages = [record for record, _ in stored], [page for _, page in stored]
+            if not pages:   # every page of the run was deleted since it was claimed
                 continue
             try:
-                self._save_namespaces(group)
+                self._save_namespaces(run)
                 failpoints.hit("writedown.before_lmdb_commit")
                 try:
                     self._nvme.write(shard, pages)
                 except NvmeFull:
-                    self._make_room(shard, len(group))
+                    self._make_room(shard, len(run))
                     self._nvme.write(shard, pages)
                 failpoints.hit("writedown.after_lmdb_commit")
             except NvmeShardQuarantined:   # said once, when it was quarantined
@@ -292,9 +324,9 @@ class CacheController:
                 continue
             except NvmeError as exc:
                 self._store.count(nvme_write_errors=1)
-                log.error("write-down failed shard=%d pages=%d (they stay in DRAM only): %s", shard, len(group), exc)
+                log.error("write-down failed shard=%d pages=%d (they stay in DRAM only): %s", shard, len(run), exc)
                 continue
-            on_disk.update(dict.fromkeys(group, shard))
+            on_disk.update(dict.fromkeys(run, shard))
         return on_disk
 
     def _delete_from_nvme(self, page_ids: list[PageId]) -> None:
@@ -330,17 +362,17 @@ class CacheController:
         log.info("NVMe full: evicted pages=%d (said at most once a minute; nvme_evictions counts them all)", evicted)
 
 
-def _by_bytes(shard: int, group: list[PageRecord], txn_bytes: int) -> list[tuple[int, list[PageRecord]]]:
-    """A shard's pages in runs of at most `txn_bytes` (one page at least), in chain order."""
-    runs: list[tuple[int, list[PageRecord]]] = []
+def _by_bytes(pages: list[PageRecord], txn_bytes: int) -> list[list[PageRecord]]:
+    """Pages in runs of at most `txn_bytes` (one page at least), in chain order."""
+    runs: list[list[PageRecord]] = []
     run: list[PageRecord] = []
     nbytes = 0
-    for record in group:
+    for record in pages:
         if run and nbytes + record.slot_bytes > txn_bytes:
-            runs.append((shard, run))
+            runs.append(run)
             run, nbytes = [], 0
         run.append(record)
         nbytes += record.slot_bytes
     if run:
-        runs.append((shard, run))
+        runs.append(run)
     return runs

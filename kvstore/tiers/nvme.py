@@ -1,4 +1,5 @@
-"""NVMe tier: pages in N LMDB environments ("shards"), one directory each, so each can sit on its own disk.
+"""NVMe tier: pages in N LMDB environments ("shards"), one directory each: several in a path, so that a disk
+takes several transactions at once (nvme_layout.py), and paths on several disks.
 
 A page goes to the shard its key hashes to. Each shard has three named databases, and a
 page's header and bytes are written in one transaction, so a page is on disk whole or not

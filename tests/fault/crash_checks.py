@@ -154,7 +154,7 @@ def read_shards(paths: list[Path]) -> Snapshot:
     """Every page record of the shards, read-only, with its bytes checked against its key."""
     pages: dict[PageId, DiskPage] = {}
     namespaces: set[int] = set()
-    for path in paths:
+    for path in (shard for path in paths for shard in (path, *sorted(path.glob("shard-*")))):   # nvme.shards_per_path
         if not (path / "data.mdb").exists():
             continue
         env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=3, subdir=True)

@@ -152,7 +152,9 @@ class Harness:
         self.workloads = 0
 
     def settings(self, policy: str) -> dict[str, object]:
-        return {"nvme.enabled": "true", "nvme.paths": ",".join(map(str, self.shards)), "nvme.map_bytes": "32MiB",
+        # Two shards a path: kills land while write-down writes shards at once.
+        return {"nvme.enabled": "true", "nvme.paths": ",".join(map(str, self.shards)), "nvme.shards_per_path": 2,
+                "nvme.map_bytes": "32MiB",
                 "dram.arena_bytes": "4MiB", "dram.slab_bytes": "256KiB", "limits.page_bytes_max": "64KiB",
                 "controller.write_policy": policy, "controller.high_watermark": 0.5,
                 # An HBM pool on a host memfd: every page read is copied in, so kills land during moves too.

@@ -25,8 +25,9 @@ def keys_of(chain, length):
 
 
 def nvme_settings(tmp_path, **more):
+    """Two paths of four shards each: write-down writes shards at once, and a restart reads them back."""
     return {"nvme.enabled": "true", "nvme.paths": f"{tmp_path}/shard0,{tmp_path}/shard1",
-            "nvme.map_bytes": "256MiB", **more}
+            "nvme.shards_per_path": "4", "nvme.map_bytes": "256MiB", **more}
 
 
 def wait_for(predicate, timeout_s=20.0):
@@ -66,7 +67,7 @@ def test_pages_survive_sigkill_and_restart(start_server, tmp_path):
 
 
 def test_a_corrupt_record_is_dropped_with_its_descendants(start_server, tmp_path):
-    settings = nvme_settings(tmp_path, **{"nvme.paths": f"{tmp_path}/only"})
+    settings = nvme_settings(tmp_path, **{"nvme.paths": f"{tmp_path}/only", "nvme.shards_per_path": "1"})
     server = start_server(settings)
     with KVStoreClient(server.address) as c:
         assert c.put(NS, keys_of(0, 5), chain_data(0, 5)) == 5
@@ -95,7 +96,8 @@ def test_a_corrupt_record_is_dropped_with_its_descendants(start_server, tmp_path
 
 
 def test_a_full_map_evicts_instead_of_failing(start_server, tmp_path):
-    settings = nvme_settings(tmp_path, **{"nvme.paths": f"{tmp_path}/small", "nvme.map_bytes": "4MiB"})
+    settings = nvme_settings(tmp_path, **{"nvme.paths": f"{tmp_path}/small", "nvme.map_bytes": "4MiB",
+                                          "nvme.shards_per_path": "1"})
     server = start_server(settings)
     with KVStoreClient(server.address) as c:
         for chain in range(12):  # 96 pages of 64 KiB into a 4 MiB map
@@ -167,13 +169,14 @@ def test_write_back_demotes_when_dram_fills(start_server, tmp_path):
 def test_an_unusable_shard_directory_stops_start_up(start_server, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with pytest.raises(RuntimeError, match="cannot open NVMe shard"):
+    with pytest.raises(RuntimeError, match=r"NVMe path layout .*a-file/shard/shards \(nvme.paths\): .*Not a directory"):
         start_server(nvme_settings(tmp_path, **{"nvme.paths": f"{blocker}/shard"}))
 
 
 def test_a_full_tier_is_said_in_the_log_at_most_once_a_minute(start_server, tmp_path):
     """A cache at capacity is its normal state: counted in nvme_evictions, not logged per eviction."""
-    server = start_server(nvme_settings(tmp_path, **{"nvme.paths": f"{tmp_path}/small", "nvme.map_bytes": "4MiB"}))
+    server = start_server(nvme_settings(tmp_path, **{"nvme.paths": f"{tmp_path}/small", "nvme.map_bytes": "4MiB",
+                                                     "nvme.shards_per_path": "1"}))
     with KVStoreClient(server.address) as c:
         for chain in range(40):  # 320 pages of 64 KiB into a 4 MiB map
             assert c.put(NS, keys_of(chain, 8), chain_data(chain, 8)) == 8

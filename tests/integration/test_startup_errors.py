@@ -84,7 +84,7 @@ def test_shard_directory_not_writable(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     result = run_server(tmp_path, "--set", f"nvme.paths={locked / 'nvme-0'}", prefix=AS_ANYONE)
-    refused(result, 1, f"cannot open NVMe shard {locked / 'nvme-0'} (nvme.paths)", "Permission denied")
+    refused(result, 1, f"cannot open NVMe path {locked / 'nvme-0'} (nvme.paths)", "Permission denied")
 
 
 def test_the_same_command_line_without_the_bad_setting_serves(tmp_path):

@@ -487,3 +487,30 @@ def test_a_page_deleted_while_claimed_for_write_down_is_not_written(tmp_path):
         node.store.check_invariants()
     finally:
         close_node(node)
+
+
+def test_a_write_down_writes_its_shards_at_once_and_returns_once_each_is_over(node):
+    """A batch over both shards: the first shard's transaction waits until the other's has been written, which
+    only a write of its own can let happen; the write-down answers after both, with every page on NVMe."""
+    ns = open_ns(node, SMALL)
+    keys = chain("both", 16)
+    put(node, ns, keys, SMALL)
+    first = node.nvme.shard_of(ns, keys[0])      # written first where shards take turns
+    assert {node.nvme.shard_of(ns, k) for k in keys} == {0, 1}
+    other_written, write = threading.Event(), node.nvme.write
+    overlapped = []
+
+    def write_after_the_other(shard, pages):
+        if shard == first:
+            overlapped.append(other_written.wait(10))
+        write(shard, pages)
+        if shard != first:
+            other_written.set()
+
+    node.controller._nvme.write = write_after_the_other
+    try:
+        assert node.controller.make_durable([node.store.index.get((ns, k)) for k in keys], time.monotonic() + 30) == 16
+    finally:
+        node.controller._nvme.write = write
+    assert overlapped and all(overlapped), "the first shard was written only after the other's turn had passed"
+    assert all(node.store.index.get((ns, k)).on_nvme for k in keys)
