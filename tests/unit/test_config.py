@@ -31,6 +31,11 @@ def test_precedence_file_then_env_then_overrides(tmp_path):
     ({"overrides": ["limits.page_bytes_max=1GiB"]}, "limits.page_bytes_max"),
     ({"overrides": ["leases.read_ttl_ms=0"]}, "leases.read_ttl_ms"),
     ({"overrides": ["dram.arena_bytes=1MiB"]}, "dram.arena_bytes"),
+    ({"overrides": ["nvme.shards_per_path=0"]}, "nvme.shards_per_path"),
+    ({"overrides": ["nvme.shards_per_path=65"]}, "nvme.shards_per_path"),
+    ({"overrides": ["nvme.shards_per_path=4", "nvme.map_bytes=7MiB"]}, "nvme.map_bytes"),
+    ({"overrides": ["nvme.shards_per_path=64", "nvme.paths=/a,/b,/c,/d,/e"]}, "nvme.paths"),
+    ({"overrides": ["controller.writer_nice=20"]}, "controller.writer_nice"),
 ])
 def test_bad_settings_name_their_dotted_path(kwargs, dotted):
     with pytest.raises(ConfigError, match=dotted.replace(".", r"\.")):

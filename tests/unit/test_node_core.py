@@ -514,3 +514,16 @@ def test_a_write_down_writes_its_shards_at_once_and_returns_once_each_is_over(no
         node.controller._nvme.write = write
     assert overlapped and all(overlapped), "the first shard was written only after the other's turn had passed"
     assert all(node.store.index.get((ns, k)).on_nvme for k in keys)
+
+
+def test_background_writers_add_writer_nice_and_a_callers_writers_do_not(tmp_path):
+    svc = make_node(tmp_path, NODE + ["controller.writer_nice=7"])
+    try:
+        def niceness():
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        own = niceness()
+        assert svc.controller._background_writers.submit(niceness).result() == min(own + 7, 19)
+        assert svc.controller._foreground_writers.submit(niceness).result() == own
+    finally:
+        close_node(svc)
