@@ -38,16 +38,17 @@ def server(start_server) -> "ServerProcess":
 
 
 @pytest.fixture
-def private_server(start_server, tmp_path, monkeypatch) -> "ServerProcess":
+def private_server(start_server, tmp_path) -> "ServerProcess":
     """A node only this test's clients can call, for tests that count the calls it serves. Every caller shows a
-    token, on the local socket too, and KVSTORE_TOKEN hands it to the clients the test makes; a client of an
-    earlier test that finds this node at a port the kernel gave out again is refused before a call is counted."""
+    token, on the local socket too, and the test hands `server.token` to its own clients (token=): a client of
+    an earlier test that finds this node at a port the kernel gave out again is refused before a call is
+    counted. Not through KVSTORE_TOKEN: every client in this process reads that when it connects, one an
+    earlier test left running included (a CI run counted a whole put-and-get session no client of the test made)."""
     from identities import token_line
 
     token = secrets.token_urlsafe(24)
     tokens = tmp_path / "private-tokens"
     tokens.write_text(token_line(token, "tests", "admin"))
-    monkeypatch.setenv("KVSTORE_TOKEN", token)
     server = start_server({"auth.tokens_file": str(tokens), "auth.local_uids": f"{os.getuid()}:tests:admin",
                            "auth.local_require_token": "true"})
     server.token = token

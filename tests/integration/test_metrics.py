@@ -36,11 +36,11 @@ def test_metrics_move_with_real_traffic(private_server, caplog):
     assert value(before, "kvstore_build_info", version="0.1.0") == 1
     pages = np.random.default_rng(1).integers(0, 256, (8, PAGE), dtype=np.uint8)
     keys = [f"m{i}" for i in range(8)]
-    with KVStoreClient(server.address) as local:
+    with KVStoreClient(server.address, token=server.token) as local:
         assert local.put(NS, keys, pages) == 8
         assert local.get(NS, keys, np.zeros_like(pages)) == 8
         assert local.get(NS, ["missing"], np.zeros((1, PAGE), np.uint8)) == 0
-    with KVStoreClient(server.address, control="grpc") as remote:
+    with KVStoreClient(server.address, control="grpc", token=server.token) as remote:
         assert remote.get(NS, keys[:4], np.zeros((4, PAGE), np.uint8)) == 4
     after = scrape(server)
     ns_labels = {"model": "metrics-model", "tenant": "tests", "namespace_id": _ns_id(after)}

@@ -52,7 +52,7 @@ def test_a_tcp_client_sends_its_leases_calls_on_the_tcp_data_plane(private_serve
     server = private_server
     data = pages(40)
     keys = [f"k{i}" for i in range(40)]
-    with KVStoreClient(server.address, transport="tcp", timeout_s=20) as client:
+    with KVStoreClient(server.address, transport="tcp", timeout_s=20, token=server.token) as client:
         assert isinstance(client._control, TcpControlChannel)
         assert client.put(NS, keys, data) == 40
         out = np.zeros_like(data)
@@ -61,7 +61,7 @@ def test_a_tcp_client_sends_its_leases_calls_on_the_tcp_data_plane(private_serve
     for method in ("Reserve", "Commit", "Acquire"):
         counts = calls_per_carrier(server, method)
         assert counts.get("tcp", 0) >= 1 and counts.get("grpc", 0) == 0, (method, counts)
-    with KVStoreClient(server.address, transport="tcp", control="grpc") as client:   # asked for gRPC: gRPC
+    with KVStoreClient(server.address, transport="tcp", control="grpc", token=server.token) as client:   # gRPC
         assert isinstance(client._control, GrpcChannel)
         out = np.zeros_like(data)
         assert client.get(NS, keys, out) == 40 and np.array_equal(out, data)

@@ -301,12 +301,14 @@ def test_lookups_of_many_new_chunks_cost_one_lookup(server, engines):
     assert engine.tier.counters()[Metric.LOOKUP_RPCS] - before == 1
 
 
-def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_batch(private_server, engines, caplog):
+def test_a_thousand_chunks_cost_the_node_one_lookup_per_store_and_per_lookup_batch(private_server, engines, caplog,
+                                                                                      monkeypatch):
     """Counted where the calls are served (the node's per-method RPC counts): storing 1,000 chunks the node
     does not hold, looking up 1,000 it never held, and looking the stored ones up from another engine each
     cost one Lookup, not one per chunk; the misses are misses and the hits come back with their bytes."""
     caplog.set_level(logging.INFO, logger="kvstore_client")   # a call made again on a new connection shows in a failure
     server = private_server
+    monkeypatch.setenv("KVSTORE_TOKEN", server.token)   # how the engines' adapter takes a token
     fresh = chunk_keys(list(range(9000, 9000 + 1000 * BLOCK_TOKENS)))
     pages = random_pages(len(fresh), seed=15)
     writer = engines(kvstore_tier(server), chunks=1100)

@@ -169,6 +169,13 @@ def least_growing_work(pages: int) -> float:
     return statistics.median(times)
 
 
+def typical_hold(times: list[float]) -> float:
+    """A method's hold: the median of its holds, or the least where it took the lock fewer than five times. A
+    preemption or a collection only ever adds time, and one landing in a hold taken once (wait_settled's) read
+    as that hold growing 5.6x in a CI run; a hold whose work grows with the pages grows in its least too."""
+    return statistics.median(times) if len(times) >= 5 else min(times)
+
+
 def test_no_store_method_holds_the_lock_longer_with_more_pages(tmp_path, capsys):
     medians: list[dict[str, float]] = []
     for pages in SCALES:
@@ -177,13 +184,13 @@ def test_no_store_method_holds_the_lock_longer_with_more_pages(tmp_path, capsys)
             holds = exercise(svc, pages)
         finally:
             close_node(svc)
-        medians.append({method: statistics.median(times) for method, times in holds.items()})
+        medians.append({method: typical_hold(times) for method, times in holds.items()})
     small, large = medians
     assert small.keys() == large.keys()
     rows = sorted(((large[m] / small[m], m) for m in small), reverse=True)
     floor = least_growing_work(SCALES[1])
     with capsys.disabled():
-        print(f"\nlock holds, median µs at {SCALES[0]:,} and {SCALES[1]:,} pages:")
+        print(f"\nlock holds (typical_hold), µs at {SCALES[0]:,} and {SCALES[1]:,} pages:")
         for growth, method in rows:
             print(f"  {method:36s} {small[method] * 1e6:9.1f} {large[method] * 1e6:9.1f}  x{growth:.2f}")
         print(f"  growth counts above x{GROWTH_MAX} and {floor * 1e6:.1f} µs more")
