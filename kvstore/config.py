@@ -55,10 +55,11 @@ class NvmeConfig:
     enabled: bool = True
     paths: tuple[str, ...] = ()             # a directory per disk; () = <cache dir>/kvstore/nvme-0
     # LMDB shards in each path, written at once (tiers/nvme_layout.py). LMDB alone on one core of a virtual
-    # disk: 3,650 pages of 64 KiB a second with one shard, 4,800 with two, 5,500 with four. A node confined to
-    # one core (bench/writedown_latency.py) wrote down 1.45x the pages with four, and 1.0-1.2x at writer_nice
-    # 19, but its writers took the CPU from serving: a reader's p99 under write-down 5.2-5.4x idle at nice 0,
-    # 4.4-4.9 ms at 19, against 1.9-2.8 ms with one shard. Give a node with cores to spare more than one.
+    # disk: 2,900-3,700 pages of 64 KiB a second with one shard, 4,100-4,800 with two, 5,300-5,700 with four.
+    # A node confined to one core (bench/writedown_latency.py) wrote down 1.4-1.6x the pages with four, and
+    # 1.0-1.3x at writer_nice 19, but its writers took the CPU from serving: a reader's p99 under write-down
+    # 5.0-7.5x idle at nice 0, 4.4-4.9 ms at 19, against 1.9-2.8 ms with one shard. Give a node with cores to
+    # spare more than one.
     shards_per_path: int = 1
     map_bytes: int = 16 << 30               # upper bound of each path's files (its shards share it); full -> evict
     io_threads: int = 8                     # page reads in flight at once (promotion)
@@ -78,7 +79,7 @@ class ControllerConfig:
     write_txn_bytes: int = 256 << 10
     # Niceness the background write-down threads add to the node's, so that serving threads have the CPU first
     # (0: the same). Four shards, the node on one core (bench/writedown_latency.py): a reader's p99 under
-    # write-down 5.2-5.4x idle at 0, 1.9-4.3x at 10, 1.4-3.0x at 19, for 10-25% fewer pages a second. Not more:
+    # write-down 5.0-7.5x idle at 0, 1.9-4.3x at 10, 1.4-3.0x at 19, for 10-25% fewer pages a second. Not more:
     # a writer holding the GIL when it is put aside holds up the serving thread that needs it.
     writer_nice: int = 0
     prefetch_timeout_ms: int = 1000         # TIMEOUT policy default, and the bound of background prefetch
