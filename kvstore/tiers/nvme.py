@@ -80,6 +80,7 @@ BODY_PAGE_MAX = (1 << 32) - 1
 PARENT_BYTES_MAX = 64
 # In each shard directory, flocked by the one node that uses it (its pid inside).
 LOCK_FILE = "kvstore.lock"
+DATA_FILE = "data.mdb"   # LMDB's file of a shard's pages, in its directory
 # Page bodies at least this large are read with O_DIRECT, smaller ones through the page cache
 # (for those, the block-aligned read and the extra copy would cost more than they save).
 DIRECT_READ_MIN_BYTES = 64 << 10
@@ -240,7 +241,7 @@ class _Shard:
     def __init__(self, index: int, path: str, map_bytes: int):
         self.index = index
         self.path = path
-        self.data_path = os.path.join(path, "data.mdb")
+        self.data_path = os.path.join(path, DATA_FILE)
         self.quarantine: Quarantine | None = None
         try:
             os.makedirs(path, exist_ok=True)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from kvstore.tiers.nvme import DATA_FILE
+
 LAYOUT_FILE = "shards"
 
 
@@ -43,7 +45,7 @@ def _laid_out(path: str) -> int | None:
         with open(record) as f:
             text = f.read()
     except FileNotFoundError:
-        return 1 if os.path.exists(os.path.join(path, "data.mdb")) else None
+        return 1 if os.path.exists(os.path.join(path, DATA_FILE)) else None
     except OSError as exc:
         raise OSError(f"cannot read NVMe path layout {record} (nvme.paths): {exc}") from None
     if not text.strip().isdigit() or int(text) < 1:
