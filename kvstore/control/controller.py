@@ -216,30 +216,38 @@ class CacheController:
 
     def _run(self) -> None:
         self._yield_cpu()
+        behind = False   # the last pass wrote write-back's pages down: more may be due, so look again at once
         while True:
             with self._queue:
-                if not (self._stopping or self._writes or self._prefetch or self._dram_short):
+                if not (behind or self._stopping or self._writes or self._prefetch or self._dram_short):
                     self._queue.wait(0.1)   # also the pace of write_back's watermark check
                 if self._stopping:
                     return
                 writes, prefetch, short = self._take_queued()
+            behind = False
             if not (writes or prefetch or short or self._write_back_due()):  # store lock: never under ours
                 continue
             try:
-                self._pass(writes, prefetch, short)
+                behind = self._pass(writes, prefetch, short)
             except AssertionError as exc:
                 stop_node("cache controller", exc)
             except Exception:  # a pass releases what it claimed (finally blocks); the next one may work
                 log.exception("cache controller pass failed")
 
-    def _pass(self, writes: list[PageRecord], prefetch: list[PageRecord], short: bool) -> None:
-        if self.config.write_policy == WRITE_BACK and (short or self._write_back_due()):
+    def _pass(self, writes: list[PageRecord], prefetch: list[PageRecord], short: bool) -> bool:
+        """Write a batch down and prefetch what was asked for; returns whether write-back wrote pages of its own
+        down. Then DRAM may still be above the watermark with more unsaved pages: the next pass starts at once,
+        where waiting for the watermark's next check let a saturated node write one batch a tenth of a second,
+        and its Reserves, short of clean slots, write the rest down themselves. A batch that reached no disk (a
+        quarantined shard) waits, so a failing disk is not retried in a loop."""
+        backlog = self.config.write_policy == WRITE_BACK and (short or self._write_back_due())
+        if backlog:
             writes += self._store.unsaved_lru(self.config.write_batch_pages)
         batch = self._store.claim_unsaved(writes, self.config.write_batch_pages)
-        if batch:
-            self._write_down(batch, background=True)
+        written = self._write_down(batch, background=True) if batch else []
         if prefetch:
             self.promote(prefetch, time.monotonic() + self.config.prefetch_timeout_ms / 1000)
+        return backlog and bool(written)
 
     def _write_back_due(self) -> bool:
         return self.config.write_policy == WRITE_BACK and self._store.dram_fill() > self.config.high_watermark

@@ -149,8 +149,10 @@ def timed_phases(svc, lock: TimedLock, pages: int, big: int, small: int, unsaved
         store.finish_writedown(batch, {record: 0 for record in batch})
     leaf = store.index.get((unsaved, chain("u", pages // 16)[-1]))
     lock.phase = "claim unsaved"
-    for _ in range(8):                                # each call walks 64 pages up the long chain, claims none
-        assert store.claim_unsaved([leaf], 64) == []
+    for _ in range(8):                                # each call walks the long chain up 64 pages a hold
+        batch = store.claim_unsaved([leaf], 64)       # to its saved end, and claims the 64 there
+        assert len(batch) == 64 and batch[0].parent is None and batch[-1].parent is batch[-2]
+        store.finish_writedown(batch, {})             # released unwritten
     lock.phase = "delete all"
     removed, on_disk = store.delete(big, None)        # a namespace of every recovered page
     assert len(removed) == pages - 32 and len(on_disk) == len(removed)

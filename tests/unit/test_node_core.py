@@ -527,3 +527,76 @@ def test_background_writers_add_writer_nice_and_a_callers_writers_do_not(tmp_pat
         assert svc.controller._foreground_writers.submit(niceness).result() == own
     finally:
         close_node(svc)
+
+
+class _CountedWaits(threading.Condition):
+    """The controller's queue, counting how often its thread went to sleep on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_write_back_above_the_watermark_writes_batch_after_batch_without_waiting(tmp_path):
+    """Six batches of unsaved pages and DRAM above high_watermark: the controller writes one batch after another.
+    Waiting for the watermark's next check between them (a tenth of a second each) left a saturated node's
+    Reserves to write the rest down themselves."""
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back", "controller.high_watermark=0.01",
+                                           "controller.write_batch_pages=8"])
+    queue = svc.controller._queue = _CountedWaits()
+    try:
+        ns, keys = open_ns(svc, SMALL), []
+        for i in range(6):   # six chains of a batch each
+            keys += chain(f"behind{i}", 8)
+            put(svc, ns, keys[-8:], SMALL)
+        assert svc.store.dram_fill() > 0.01 and not any(svc.store.index.get((ns, k)).on_nvme for k in keys)
+        svc.controller.start()
+        deadline = time.monotonic() + 60   # a bound on a hang, not a timing
+        while not all(svc.store.index.get((ns, k)).on_nvme for k in keys) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        waits = queue.waits
+        assert all(svc.store.index.get((ns, k)).on_nvme for k in keys)
+        assert waits <= 2, f"the controller slept {waits} times writing 6 batches down"   # was 6: one a batch
+    finally:
+        svc.controller.stop()
+        close_node(svc)
+
+
+def test_a_write_back_pass_that_reaches_no_disk_is_not_repeated_at_once(tmp_path):
+    """With every shard quarantined a pass writes nothing down: it reports no backlog, so the controller waits for
+    the next check instead of retrying the failing disk in a loop; on a working disk it reports one."""
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back", "controller.high_watermark=0.01",
+                                           "controller.write_batch_pages=8"])
+    try:
+        ns, keys = open_ns(svc, SMALL), chain("stuck", 24)
+        put(svc, ns, keys, SMALL)
+        assert svc.controller._pass([], [], False) is True          # wrote a batch; more are unsaved
+        for shard in svc.nvme.shards:
+            shard.quarantine_now("a test's damaged shard")
+        assert svc.controller._pass([], [], False) is False
+        assert not all(svc.store.index.get((ns, k)).on_nvme for k in keys)
+    finally:
+        close_node(svc)
+
+
+def test_a_claim_walks_a_long_unsaved_chain_to_its_saved_end_and_write_back_writes_it_down(tmp_path):
+    """A 48-page unsaved chain (one put) and batches of 8: its leaf's claim is the chain's first 8 pages (each step
+    up the chain a lock section of its own); it was nothing, a step a call, so write-back and a Reserve short of
+    clean slots wrote nothing down until a call reached the chain's saved end."""
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back", "controller.write_batch_pages=8"])
+    try:
+        ns, keys = open_ns(svc, SMALL), chain("long", 48)
+        put(svc, ns, keys, SMALL)
+        leaf = svc.store.index.get((ns, keys[-1]))
+        batch = svc.store.claim_unsaved([leaf], 8)
+        assert [r.page_id[1] for r in batch] == keys[:8]
+        svc.store.finish_writedown(batch, {})                  # released unwritten
+        assert svc.controller.clean(8) == 8                    # a Reserve's own write-down: the saved end first
+        assert [svc.store.index.get((ns, k)).on_nvme for k in keys[:9]] == [True] * 8 + [False]
+        svc.store.check_invariants()
+    finally:
+        close_node(svc)
