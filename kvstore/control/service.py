@@ -216,7 +216,9 @@ class KVStoreService:
         if request.durable and published:
             deadline = time.monotonic() + self.config.controller.promote_wait_ms_max / 1000
             durable = self.controller.make_durable(published, deadline)
-        return pb.CommitResponse(states=states, checksums=sums, durable_pages=durable)
+        # The writer's own checksums are not echoed back: 512 of them cost a 4 KiB put's Commit 4-5% of its time.
+        return pb.CommitResponse(states=states, checksums=[] if request.checksums_from_writer else sums,
+                                 durable_pages=durable)
 
     def abort(self, request: pb.AbortRequest, owner: object | None) -> pb.AbortResponse:
         aborted, lease = self.store.abort(request.lease_id, owner)
@@ -334,8 +336,8 @@ class KVStoreService:
         parts = [CommitPart(part.lease_id, part_indices, list(part.checksums), part.checksums_from_writer)
                  for part, part_indices in zip(request.parts, indices)]
         results = self.store.commit_group(parts)
-        return pb.CommitGroupResponse(parts=[pb.CommitResponse(states=states, checksums=sums)
-                                             for states, sums, _ in results])
+        return pb.CommitGroupResponse(parts=[pb.CommitResponse(states=states, checksums=[] if part.from_writer else sums)
+                                             for part, (states, sums, _) in zip(parts, results)])
 
     def lookup_group(self, request: pb.LookupGroupRequest, owner: object | None) -> pb.LookupGroupResponse:
         """The prefixes restorable in every part, from one snapshot of the store."""
