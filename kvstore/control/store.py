@@ -93,7 +93,8 @@ class PageStore(WriteLeases, ReadHolds, LeaseEnds, WriteDown, DramSlots, Scrubbi
         # or the delete could erase the fresh copy. A count per id: deletes may overlap.
         self._nvme_deleting: dict[PageId, int] = {}
         self._nvme_admitted: set[PageRecord] = set()       # write-downs counted in ledger.nvme_writing_bytes
-        self._unsaved_resume: PageRecord | None = None     # where claim_unsaved's walk up a long chain goes on
+        # Where claim_unsaved's walks up long unsaved chains stopped, the point nearest a chain's saved end last.
+        self._unsaved_walk: list[PageRecord] = []
         # Slots of write leases that ended while their writer may still be copying into them through
         # shared memory (see _fence): lease id -> (owner, offsets). Never reused until the owner says
         # its copies are over (its Abort of the lease) or its connection closes.

@@ -600,3 +600,25 @@ def test_a_claim_walks_a_long_unsaved_chain_to_its_saved_end_and_write_back_writ
         svc.store.check_invariants()
     finally:
         close_node(svc)
+
+
+def test_a_long_unsaved_chain_is_walked_once_not_once_a_batch(tmp_path):
+    """After the first claim walked a 96-page chain up to its saved end, each later claim starts where that walk
+    stopped nearest the saved end: two lock sections a batch, where one from the leaf took a section for each 8
+    pages between the leaf and the saved end."""
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back", "controller.write_batch_pages=8"])
+    try:
+        ns, keys = open_ns(svc, SMALL), chain("once", 96)
+        put(svc, ns, keys, SMALL)
+        steps, step = [], svc.store._claim_step
+        svc.store._claim_step = lambda records, pages_max: steps.append(1) or step(records, pages_max)
+        leaf = svc.store.index.get((ns, keys[-1]))
+        for written in range(8, 96, 8):
+            steps.clear()
+            batch = svc.store.claim_unsaved([leaf], 8)
+            assert [r.page_id[1] for r in batch] == keys[written - 8:written]
+            assert len(svc.controller._write_down(batch)) == 8
+            assert len(steps) <= (12 if written == 8 else 2), f"{len(steps)} steps for the batch ending at {written}"
+        svc.store.check_invariants()
+    finally:
+        close_node(svc)
