@@ -26,17 +26,20 @@ import time
 import numpy as np
 
 from _server import ServerProcess
+from full_cache_put import node_cpu_seconds
 from kvstore.config import ControllerConfig
 from kvstore.tiers.nvme import NvmeTier, StoredPage
 from kvstore_client import KVStoreClient, Namespace
 from kvstore_client.proto import pb
 
 PUT_PAGES = 1024
+SLAB_BYTES = 4 << 20
 
 
 def node_drain(pages: int, page_bytes: int, src: np.ndarray, run: int) -> dict:
     directory = tempfile.mkdtemp(prefix="kvstore-drain-", dir="/var/tmp")
-    server = ServerProcess(f"dram.arena_bytes={max(64 << 20, 2 * pages * page_bytes)}", "dram.slab_bytes=4MiB",
+    arena = -(-2 * pages * page_bytes // SLAB_BYTES) * SLAB_BYTES   # the chain fills about half: above the watermark
+    server = ServerProcess(f"dram.arena_bytes={arena}", f"dram.slab_bytes={SLAB_BYTES}",
                            "nvme.enabled=true", f'nvme.paths=["{directory}"]', "nvme.map_bytes=8GiB",
                            "controller.write_policy=write_back", "controller.high_watermark=0.3", cpus="1")
     try:
@@ -58,8 +61,7 @@ def node_drain(pages: int, page_bytes: int, src: np.ndarray, run: int) -> dict:
                 time.sleep(0.02)
             drained_s = time.perf_counter() - started
             written = on_nvme()
-            fields = open(f"/proc/{server.process.pid}/stat").read().rsplit(")", 1)[1].split()
-            cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            cpu_s = node_cpu_seconds(server.process.pid)
     finally:
         server.stop()
         shutil.rmtree(directory)
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
+    if args.pages * (args.page_kib << 10) < 2 * SLAB_BYTES:   # else slabs round the arena up past the watermark
+        parser.error(f"the chain must be at least {2 * SLAB_BYTES >> 20} MiB: raise --pages or --page-kib")
     os.sched_setaffinity(0, {0})
     page_bytes = args.page_kib << 10
     src = np.random.default_rng(0).integers(0, 255, (args.pages, page_bytes), dtype=np.uint8)

@@ -149,8 +149,8 @@ def timed_phases(svc, lock: TimedLock, pages: int, big: int, small: int, unsaved
         store.finish_writedown(batch, {record: 0 for record in batch})
     leaf = store.index.get((unsaved, chain("u", pages // 16)[-1]))
     lock.phase = "claim unsaved"
-    for _ in range(8):                                # each call walks the long chain up 64 pages a hold
-        batch = store.claim_unsaved([leaf], 64)       # to its saved end, and claims the 64 there
+    for _ in range(8):                                # the first walks the long chain up 64 pages a hold to
+        batch = store.claim_unsaved([leaf], 64)       # its saved end; each claims the 64 there
         assert len(batch) == 64 and batch[0].parent is None and batch[-1].parent is batch[-2]
         store.finish_writedown(batch, {})             # released unwritten
     lock.phase = "delete all"
@@ -179,15 +179,15 @@ def typical_hold(times: list[float]) -> float:
 
 
 def test_no_store_method_holds_the_lock_longer_with_more_pages(tmp_path, capsys):
-    medians: list[dict[str, float]] = []
+    typical: list[dict[str, float]] = []
     for pages in SCALES:
         svc = make_node(tmp_path / str(pages), NODE)
         try:
             holds = exercise(svc, pages)
         finally:
             close_node(svc)
-        medians.append({method: typical_hold(times) for method, times in holds.items()})
-    small, large = medians
+        typical.append({method: typical_hold(times) for method, times in holds.items()})
+    small, large = typical
     assert small.keys() == large.keys()
     rows = sorted(((large[m] / small[m], m) for m in small), reverse=True)
     floor = least_growing_work(SCALES[1])
