@@ -40,7 +40,7 @@ def node_drain(pages: int, page_bytes: int, src: np.ndarray, run: int) -> dict:
     directory = tempfile.mkdtemp(prefix="kvstore-drain-", dir="/var/tmp")
     arena = -(-2 * pages * page_bytes // SLAB_BYTES) * SLAB_BYTES   # the chain fills about half: above the watermark
     server = ServerProcess(f"dram.arena_bytes={arena}", f"dram.slab_bytes={SLAB_BYTES}",
-                           "nvme.enabled=true", f'nvme.paths=["{directory}"]', "nvme.map_bytes=8GiB",
+                           "nvme.enabled=true", f"nvme.paths={directory}", "nvme.map_bytes=8GiB",
                            "controller.write_policy=write_back", "controller.high_watermark=0.3", cpus="1")
     try:
         with KVStoreClient(server.address) as client:
