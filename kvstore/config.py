@@ -77,10 +77,17 @@ class ControllerConfig:
     # (bench/writedown_latency.py) 4 MiB commits put a one-page get's p99 at 11 ms, 256 KiB
     # ones at 1.9 ms (idle: 0.5 ms), for 25% less write-down throughput (more fsyncs).
     write_txn_bytes: int = 256 << 10
-    # Niceness the background write-down threads add to the node's, so that serving threads have the CPU first
-    # (0: the same). Four shards, the node on one core (bench/writedown_latency.py): a reader's p99 under
-    # write-down 5.0-7.5x idle at 0, 1.9-4.3x at 10, 1.4-3.0x at 19, for 10-25% fewer pages a second. Not more:
-    # a writer holding the GIL when it is put aside holds up the serving thread that needs it.
+    # The background's LMDB writes run on threads under SCHED_IDLE: a serving thread that wakes takes the core
+    # from them at once (a nice thread keeps it to the end of its slice). They hold neither the store's lock
+    # nor, in the kernel's copy into the page cache that is most of their CPU, the GIL; the controller thread
+    # that claims and releases their batches keeps the node's priority. One shard, the node on one core
+    # (bench/writedown_latency.py): a one-page get's p99 under write-down 1.9-2.0 ms against 2.6-2.9 ms, for
+    # 5-10% fewer pages a second. A caller's own write-down (room for its Reserve, a durable commit) is serving
+    # and runs on its thread. false: the writers run at the node's niceness plus writer_nice.
+    writer_idle: bool = True
+    # Niceness the background write-down threads add to the node's where writer_idle is false (0: the same).
+    # Four shards, the node on one core: a reader's p99 under write-down 5.0-7.5x idle at 0, 1.9-4.3x at 10,
+    # 1.4-3.0x at 19, for 10-25% fewer pages a second.
     writer_nice: int = 0
     prefetch_timeout_ms: int = 1000         # TIMEOUT policy default, and the bound of background prefetch
     promote_wait_ms_max: int = 10_000       # WAIT_COMPLETE waits at most this long

@@ -73,8 +73,9 @@ class CacheController:
         self._thread = threading.Thread(target=self._run, name="cache-controller", daemon=True)
         # A disk commits several shards' transactions in the time of fewer than that many one after another
         # (its queue takes the syncs together): a batch's shards are written at once, a thread each. The
-        # background's writers yield the CPU to serving (writer_nice); a caller's own write-down (room for
-        # its Reserve, a durable commit) is serving, and has writers of its own.
+        # background's writers yield the CPU to serving (writer_idle, writer_nice), so its batches are
+        # written on them even with one shard; a caller's own write-down (room for its Reserve, a durable
+        # commit) is serving, and has writers of its own.
         self._background_writers = futures.ThreadPoolExecutor(
             len(nvme.shards), thread_name_prefix="nvme-writer", initializer=self._yield_cpu)
         self._foreground_writers = futures.ThreadPoolExecutor(len(nvme.shards), thread_name_prefix="nvme-writer-fg")
@@ -208,14 +209,21 @@ class CacheController:
         return writes, prefetch, short
 
     def _yield_cpu(self) -> None:
-        """This thread (a background writer, or the controller's own) lets serving threads have the CPU first:
-        writer_nice above the node's niceness (a Linux thread's is its own; raising it needs no privilege)."""
+        """This background writer lets serving threads have the CPU first: SCHED_IDLE (writer_idle), or
+        writer_nice above the node's niceness. A Linux thread's policy and niceness are its own; lowering
+        them needs no privilege, raising them again would."""
+        if self.config.writer_idle:
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: the calling thread
+                return
+            except OSError as exc:   # a seccomp filter or an old kernel: niceness is still allowed
+                log.warning("background write-down threads keep the node's scheduling policy "
+                            "(SCHED_IDLE refused: %s); controller.writer_nice applies", exc)
         thread = threading.get_native_id()
         nice = os.getpriority(os.PRIO_PROCESS, thread) + self.config.writer_nice
         os.setpriority(os.PRIO_PROCESS, thread, min(nice, 19))
 
     def _run(self) -> None:
-        self._yield_cpu()
         behind = False   # the last pass wrote write-back's pages down: more may be due, so look again at once
         while True:
             with self._queue:
@@ -301,7 +309,7 @@ class CacheController:
         by_shard: dict[int, list[PageRecord]] = {}
         for record in batch:
             by_shard.setdefault(self._nvme.shard_of(*record.page_id), []).append(record)
-        if len(by_shard) == 1:
+        if len(by_shard) == 1 and writers is self._foreground_writers:   # the caller's thread writes its own
             return self._write_shard(*next(iter(by_shard.items())))
         writes = [writers.submit(self._write_shard, *item) for item in by_shard.items()]
         futures.wait(writes)

@@ -517,7 +517,7 @@ def test_a_write_down_writes_its_shards_at_once_and_returns_once_each_is_over(no
 
 
 def test_background_writers_add_writer_nice_and_a_callers_writers_do_not(tmp_path):
-    svc = make_node(tmp_path, NODE + ["controller.writer_nice=7"])
+    svc = make_node(tmp_path, NODE + ["controller.writer_idle=false", "controller.writer_nice=7"])
     try:
         def niceness():
             return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -525,7 +525,43 @@ def test_background_writers_add_writer_nice_and_a_callers_writers_do_not(tmp_pat
         own = niceness()
         assert svc.controller._background_writers.submit(niceness).result() == min(own + 7, 19)
         assert svc.controller._foreground_writers.submit(niceness).result() == own
+        assert svc.controller._background_writers.submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER
     finally:
+        close_node(svc)
+
+
+def test_background_writers_run_under_sched_idle_and_a_callers_writers_do_not(tmp_path):
+    svc = make_node(tmp_path, NODE)
+    try:
+        assert svc.controller._background_writers.submit(os.sched_getscheduler, 0).result() == os.SCHED_IDLE
+        assert svc.controller._foreground_writers.submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER
+    finally:
+        close_node(svc)
+
+
+def test_the_controllers_write_down_runs_on_a_background_writer_even_with_one_shard(tmp_path):
+    """Its own thread claims and releases the batch at the node's priority (it holds the store's lock meanwhile);
+    the LMDB writes, most of a write-down's CPU, run on a SCHED_IDLE writer that a woken serving thread preempts.
+    They ran on the controller's own thread where a batch was one shard's."""
+    svc = make_node(tmp_path, NODE[:-1] + ["controller.write_policy=write_back", "controller.high_watermark=0.01",
+                                           "controller.write_batch_pages=8"])
+    policies, write = [], svc.nvme.write
+    def noted_write(shard, pages):
+        policies.append(os.sched_getscheduler(0))
+        return write(shard, pages)
+    svc.nvme.write = noted_write
+    try:
+        ns = open_ns(svc, SMALL)
+        keys = [key for key in chain("idle", 200) if svc.nvme.shard_of(ns, key) == 0][:16]   # one shard's
+        put(svc, ns, keys, SMALL)
+        assert svc.controller._pass([], [], False) is True
+        assert policies and set(policies) == {os.SCHED_IDLE}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER   # the caller's thread is left as it was
+        policies.clear()
+        assert svc.controller.clean(8) == 8   # a caller's own write-down (room for its Reserve) is serving
+        assert policies and set(policies) == {os.SCHED_OTHER}
+    finally:
+        svc.nvme.write = write
         close_node(svc)
 
 
