@@ -81,13 +81,14 @@ class ControllerConfig:
     # writers: 1 MiB commits, p99 4.7-4.9 ms and 1.3x the pages a second; 4 MiB, 10.3-10.8 ms and 1.3x.
     write_txn_bytes: int = 256 << 10
     # The background's LMDB writes run on threads under SCHED_IDLE: a serving thread that wakes takes the core
-    # from them at once (a nice thread keeps it to the end of its slice). They hold neither the store's lock
-    # nor, in the kernel's copy into the page cache that is most of their CPU, the GIL; the controller thread
-    # that claims and releases their batches keeps the node's priority. One shard, the node on one core
-    # (bench/writedown_latency.py): a one-page get's p99 under write-down 1.7-2.3 ms against 2.6-3.1 ms, where the
-    # same loader with nothing written down puts it at 2.2-2.4 ms; 2,200-3,000 pages a second written down against
-    # 2,700-3,200. A caller's own write-down (room for its Reserve, a durable commit) is serving and runs on its
-    # thread. false: the writers run at the node's niceness plus writer_nice.
+    # from them at once (the kernel preempts an idle-policy thread for any other that wakes; a nice one only as
+    # its fair share says, and with niceness alone the p99 below stayed 2.2-3.1 ms). They hold neither the
+    # store's lock nor, in the kernel's copy into the page cache that is most of their CPU, the GIL; the
+    # controller thread that claims and releases their batches keeps the node's priority. One shard, the node on
+    # one core (bench/writedown_latency.py): a one-page get's p99 under write-down 1.7-2.3 ms against 2.6-3.1
+    # ms, where the same loader with nothing written down puts it at 2.2-2.4 ms; 2,200-3,000 pages a second
+    # written down against 2,700-3,200. A caller's own write-down (room for its Reserve, a durable commit) is
+    # serving and runs on its thread. false: the writers run at the node's niceness plus writer_nice.
     writer_idle: bool = True
     # Niceness the background write-down threads add to the node's where writer_idle is false (0: the same).
     # Four shards, the node on one core: a reader's p99 under write-down 5.0-7.5x idle at 0, 1.9-4.3x at 10,
