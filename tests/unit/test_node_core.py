@@ -553,6 +553,7 @@ def test_the_controllers_write_down_runs_on_a_background_writer_even_with_one_sh
     try:
         ns = open_ns(svc, SMALL)
         keys = [key for key in chain("idle", 200) if svc.nvme.shard_of(ns, key) == 0][:16]   # one shard's
+        assert len(keys) == 16
         put(svc, ns, keys, SMALL)
         assert svc.controller._pass([], [], False) is True
         assert policies and set(policies) == {os.SCHED_IDLE}
