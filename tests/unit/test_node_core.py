@@ -539,6 +539,23 @@ def test_background_writers_run_under_sched_idle_and_a_callers_writers_do_not(tm
         close_node(svc)
 
 
+def test_background_writers_refused_sched_idle_take_writer_nice_and_say_so(tmp_path, monkeypatch, caplog):
+    """Where the host refuses SCHED_IDLE (a seccomp filter), the writers still start, at writer_nice."""
+    def refused(*_):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    svc = make_node(tmp_path, NODE + ["controller.writer_nice=5"])
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        niceness = svc.controller._background_writers.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+        assert niceness == min(own + 5, 19)
+        assert svc.controller._background_writers.submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER
+        assert "SCHED_IDLE refused" in caplog.text and "controller.writer_nice applies" in caplog.text
+    finally:
+        close_node(svc)
+
+
 def test_the_controllers_write_down_runs_on_a_background_writer_even_with_one_shard(tmp_path):
     """Its own thread claims and releases the batch at the node's priority (it holds the store's lock meanwhile);
     the LMDB writes, most of a write-down's CPU, run on a SCHED_IDLE writer that a woken serving thread preempts.
