@@ -11,7 +11,7 @@ from typing import Sequence
 
 from kvstore.config import Config
 from kvstore.limits import Limits
-from kvstore_client import errors
+from kvstore_client import errors, native, packed
 from kvstore_client.keys import HEX_DIGEST_BYTES, Namespace, encode_keys, prefix_hashes
 from kvstore_client.proto import pb
 
@@ -122,6 +122,10 @@ def _keys(batch: Sequence[bytes], limits: Limits, most: int, limit_name: str, wh
         raise errors.InvalidArgument(f"{what} is empty: send at least one key")
     if len(batch) > most:
         raise errors.BatchTooLarge(f"{len(batch)} keys in one call; limits.{limit_name} is {most}: split it")
+    if native.distinct_keys is not None:   # one pass in C; None: some key is at fault, named below
+        keys = native.distinct_keys(batch, limits.key_bytes_max)
+        if keys is not None:
+            return keys
     keys = list(batch)
     sizes = set(map(len, keys))
     if min(sizes) == 0 or max(sizes) > limits.key_bytes_max:
@@ -151,12 +155,32 @@ def lease_ttl_ms(asked_ms: int, default_ms: int, config: Config) -> int:
     return asked_ms or default_ms
 
 
-def commit_indices(request: pb.CommitRequest) -> list[int]:
-    """The indices named (none: every uncommitted one; the store checks them, and the checksums, against the lease)."""
+def commit_indices(request: pb.CommitRequest) -> Sequence[int]:
+    """The indices named, as a list or a run (none: every uncommitted one; the store checks them, and the
+    checksums, against the lease)."""
+    if request.index_count:
+        if request.indices:
+            raise errors.InvalidArgument("give indices or a run of them (first_index, index_count), not both")
+        return range(request.first_index, request.first_index + request.index_count)
+    if request.first_index:
+        raise errors.InvalidArgument(f"first_index={request.first_index} with index_count=0: a run names "
+                                     "index_count indices from first_index on; send index_count too")
     indices = list(request.indices)
     if len(set(indices)) != len(indices):
         raise errors.DuplicateKey("an index appears twice in indices")
     return indices
+
+
+def commit_checksums(request: pb.CommitRequest) -> list[int]:
+    """The checksums a Commit (or a CommitGroup part) gives, repeated or packed."""
+    if not request.checksums_packed:
+        return list(request.checksums)
+    if request.checksums:
+        raise errors.InvalidArgument("give checksums or checksums_packed, not both")
+    try:
+        return packed.read_u64s(request.checksums_packed, "checksums_packed").tolist()
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"{exc}: send one little-endian uint64 per index") from None
 
 
 def promote_wait_s(request: pb.AcquireRequest, config: Config) -> float:

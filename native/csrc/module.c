@@ -225,6 +225,61 @@ static PyObject *py_pack_keys(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Nn)", packed, key_bytes);
 }
 
+/* A Reserve's (or Acquire's, Delete's) keys as a list of bytes when every one is a bytes of 1 to
+ * key_bytes_max bytes and none repeats; None otherwise, and the node's Python check then names the key at
+ * fault. One pass with Python's own hash of each key (PyObject_Hash), which the bytes object caches for the
+ * dicts and sets the node puts the keys in next; a table of positions finds a repeat. */
+static PyObject *py_distinct_keys(PyObject *self, PyObject *args) {
+    PyObject *given;
+    Py_ssize_t key_bytes_max;
+    if (!PyArg_ParseTuple(args, "On", &given, &key_bytes_max))
+        return NULL;
+    PyObject *keys = PySequence_List(given);
+    if (!keys)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    size_t capacity = 16;
+    while (capacity < 2 * (size_t)n)
+        capacity <<= 1;
+    Py_ssize_t *table = PyMem_Calloc(capacity, sizeof *table);   /* position + 1 of the key there; 0: empty */
+    Py_hash_t *hashes = PyMem_Malloc((n ? (size_t)n : 1) * sizeof *hashes);
+    if (!table || !hashes) {
+        PyErr_NoMemory();
+        goto failed;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) <= 0 || PyBytes_GET_SIZE(key) > key_bytes_max)
+            goto refused;
+        Py_hash_t hash = PyObject_Hash(key);
+        if (hash == -1)
+            goto failed;
+        hashes[i] = hash;
+        size_t at = (size_t)hash & (capacity - 1);
+        for (; table[at]; at = (at + 1) & (capacity - 1)) {
+            Py_ssize_t j = table[at] - 1;
+            PyObject *other = PyList_GET_ITEM(keys, j);
+            if (hashes[j] == hash && PyBytes_GET_SIZE(other) == PyBytes_GET_SIZE(key)
+                && memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key)) == 0)
+                goto refused;
+        }
+        table[at] = i + 1;
+    }
+    PyMem_Free(table);
+    PyMem_Free(hashes);
+    return keys;
+refused:
+    PyMem_Free(table);
+    PyMem_Free(hashes);
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+failed:
+    PyMem_Free(table);
+    PyMem_Free(hashes);
+    Py_DECREF(keys);
+    return NULL;
+}
+
 /* Packed keys of 64 lowercase hex digits each as the 32 bytes each spells, back to back: a Lookup's keys in
  * half the bytes (LookupRequest.hex_digests). None when the length is not a multiple of 64 or any key is not
  * such digits (uppercase ones are other keys), as keys.hex_digests_python. */
@@ -794,6 +849,8 @@ static PyMethodDef methods[] = {
      "encode_keys(keys, key_bytes_max) -> list[bytes] | None: ASCII str and bytes keys of 1 to key_bytes_max bytes"},
     {"pack_keys", py_pack_keys, METH_VARARGS,
      "pack_keys(keys, key_bytes_max) -> (bytes, key_bytes) | None: ASCII str or bytes keys of one length, back to back"},
+    {"distinct_keys", py_distinct_keys, METH_VARARGS,
+     "distinct_keys(keys, key_bytes_max) -> list[bytes] | None: bytes keys of 1 to key_bytes_max bytes, none twice"},
     {"hex_digests", py_hex_digests, METH_O,
      "hex_digests(packed) -> bytes | None: keys of 64 lowercase hex digits, back to back, as their 32 bytes each"},
     {"copy_hash", py_copy_hash, METH_VARARGS,

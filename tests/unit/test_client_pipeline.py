@@ -24,6 +24,14 @@ def test_present_and_in_flight_pages_count_and_reserved_ones_count_once_committe
     assert stored_pages([R, R, R], [commit(C, C), commit(X)], durable=False) == 2
 
 
+def test_packed_commit_answers_count_as_repeated_ones_do():
+    def packed(*states, durable_pages=0):
+        return pb.CommitResponse(states_packed=bytes(states), durable_pages=durable_pages)
+    assert stored_pages([P, R, R, F, R], [packed(C, C), packed(C)], durable=False) == 5
+    assert stored_pages([P, R, R, F, R], [packed(C, X), packed(C)], durable=False) == 2
+    assert stored_pages([P, R, R], [packed(C, C, durable_pages=1)], durable=True) == 2
+
+
 def test_a_commit_answer_missing_for_a_reserved_page_ends_the_count():
     assert stored_pages([R, R, R], [commit(C, C)], durable=False) == 2
 

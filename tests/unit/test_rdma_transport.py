@@ -39,8 +39,10 @@ class ServiceControl:
 
     def __init__(self, service, owner=None):
         self.service, self.owner = service, owner
+        self.sent = []   # (method, request) of every call
 
     def call(self, name, request, timeout_s=None):
+        self.sent.append((name, request))
         return self.service.handle(name, request, self.owner)
 
     def submit(self, name, request):
@@ -64,6 +66,7 @@ class Fabric:
                                  allowed_peers=allowed_peers, verbs=self.model, clock=self.clock, idle_evict_s=60)
         self.service.rdma = self.server
         self.control = ServiceControl(self.service)
+        self.hello = self.service.handle("Hello", pb.HelloRequest())
         self.ns = Namespace(model="rdma-model", page_bytes=PAGE)
         self.ns_id = self.service.handle("OpenNamespace", pb.OpenNamespaceRequest(spec=self.ns.to_proto())).namespace_id
 
@@ -80,8 +83,8 @@ class Fabric:
         return drive(get_batch(request, keys, segments, True)(conn), take_on(conn))
 
     def connection(self, path):
-        """What the SDK's steps are taken on: this control channel, and the data path under test."""
-        return SimpleNamespace(control=self.control, grpc=self.control, data=path)
+        """What the SDK's steps are taken on: this control channel, the node's Hello, and the data path under test."""
+        return SimpleNamespace(control=self.control, grpc=self.control, data=path, hello=self.hello)
 
     def close(self):
         self.server.close()
@@ -121,6 +124,20 @@ def roundtrip(f, path, name, count, seed=0):
     out = np.zeros_like(data)
     assert f.get(path, keys(name, count), whole_pages(out)) == count
     assert np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("node_packs", [True, False])
+def test_a_put_sends_packed_fields_only_to_a_node_that_reads_them(fabric, node_packs):
+    """Limits.write_packed: a Reserve asks for its answer packed, and a Commit names a run and packs its checksums,
+    only where the node's Hello says it reads them (else the node is older, and the pages move all the same)."""
+    fabric.hello.limits.write_packed = node_packs
+    roundtrip(fabric, fabric.client(), "packs", 300)
+    reserves = [r for name, r in fabric.control.sent if name == "Reserve"]
+    commits = [r for name, r in fabric.control.sent if name == "Commit"]
+    assert reserves and commits
+    assert all(r.packed_answer == node_packs for r in reserves + commits)
+    assert sum(c.index_count if node_packs else len(c.indices) for c in commits) == 300
+    assert all(bool(c.checksums_packed) == node_packs and bool(c.checksums) != node_packs for c in commits)
 
 
 # -- completions (defect 1), leaks and batching (10) ----------------------------------------

@@ -6,7 +6,7 @@ import xxhash
 from node_parts import ManualClock, make_service
 
 pytestmark = pytest.mark.usefixtures("index_kind")
-from kvstore_client import errors
+from kvstore_client import errors, packed
 from kvstore_client.keys import Namespace
 from kvstore_client.proto import pb
 
@@ -77,6 +77,47 @@ def test_commit_verifies_checksums_before_anything_is_visible(service):
     done = service.commit(pb.CommitRequest(lease_id=r.lease_id, indices=[0, 1], checksums=[good, good]), None)
     assert list(done.checksums) == [good, good]
     assert lookup(service, ns, keys("a", 2)) == 2
+
+
+def test_packed_reserve_and_commit_say_what_the_repeated_fields_say(service):
+    """Limits.write_packed: a Reserve answered packed gives the states and offsets the repeated fields give, and a
+    Commit of a run with packed checksums is checked and answered as one naming each index."""
+    ns = open_ns(service)
+    assert service.handle("Hello", pb.HelloRequest()).limits.write_packed
+    service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("p", 4)[3:], page_bytes=PAGE), None)   # in flight
+    answer = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("p", 4), page_bytes=PAGE,
+                                               packed_answer=True), None)
+    assert not answer.states and not answer.offsets
+    states, offsets = packed.reserve_states(answer), list(packed.reserve_offsets(answer))
+    assert states == [pb.RESERVED] * 3 + [pb.IN_FLIGHT]
+    assert offsets[3] == 0 and len(set(offsets[:3])) == 3 and all(o % PAGE == 0 for o in offsets)
+    for offset in offsets[:3]:
+        service.store.arena.view[offset:offset + PAGE] = b"\x02" * PAGE
+    good = xxhash.xxh3_64_intdigest(b"\x02" * PAGE)
+    with pytest.raises(errors.ChecksumMismatch, match="index 1"):
+        service.commit(pb.CommitRequest(lease_id=answer.lease_id, first_index=0, index_count=3,
+                                        checksums_packed=packed.u64s([good, good ^ 1, good]), packed_answer=True), None)
+    done = service.commit(pb.CommitRequest(lease_id=answer.lease_id, first_index=0, index_count=3,
+                                           checksums_packed=packed.u64s([good] * 3), packed_answer=True), None)
+    assert not done.states and not done.checksums
+    assert list(packed.commit_states(done)) == [pb.COMMITTED] * 3
+    assert list(packed.commit_checksums(done)) == [good] * 3
+    assert lookup(service, ns, keys("p", 3)) == 3
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(indices=[0], first_index=0, index_count=1), "not both"),
+    (dict(first_index=2), "send index_count too"),
+    (dict(index_count=1, checksums=[1], checksums_packed=bytes(8)), "not both"),
+    (dict(index_count=1, checksums_packed=bytes(7)), "7 bytes"),
+])
+def test_a_commit_that_mixes_or_breaks_its_packed_forms_is_refused_before_any_work(service, fields, message):
+    ns = open_ns(service)
+    r = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("q", 1), page_bytes=PAGE), None)
+    with pytest.raises(errors.InvalidArgument, match=message):
+        service.handle("Commit", pb.CommitRequest(lease_id=r.lease_id, **fields))
+    assert lookup(service, ns, keys("q", 1)) == 0
+    assert service.store.leases.get(r.lease_id).slots   # still open, its slot uncommitted
 
 
 def test_present_and_in_flight_pages_are_not_written_twice(service):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from kvstore_client import checksums, errors
+from kvstore_client import checksums, errors, packed
 from kvstore_client.buffers import PageSegments, Segment
 from kvstore_client.data_path import PageColumns
 from kvstore_client.node_steps import CONTROL, GRPC, Answer, GetPages, Post, PutPages, Send, Steps
@@ -56,18 +56,19 @@ class PutBatch:
     def steps(self, conn: Any, ns_id: int) -> Steps[PutResult]:
         """Store the batch (an attempt: node_steps.py); returns how many leading keys are now stored (see stored_pages)."""
         keys, in_order, shape = self.keys, conn.control.answers_in_order, conn.data.shape
+        packs = conn.hello.limits.write_packed   # the node reads and answers packed fields (packed.py)
         groups = shape.reserve_groups(len(keys), self.page_bytes)
         run = shape.run_pages(self.page_bytes)
         states: list[int] = []
         commits: list[Any] = []
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
-        sent_at, next_reserve = time.monotonic(), (yield self._reserve(conn, ns_id, *groups[0], 0))
+        sent_at, next_reserve = time.monotonic(), (yield self._reserve(conn, ns_id, *groups[0], 0, packs))
         unread = next_reserve   # a Reserve sent whose answer (and the lease it may open) is not read yet
         try:
             for number, (start, _) in enumerate(groups):
                 reserved = yield Answer(next_reserve)
                 unread = None
-                group_states = list(reserved.states)
+                group_states = packed.reserve_states(reserved)
                 states += group_states
                 indices = _reserved_indices(group_states)
                 self.slots_reserved |= bool(indices)
@@ -79,12 +80,12 @@ class PutBatch:
                     extend = reserved.lease_id if in_order and indices else 0
                     next_start, next_stop = groups[number + 1]
                     sent_at, next_reserve = time.monotonic(), (yield self._reserve(
-                        conn, ns_id, next_start, next_stop, extend))
+                        conn, ns_id, next_start, next_stop, extend, packs))
                     unread = next_reserve
                 for first, stop in commit_runs(run, len(indices), self.page_bytes, last):
                     after = commits[-1] if commits and not in_order else None
                     commits.append((yield from self._move_and_commit(reserved, start, indices[first:stop],
-                                                                     move_until[reserved.lease_id], after)))
+                                                                     move_until[reserved.lease_id], after, packs)))
                 if not chain_goes_on:
                     break
             answers = []
@@ -102,21 +103,23 @@ class PutBatch:
             raise
         return stored_pages(states, answers, self.durable)
 
-    def _reserve(self, conn: Any, ns_id: int, start: int, stop: int, lease_id: int) -> Send:
-        """The Reserve of keys[start:stop] (lease_id 0 opens a lease, else extends it)."""
+    def _reserve(self, conn: Any, ns_id: int, start: int, stop: int, lease_id: int, packs: bool) -> Send:
+        """The Reserve of keys[start:stop] (lease_id 0 opens a lease, else extends it); `packs`: its answer packed."""
         if self.parents is not None:
             parent, parent_keys = self.parents[start], self.parents[start:stop]
         else:
             parent, parent_keys = self.keys[start - 1] if start else self.parent, []
         request = pb.ReserveRequest(namespace_id=ns_id, parent_key=parent, keys=self.keys[start:stop],
                                     page_bytes=self.page_bytes, lease_id=lease_id, rdma_qp_num=conn.data.rdma_qp_num,
-                                    anchor_absent_parent=self.anchored and not start, parent_keys=parent_keys)
+                                    anchor_absent_parent=self.anchored and not start, parent_keys=parent_keys,
+                                    packed_answer=packs)
         return Send("Reserve", request)
 
     def _move_and_commit(self, reserved: pb.ReserveResponse, start: int, indices: Sequence[int], move_until: float,
-                         after: Any) -> Steps[Any]:
+                         after: Any, packs: bool) -> Steps[Any]:
         """Move a run of reserved pages (keys[start + i] for i in indices) into their slots, then send its
-        Commit, once `after` (the Commit before it, on a channel without order) has answered."""
+        Commit, once `after` (the Commit before it, on a channel without order) has answered; `packs`: the
+        Commit in its packed form."""
         if time.monotonic() > move_until:
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
@@ -125,9 +128,8 @@ class PutBatch:
         sums, from_writer = commit_checksums(written, pages.segments if written is None else [], self.verify)
         if after is not None:
             yield Answer(after)
-        return (yield Send("Commit", pb.CommitRequest(lease_id=reserved.lease_id, indices=pages.indices,
-                                                      checksums=sums, durable=self.durable,
-                                                      checksums_from_writer=from_writer)))
+        return (yield Send("Commit", commit_request(reserved.lease_id, pages.indices, sums, self.durable, from_writer,
+                                                    packs)))
 
 
 # The last Commit of a put is the one whose checking overlaps no copy, and over shared memory the node has
@@ -147,16 +149,31 @@ def commit_runs(run: int, pages: int, page_bytes: int, last: bool) -> list[tuple
     return runs + [(body, pages)] if body < pages else runs
 
 
+def commit_request(lease_id: int, indices: Sequence[int], sums: list[int], durable: bool, from_writer: bool,
+                   packs: bool) -> pb.CommitRequest:
+    """A Commit of these lease indices; `packs`: a run of them and the checksums packed, the answer packed too."""
+    if not packs:
+        return pb.CommitRequest(lease_id=lease_id, indices=indices, checksums=sums, durable=durable,
+                                checksums_from_writer=from_writer)
+    request = pb.CommitRequest(lease_id=lease_id, checksums_packed=packed.u64s(sums), durable=durable,
+                               checksums_from_writer=from_writer, packed_answer=True)
+    if isinstance(indices, range) and indices.step == 1 and indices:
+        request.first_index, request.index_count = indices.start, len(indices)
+    else:
+        request.indices.extend(indices)
+    return request
+
+
 def reserved_pages(reserved: pb.ReserveResponse, indices: Sequence[int], segments: PageSegments,
                    start: int = 0) -> PageColumns:
     """The pages a Reserve gave slots to, keys[start + i] for i in `indices` (ascending), with their lease
     indices, slots and segments[start + i]; a run without gaps is sliced, not gathered page by page."""
-    first = reserved.first_index
+    first, offsets = reserved.first_index, packed.reserve_offsets(reserved)
     low, high = (indices[0], indices[-1] + 1) if indices else (0, 0)
     if high - low == len(indices):
-        return PageColumns(range(first + low, first + high), reserved.offsets[low:high],
+        return PageColumns(range(first + low, first + high), offsets[low:high],
                            segments[start + low:start + high])
-    return PageColumns([first + i for i in indices], [reserved.offsets[i] for i in indices],
+    return PageColumns([first + i for i in indices], [offsets[i] for i in indices],
                        [segments[start + i] for i in indices])
 
 
@@ -221,7 +238,7 @@ def stored_pages(states: Sequence[int], answers: Sequence[pb.CommitResponse], du
     if not durable and _all_stored(states, answers):
         return PutResult(len(states), len(states))
     written = iter([(state, j < answer.durable_pages)
-                    for answer in answers for j, state in enumerate(answer.states)])
+                    for answer in answers for j, state in enumerate(packed.commit_states(answer))])
     for stored, state in enumerate(states):
         if state in (pb.PRESENT, pb.IN_FLIGHT):
             continue
@@ -240,7 +257,7 @@ def _all_stored(states: Sequence[int], answers: Sequence[pb.CommitResponse]) -> 
     reserved = states.count(pb.RESERVED)
     if reserved != len(states) and reserved + states.count(pb.PRESENT) + states.count(pb.IN_FLIGHT) != len(states):
         return False
-    written = [answer.states for answer in answers]
+    written = [packed.commit_states(answer) for answer in answers]
     return sum(map(len, written)) == reserved and sum(list(w).count(pb.COMMITTED) for w in written) == reserved
 
 

@@ -130,7 +130,7 @@ class NamespaceSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_tokens: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[str] = ..., page_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed", "lookup_hex_digests")
+    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed", "lookup_hex_digests", "write_packed")
     BATCH_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class Limits(_message.Message):
     LOOKUP_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HEX_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_PACKED_FIELD_NUMBER: _ClassVar[int]
     batch_pages_max: int
     page_bytes_max: int
     key_bytes_max: int
@@ -149,7 +150,8 @@ class Limits(_message.Message):
     lookup_pages_max: int
     lookup_keys_packed: bool
     lookup_hex_digests: bool
-    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ..., lookup_hex_digests: _Optional[bool] = ...) -> None: ...
+    write_packed: bool
+    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ..., lookup_hex_digests: _Optional[bool] = ..., write_packed: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -272,7 +274,7 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_pages: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., last_key: _Optional[bytes] = ..., tiers_packed: _Optional[bytes] = ..., held: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EnginePrefix, _Mapping]]] = ..., load_rates: _Optional[_Iterable[_Union[TierRate, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent", "parent_keys")
+    __slots__ = ("namespace_id", "parent_key", "keys", "page_bytes", "lease_ttl_ms", "lease_id", "rdma_qp_num", "anchor_absent_parent", "parent_keys", "packed_answer")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +284,7 @@ class ReserveRequest(_message.Message):
     RDMA_QP_NUM_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_ABSENT_PARENT_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_ANSWER_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     parent_key: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -291,10 +294,11 @@ class ReserveRequest(_message.Message):
     rdma_qp_num: int
     anchor_absent_parent: bool
     parent_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., anchor_absent_parent: _Optional[bool] = ..., parent_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_answer: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., anchor_absent_parent: _Optional[bool] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., packed_answer: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token", "no_space_reason")
+    __slots__ = ("lease_id", "states", "offsets", "lease_ttl_ms", "first_index", "data_token", "no_space_reason", "states_packed", "offsets_packed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +306,8 @@ class ReserveResponse(_message.Message):
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NO_SPACE_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATES_PACKED_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_PACKED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     states: _containers.RepeatedScalarFieldContainer[ReserveState]
     offsets: _containers.RepeatedScalarFieldContainer[int]
@@ -309,31 +315,45 @@ class ReserveResponse(_message.Message):
     first_index: int
     data_token: bytes
     no_space_reason: str
-    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ..., no_space_reason: _Optional[str] = ...) -> None: ...
+    states_packed: bytes
+    offsets_packed: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ..., no_space_reason: _Optional[str] = ..., states_packed: _Optional[bytes] = ..., offsets_packed: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "indices", "checksums", "durable", "checksums_from_writer")
+    __slots__ = ("lease_id", "indices", "checksums", "durable", "checksums_from_writer", "first_index", "index_count", "checksums_packed", "packed_answer")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FROM_WRITER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    INDEX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_ANSWER_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     durable: bool
     checksums_from_writer: bool
-    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., checksums_from_writer: _Optional[bool] = ...) -> None: ...
+    first_index: int
+    index_count: int
+    checksums_packed: bytes
+    packed_answer: bool
+    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., checksums_from_writer: _Optional[bool] = ..., first_index: _Optional[int] = ..., index_count: _Optional[int] = ..., checksums_packed: _Optional[bytes] = ..., packed_answer: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("states", "checksums", "durable_pages")
+    __slots__ = ("states", "checksums", "durable_pages", "states_packed", "checksums_packed")
     STATES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STATES_PACKED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_PACKED_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[CommitState]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     durable_pages: int
-    def __init__(self, states: _Optional[_Iterable[_Union[CommitState, str]]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable_pages: _Optional[int] = ...) -> None: ...
+    states_packed: bytes
+    checksums_packed: bytes
+    def __init__(self, states: _Optional[_Iterable[_Union[CommitState, str]]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable_pages: _Optional[int] = ..., states_packed: _Optional[bytes] = ..., checksums_packed: _Optional[bytes] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("lease_id",)
