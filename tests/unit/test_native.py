@@ -1,6 +1,7 @@
 """kvstore_native agrees byte for byte with the pure-Python paths it replaces, on random inputs."""
 
 import ctypes
+import dataclasses
 import errno
 import hashlib
 import re
@@ -558,6 +559,43 @@ def test_encode_keys_native_equals_python_on_random_lists(monkeypatch):
         assert keys.encode_keys(batch) == expected and all(type(k) is bytes for k in expected)
         encoded_natively += native_answer is not None
     assert encoded_natively > 150
+
+
+def test_a_reserves_keys_are_checked_natively_as_the_python_path_checks_them(monkeypatch):
+    """checks.keys takes distinct_keys' list where every key is fine, and where one is not (empty, too long, not
+    bytes, a repeat, however far apart) distinct_keys declines and the Python path refuses naming it."""
+    from kvstore import config
+    from kvstore.control import checks
+    from kvstore.limits import Limits
+    from kvstore_client import errors
+    from kvstore_client.proto import pb
+
+    limits = dataclasses.replace(Limits.from_config(config.load(environ={}, overrides=[])), key_bytes_max=32)
+    rng = np.random.default_rng(17)
+    for _ in range(200):
+        batch = [bytes(rng.integers(97, 100, size=int(rng.integers(1, 4)), dtype=np.uint8))
+                 for _ in range(int(rng.integers(1, 40)))]
+        batch = list(dict.fromkeys(batch))   # distinct, so far
+        if rng.random() < 0.5:   # a repeat somewhere
+            batch.insert(int(rng.integers(0, len(batch) + 1)), batch[int(rng.integers(0, len(batch)))])
+        repeated = len(set(batch)) != len(batch)
+        given = pb.ReserveRequest(keys=batch).keys
+        assert (kvstore_native.distinct_keys(given, limits.key_bytes_max) is None) == repeated
+        with monkeypatch.context() as python_only:
+            python_only.setattr(native, "distinct_keys", None)
+            if repeated:
+                with pytest.raises(errors.DuplicateKey):
+                    checks.keys(given, limits)
+            else:
+                assert checks.keys(given, limits) == batch
+        if not repeated:
+            answer = checks.keys(given, limits)
+            assert answer == batch and all(type(k) is bytes for k in answer)
+    for bad in ([b"ok", b""], [b"x" * 33], ["str"], [b"a", bytearray(b"b")]):
+        assert kvstore_native.distinct_keys(bad, 32) is None
+    assert kvstore_native.distinct_keys([b"x" * 32], 32) == [b"x" * 32]
+    with pytest.raises(errors.InvalidArgument, match=r"keys\[1\] has 0 bytes"):
+        checks.keys([b"ok", b""], limits)
 
 
 def test_key_set_agrees_with_a_python_set_through_adds_and_discards():
