@@ -17,7 +17,7 @@ from kvstore.control.index import PageRecord
 from kvstore.control.leases import READ, WRITE, Lease
 from kvstore.control.store_types import CommitPart, Evict, PageId, Reservation, lease_not_found
 from kvstore.tiers.dram import slot_bytes_for
-from kvstore_client import errors
+from kvstore_client import errors, native
 from kvstore_client.proto import pb
 
 log = logging.getLogger(__name__)
@@ -65,10 +65,9 @@ class WriteLeases:
             if parents:
                 lease.parents.update((first_index + i, key) for i, key in parents.items())
             held = self.index.positions_held(ns_id, keys)
-            if not held and claimed.keys().isdisjoint(keys):
+            if not held and _claim_all(claimed, keys, lease.lease_id):
                 # The usual Reserve: every page new. Claimed now, in this lock section, so no other lease
                 # reserves one meanwhile.
-                claimed.update(dict.fromkeys(keys, lease.lease_id))
                 wanted = list(range(len(keys)))
                 states = [pb.NO_SPACE] * len(keys)
             else:
@@ -345,9 +344,7 @@ class WriteLeases:
                 for position in indices:
                     lease.arrived.pop(position, None)
             chain_keys = keys[first:first + len(indices)]
-            claimed = self._pending[ns_id]
-            for key in chain_keys:
-                del claimed[key]
+            _unclaim(self._pending[ns_id], chain_keys)
             published = index.add_chain(ns_id, chain_keys, chain_parent, offsets, slot_bytes, list(sums),
                                         records=records or wants_commits)
             count = len(indices)
@@ -462,3 +459,22 @@ class WriteLeases:
             lease.writing.discard(slot)
         if lease.ended and not lease.transfers:
             self._free_lease_memory(lease)
+
+
+def _claim_all(claimed: dict[bytes, int], keys: list[bytes], lease_id: int) -> bool:
+    """Claim every key for the lease if none of them is claimed yet (else claim nothing): a Reserve of new pages."""
+    if native.claim_keys is not None:   # one pass: a third of the time of the two below
+        return native.claim_keys(claimed, keys, lease_id)
+    if not claimed.keys().isdisjoint(keys):
+        return False
+    claimed.update(dict.fromkeys(keys, lease_id))
+    return True
+
+
+def _unclaim(claimed: dict[bytes, int], keys: list[bytes]) -> None:
+    """The keys of pages just published are claimed no more."""
+    if native.unclaim_keys is not None:
+        native.unclaim_keys(claimed, keys)
+        return
+    for key in keys:
+        del claimed[key]

@@ -280,6 +280,67 @@ failed:
     return NULL;
 }
 
+/* Every key of a list of bytes put in a dict with one value when none of them is in it yet: True. Else the
+ * dict is left as it was: False. A Reserve's claim of keys in flight in one pass, where isdisjoint and
+ * update(dict.fromkeys(...)) took two and built a dict to throw away (50 us for 512 keys). Keys are bytes, so
+ * no Python code runs while the dict changes. */
+static PyObject *py_claim_keys(PyObject *self, PyObject *args) {
+    PyObject *dict, *keys, *value;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyDict_Type, &dict, &PyList_Type, &keys, &value))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyBytes_CheckExact(PyList_GET_ITEM(keys, i))) {
+            PyErr_SetString(PyExc_TypeError, "claim_keys takes a list of bytes keys");
+            return NULL;
+        }
+    Py_ssize_t added = 0;
+    int present = 0;
+    for (; added < n; added++) {
+        PyObject *key = PyList_GET_ITEM(keys, added);
+        present = PyDict_Contains(dict, key);
+        if (present != 0 || PyDict_SetItem(dict, key, value) < 0)
+            break;
+    }
+    if (added == n)
+        Py_RETURN_TRUE;
+    PyObject *type, *error, *trace;
+    PyErr_Fetch(&type, &error, &trace);   /* a failure to add is raised once the keys added are taken out */
+    for (Py_ssize_t j = 0; j < added; j++)
+        if (PyDict_DelItem(dict, PyList_GET_ITEM(keys, j)) < 0)
+            PyErr_Clear();
+    PyErr_Restore(type, error, trace);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_FALSE;
+}
+
+/* Each key of a list taken out of a dict (KeyError for one not in it, the keys before it taken out): a
+ * Commit's keys claimed no more, in one call. */
+static PyObject *py_unclaim_keys(PyObject *self, PyObject *args) {
+    PyObject *dict, *keys;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &dict, &keys))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "unclaim_keys takes a sequence of keys");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyBytes_CheckExact(key)) {
+            PyErr_SetString(PyExc_TypeError, "unclaim_keys takes bytes keys");
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (PyDict_DelItem(dict, key) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
 /* Packed keys of 64 lowercase hex digits each as the 32 bytes each spells, back to back: a Lookup's keys in
  * half the bytes (LookupRequest.hex_digests). None when the length is not a multiple of 64 or any key is not
  * such digits (uppercase ones are other keys), as keys.hex_digests_python. */
@@ -851,6 +912,10 @@ static PyMethodDef methods[] = {
      "pack_keys(keys, key_bytes_max) -> (bytes, key_bytes) | None: ASCII str or bytes keys of one length, back to back"},
     {"distinct_keys", py_distinct_keys, METH_VARARGS,
      "distinct_keys(keys, key_bytes_max) -> list[bytes] | None: bytes keys of 1 to key_bytes_max bytes, none twice"},
+    {"claim_keys", py_claim_keys, METH_VARARGS,
+     "claim_keys(claimed, keys, value) -> bool: every key put in the dict with value if none is in it yet, else nothing"},
+    {"unclaim_keys", py_unclaim_keys, METH_VARARGS,
+     "unclaim_keys(claimed, keys) -> None: each key taken out of the dict (KeyError for one not in it)"},
     {"hex_digests", py_hex_digests, METH_O,
      "hex_digests(packed) -> bytes | None: keys of 64 lowercase hex digits, back to back, as their 32 bytes each"},
     {"copy_hash", py_copy_hash, METH_VARARGS,

@@ -598,6 +598,24 @@ def test_a_reserves_keys_are_checked_natively_as_the_python_path_checks_them(mon
         checks.keys([b"ok", b""], limits)
 
 
+def test_claiming_keys_takes_all_of_them_or_none_and_unclaiming_takes_each_out():
+    claimed = {b"held": 1}
+    assert kvstore_native.claim_keys(claimed, [b"a", b"b"], 7) is True
+    assert claimed == {b"held": 1, b"a": 7, b"b": 7}
+    assert kvstore_native.claim_keys(claimed, [b"c", b"d", b"held", b"e"], 8) is False   # one is held: none taken
+    assert claimed == {b"held": 1, b"a": 7, b"b": 7}
+    assert kvstore_native.claim_keys(claimed, [b"c", b"a"], 8) is False
+    assert claimed == {b"held": 1, b"a": 7, b"b": 7}
+    with pytest.raises(TypeError):
+        kvstore_native.claim_keys(claimed, [b"f", "str"], 9)
+    assert claimed == {b"held": 1, b"a": 7, b"b": 7}
+    kvstore_native.unclaim_keys(claimed, [b"a", b"b"])
+    assert claimed == {b"held": 1}
+    with pytest.raises(KeyError):
+        kvstore_native.unclaim_keys(claimed, [b"held", b"gone"])
+    assert claimed == {}
+
+
 def test_key_set_agrees_with_a_python_set_through_adds_and_discards():
     """KeySet (open addressing, backward-shift deletion) against a set: membership of every key ever seen,
     length, its keys, and leading runs by list and packed, after every burst of random adds and discards

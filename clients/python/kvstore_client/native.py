@@ -36,6 +36,8 @@ prefix_hashes_packed = getattr(module, "prefix_hashes_packed", None)
 key_hashes = getattr(module, "key_hashes", None)
 token_ids_u32 = getattr(module, "token_ids_u32", None)
 distinct_keys = getattr(module, "distinct_keys", None)
+claim_keys = getattr(module, "claim_keys", None)
+unclaim_keys = getattr(module, "unclaim_keys", None)
 CopyHasher = getattr(module, "CopyHasher", None)
 if not hasattr(CopyHasher, "receive"):   # a build from before receive and copy_unhashed: the landings go direct
     CopyHasher = None
