@@ -426,6 +426,29 @@ def test_copy_hash_into_equals_the_python_path(page):
     assert sums == [xxhash.xxh3_64_intdigest(python_arena[o:o + page].tobytes()) for o in offsets]
 
 
+@pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
+def test_copy_hash_rows_copies_and_hashes_as_copy_hash_into_does(page):
+    """Pages back to back in one buffer, offsets as ints or as a buffer of uint64s: the same bytes in the same
+    slots, and the same checksums, as uint64s."""
+    rng = np.random.default_rng(page + 1)
+    count = int(rng.integers(1, 40))
+    rows = rng.integers(0, 256, size=count * page, dtype=np.uint8)
+    offsets = (rng.permutation(count) * page).tolist()
+    (by_rows, base_rows), (by_segments, base_segments) = _aligned(count * page, 0), _aligned(count * page, 0)
+    written = lambda arena, base: arena[base - arena.ctypes.data:][:count * page].tobytes()
+    expected = kvstore_native.copy_hash_into(base_segments, offsets,
+                                             [[(rows.ctypes.data + i * page, page)] for i in range(count)])
+    for given in (offsets, memoryview(np.asarray(offsets, dtype=np.uint64).tobytes()).cast("Q")):
+        by_rows[:] = 0
+        sums = kvstore_native.copy_hash_rows(base_rows, given, rows.ctypes.data, page, count)
+        assert list(memoryview(sums).cast("Q")) == expected
+        assert written(by_rows, base_rows) == written(by_segments, base_segments)
+    with pytest.raises(ValueError, match="offsets for"):
+        kvstore_native.copy_hash_rows(base_rows, offsets, rows.ctypes.data, page, count + 1)
+    with pytest.raises(TypeError, match="uint64s"):
+        kvstore_native.copy_hash_rows(base_rows, np.asarray(offsets, dtype=np.int32), rows.ctypes.data, page, count)
+
+
 def _arena_and_two_outs(page: int, seed: int):
     """A random arena of pages in shuffled slots, and two zeroed outputs cut into the same random segments."""
     import os

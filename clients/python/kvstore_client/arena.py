@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore_client import checksums, native
-from kvstore_client.buffers import Segment
+from kvstore_client.buffers import PageRows, Segment
 
 _memmove = ctypes.memmove
 
@@ -54,12 +54,16 @@ class ArenaMapping:
                 _memmove(dst + done, src + done, min(CACHED_COPY_BYTES, nbytes - done))
             dst += nbytes
 
-    def write_hashed(self, offsets: Sequence[int], pages: Sequence[list[Segment]]) -> list[int] | None:
+    def write_hashed(self, offsets: Sequence[int], pages: Sequence[list[Segment]]) -> Sequence[int] | None:
         """Copy each page's segments into the slot at its offset and return its xxh3, one pass over each
         page and one native call for them all (kvstore_native.copy_hash_into: non-temporal stores,
-        nothing read back); None without kvstore_native."""
+        nothing read back); None without kvstore_native. Pages back to back in one buffer (PageRows) are
+        copied by copy_hash_rows, whose checksums come back as a view of uint64s."""
         if native.module is None:
             return None
+        if isinstance(pages, PageRows) and native.copy_hash_rows is not None:
+            sums = native.copy_hash_rows(self.base, offsets, pages.base, pages.page_bytes, len(pages))
+            return memoryview(sums).cast("Q")
         return native.module.copy_hash_into(self.base, offsets, pages)
 
     def read(self, offset: int, segments: list[Segment]) -> None:

@@ -18,6 +18,8 @@ _BIG_ENDIAN = sys.byteorder != "little"
 
 def u64s(values: Sequence[int]) -> bytes:
     """Little-endian uint64s, back to back."""
+    if isinstance(values, memoryview) and values.format == "Q" and not _BIG_ENDIAN:
+        return values.tobytes()   # already uint64s (copy_hash_rows' checksums)
     packed = array.array("Q", values)
     if _BIG_ENDIAN:
         packed.byteswap()
