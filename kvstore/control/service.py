@@ -108,7 +108,7 @@ class KVStoreService:
             limits=pb.Limits(
                 batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
                 lookup_pages_max=self.limits.lookup_pages_max, lookup_keys_packed=True,
-                lookup_hex_digests=True, write_packed=True,
+                lookup_hex_digests=True, pages_packed=True,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
             tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, tcp_calls=self.tcp_calls,
@@ -281,10 +281,16 @@ class KVStoreService:
         self.load_rates.observe(pb.NVME, promoted, promote_s)
         hot = self.read_heat.read(request.namespace_id, keys[:len(pages)]) if self.read_heat is not None else ()
         hbm_offsets = self._hbm_offsets(held, owner) if request.hbm_reader else []
-        return pb.AcquireResponse(
-            lease_id=held.lease_id, hit_pages=len(pages), offsets=[r.offset for r in pages],
-            checksums=[r.checksum for r in pages], page_bytes=page_bytes, lease_ttl_ms=ttl_ms,
+        answer = pb.AcquireResponse(
+            lease_id=held.lease_id, hit_pages=len(pages), page_bytes=page_bytes, lease_ttl_ms=ttl_ms,
             promoted_pages=promoted, data_token=held.token, hot_pages=hot, hbm_offsets=hbm_offsets)
+        offsets, sums = [r.offset for r in pages], [r.checksum for r in pages]
+        if request.packed_answer:
+            answer.offsets_packed, answer.checksums_packed = packed.u64s(offsets), packed.u64s(sums)
+        else:
+            answer.offsets.extend(offsets)
+            answer.checksums.extend(sums)
+        return answer
 
     def _hbm_offsets(self, lease: Any, owner: object | None) -> list[int]:
         """For a GPU reader (AcquireRequest.hbm_reader) on this host (it maps the arena, so it may open the pool)

@@ -732,16 +732,15 @@ static int read_offsets(PyObject *offsets, unsigned long long **values, Py_ssize
     return ok;
 }
 
-/* copy_hash_rows(base, offsets, src, page_bytes, count) -> bytes: `count` pages back to back from src (page i at
- * src + i * page_bytes: a put's one buffer, the SDK's PageRows) copied into the slots base + offsets[i] and
- * hashed, as copy_hash_into does; the checksums come back as native uint64s in one bytes object, which a
- * Commit sends as they are. No segment tuple and no int a page: making those took a put of 512 pages of
- * 4 KiB about 50 us. */
-static PyObject *py_copy_hash_rows(PyObject *self, PyObject *args) {
-    unsigned long long base, src;
+/* (base, offsets, rows, page_bytes, count) -> bytes: `run` over `count` pages that lie back to back at `rows`
+ * (page i at rows + i * page_bytes: a put's or a get's one buffer, the SDK's PageRows) and the arena slots
+ * base + offsets[i], one checksum a page, as native uint64s in one bytes object. No segment tuple and no int a
+ * page: making those took 512 pages of 4 KiB about 50 us, on the client's path between two messages. */
+static PyObject *rows_sums(PyObject *args, void (*run)(const batch_t *, uint64_t *)) {
+    unsigned long long base, rows;
     PyObject *offsets;
     Py_ssize_t page_bytes, count;
-    if (!PyArg_ParseTuple(args, "KOKnn", &base, &offsets, &src, &page_bytes, &count))
+    if (!PyArg_ParseTuple(args, "KOKnn", &base, &offsets, &rows, &page_bytes, &count))
         return NULL;
     if (page_bytes <= 0 || count < 0) {
         PyErr_SetString(PyExc_ValueError, "page_bytes is positive and count not negative");
@@ -769,16 +768,16 @@ static PyObject *py_copy_hash_rows(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         b.slots[i] = (uint8_t *)(uintptr_t)(base + slot_offsets[i]);
         b.first[i] = (size_t)i;
-        b.segments[i].src = (const uint8_t *)(uintptr_t)(src + (unsigned long long)i * (unsigned long long)page_bytes);
+        b.segments[i].src = (const uint8_t *)(uintptr_t)(rows + (unsigned long long)i * (unsigned long long)page_bytes);
         b.segments[i].nbytes = (size_t)page_bytes;
     }
     b.first[n] = (size_t)n;
     if (b.total >= UNLOCKED_BYTES_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        copy_hash_batch(&b, sums);
+        run(&b, sums);
         Py_END_ALLOW_THREADS
     } else {
-        copy_hash_batch(&b, sums);
+        run(&b, sums);
     }
     result = PyBytes_FromStringAndSize((const char *)sums, n * (Py_ssize_t)sizeof *sums);
 done:
@@ -786,6 +785,17 @@ done:
     free(sums);
     batch_free(&b);
     return result;
+}
+
+/* copy_hash_rows(base, offsets, src, page_bytes, count) -> bytes: copy_hash_into of pages back to back at src. */
+static PyObject *py_copy_hash_rows(PyObject *self, PyObject *args) {
+    return rows_sums(args, copy_hash_batch);
+}
+
+/* copy_out_hashed_rows(base, offsets, dst, page_bytes, count) -> bytes: copy_out_hashed into pages back to back
+ * at dst. */
+static PyObject *py_copy_out_hashed_rows(PyObject *self, PyObject *args) {
+    return rows_sums(args, copy_out_hash_batch);
 }
 
 static PyObject *py_copy_hash_into(PyObject *self, PyObject *args) {
@@ -1023,6 +1033,9 @@ static PyMethodDef methods[] = {
     {"copy_hash_rows", py_copy_hash_rows, METH_VARARGS,
      "copy_hash_rows(base, offsets, src, page_bytes, count) -> bytes: copy_hash of count pages back to back from src "
      "to base + offsets[i]; their checksums as native uint64s"},
+    {"copy_out_hashed_rows", py_copy_out_hashed_rows, METH_VARARGS,
+     "copy_out_hashed_rows(base, offsets, dst, page_bytes, count) -> bytes: copy_out_hashed of the slots at base + "
+     "offsets[i] into count pages back to back at dst; their checksums as native uint64s"},
     {"copy_out", py_copy_out, METH_VARARGS,
      "copy_out(base, offsets, pages) -> None: copy the slot at base + offsets[i] out into pages[i]'s segments"},
     {"copy_out_hashed", py_copy_out_hashed, METH_VARARGS,

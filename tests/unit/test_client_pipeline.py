@@ -3,6 +3,7 @@ path cuts a put into Reserve groups and Commit runs."""
 
 from kvstore_client.data_path import NETWORK_SHAPE, PipelineShape
 from kvstore_client.pipeline import changed_pages, commit_runs, stored_pages
+from kvstore_client import packed
 from kvstore_client.proto import pb
 from kvstore_client.shm_transport import HASHING_SHAPE, SHAPE as SHM_SHAPE
 
@@ -94,3 +95,14 @@ def test_pages_whose_copy_hashes_differ_from_their_commit_are_named_by_index():
     assert changed_pages(acquired, [11, 99, 13, 98]) == [1, 3]
     assert changed_pages(acquired, [None] * 4) == []            # each vouched for by the node (tcp_framing.VOUCHED)
     assert changed_pages(acquired, [None, 99, 13, None]) == [1]
+
+
+def test_pages_hashed_as_uint64s_are_checked_against_either_form_of_the_answer():
+    """copy_out_hashed_rows' checksums (a view of uint64s) against a packed answer and a repeated one."""
+    landed = lambda *sums: memoryview(packed.u64s(sums)).cast("Q")
+    for acquired in (pb.AcquireResponse(hit_pages=4, checksums_packed=packed.u64s([11, 12, 13, 2**64 - 1])),
+                     pb.AcquireResponse(hit_pages=4, checksums=[11, 12, 13, 2**64 - 1])):
+        assert changed_pages(acquired, landed(11, 12, 13, 2**64 - 1)) == []
+        assert changed_pages(acquired, landed(11, 99, 13, 2**64 - 2)) == [1, 3]
+        assert changed_pages(acquired, landed(11, 12)) == []                 # a part: the first pages
+        assert changed_pages(acquired, landed(11, 13)) == [1]

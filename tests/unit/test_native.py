@@ -427,9 +427,10 @@ def test_copy_hash_into_equals_the_python_path(page):
 
 
 @pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
-def test_copy_hash_rows_copies_and_hashes_as_copy_hash_into_does(page):
-    """Pages back to back in one buffer, offsets as ints or as a buffer of uint64s: the same bytes in the same
-    slots, and the same checksums, as uint64s."""
+def test_copying_rows_in_and_out_does_what_the_segment_lists_do(page):
+    """Pages back to back in one buffer, offsets as ints or as a buffer of uint64s: copy_hash_rows puts the same
+    bytes in the same slots as copy_hash_into and copy_out_hashed_rows reads them back as copy_out_hashed does, with
+    the same checksums, as uint64s."""
     rng = np.random.default_rng(page + 1)
     count = int(rng.integers(1, 40))
     rows = rng.integers(0, 256, size=count * page, dtype=np.uint8)
@@ -443,6 +444,12 @@ def test_copy_hash_rows_copies_and_hashes_as_copy_hash_into_does(page):
         sums = kvstore_native.copy_hash_rows(base_rows, given, rows.ctypes.data, page, count)
         assert list(memoryview(sums).cast("Q")) == expected
         assert written(by_rows, base_rows) == written(by_segments, base_segments)
+    out, expected_out = np.zeros_like(rows), np.zeros_like(rows)
+    expected = kvstore_native.copy_out_hashed(base_segments, offsets,
+                                              [[(expected_out.ctypes.data + i * page, page)] for i in range(count)])
+    sums = kvstore_native.copy_out_hashed_rows(base_rows, offsets, out.ctypes.data, page, count)
+    assert list(memoryview(sums).cast("Q")) == expected
+    assert np.array_equal(out, rows) and np.array_equal(expected_out, rows)   # each page back from its slot
     with pytest.raises(ValueError, match="offsets for"):
         kvstore_native.copy_hash_rows(base_rows, offsets, rows.ctypes.data, page, count + 1)
     with pytest.raises(TypeError, match="uint64s"):

@@ -128,14 +128,16 @@ def roundtrip(f, path, name, count, seed=0):
 
 @pytest.mark.parametrize("node_packs", [True, False])
 def test_a_put_sends_packed_fields_only_to_a_node_that_reads_them(fabric, node_packs):
-    """Limits.write_packed: a Reserve asks for its answer packed, and a Commit names a run and packs its checksums,
-    only where the node's Hello says it reads them (else the node is older, and the pages move all the same)."""
-    fabric.hello.limits.write_packed = node_packs
+    """Limits.pages_packed: a Reserve and an Acquire ask for their answers packed, and a Commit names a run and packs
+    its checksums, only where the node's Hello says it reads them (else the node is older, and the pages move all
+    the same)."""
+    fabric.hello.limits.pages_packed = node_packs
     roundtrip(fabric, fabric.client(), "packs", 300)
     reserves = [r for name, r in fabric.control.sent if name == "Reserve"]
     commits = [r for name, r in fabric.control.sent if name == "Commit"]
     assert reserves and commits
-    assert all(r.packed_answer == node_packs for r in reserves + commits)
+    acquires = [r for name, r in fabric.control.sent if name == "Acquire"]
+    assert acquires and all(r.packed_answer == node_packs for r in reserves + commits + acquires)
     assert sum(c.index_count if node_packs else len(c.indices) for c in commits) == 300
     assert all(bool(c.checksums_packed) == node_packs and bool(c.checksums) != node_packs for c in commits)
 

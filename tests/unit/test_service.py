@@ -80,10 +80,11 @@ def test_commit_verifies_checksums_before_anything_is_visible(service):
 
 
 def test_packed_reserve_and_commit_say_what_the_repeated_fields_say(service):
-    """Limits.write_packed: a Reserve answered packed gives the states and offsets the repeated fields give, and a
-    Commit of a run with packed checksums is checked and answered as one naming each index."""
+    """Limits.pages_packed: a Reserve answered packed gives the states and offsets the repeated fields give, a
+    Commit of a run with packed checksums is checked and answered as one naming each index, and an Acquire
+    answered packed gives the offsets and checksums the repeated fields give."""
     ns = open_ns(service)
-    assert service.handle("Hello", pb.HelloRequest()).limits.write_packed
+    assert service.handle("Hello", pb.HelloRequest()).limits.pages_packed
     service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("p", 4)[3:], page_bytes=PAGE), None)   # in flight
     answer = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("p", 4), page_bytes=PAGE,
                                                packed_answer=True), None)
@@ -103,6 +104,11 @@ def test_packed_reserve_and_commit_say_what_the_repeated_fields_say(service):
     assert list(packed.commit_states(done)) == [pb.COMMITTED] * 3
     assert list(packed.commit_checksums(done)) == [good] * 3
     assert lookup(service, ns, keys("p", 3)) == 3
+    plain, packs = (service.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys("p", 4), packed_answer=p), None)
+                    for p in (False, True))
+    assert plain.hit_pages == packs.hit_pages == 3 and not packs.offsets and not packs.checksums
+    assert list(packed.acquire_offsets(packs)) == list(plain.offsets) == offsets[:3]
+    assert list(packed.acquire_checksums(packs)) == list(plain.checksums) == [good] * 3
 
 
 @pytest.mark.parametrize("fields, message", [

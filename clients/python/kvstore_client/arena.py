@@ -81,11 +81,14 @@ class ArenaMapping:
         for offset, segments in zip(offsets, pages):
             self.read(offset, segments)
 
-    def read_pages_hashed(self, offsets: Sequence[int], pages: Sequence[list[Segment]]) -> list[int]:
+    def read_pages_hashed(self, offsets: Sequence[int], pages: Sequence[list[Segment]]) -> Sequence[int]:
         """read_pages(), returning the xxh3 of the bytes that landed in each page's segments. The destination
         is hashed, not the slot (which a client of the tenant may be changing during the copy), a piece at a
         time right after the piece is copied, while it is still in cache: one native call for them all where
         kvstore_native has copy_out_hashed."""
+        if isinstance(pages, PageRows) and native.copy_out_hashed_rows is not None:   # uint64s, as write_hashed
+            return memoryview(native.copy_out_hashed_rows(self.base, offsets, pages.base, pages.page_bytes,
+                                                          len(pages))).cast("Q")
         copy_out_hashed = getattr(native.module, "copy_out_hashed", None)
         if copy_out_hashed is not None:
             return copy_out_hashed(self.base, offsets, pages)

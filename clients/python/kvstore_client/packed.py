@@ -1,5 +1,5 @@
-"""Reserve's and Commit's packed fields (kvstore.proto: Limits.write_packed): per-page numbers back to back in
-one bytes field instead of a repeated field.
+"""The packed fields of Reserve, Commit and Acquire (kvstore.proto: Limits.pages_packed): per-page numbers back
+to back in one bytes field instead of a repeated field.
 
 A repeated field costs protobuf a Python int per entry on each side: building the 512 states and offsets of
 one Reserve's answer took the node 25-30 us and reading them the client as long, a tenth of a Reserve of
@@ -55,4 +55,14 @@ def commit_states(answer: Any) -> Sequence[int]:
 
 def commit_checksums(answer: Any) -> Sequence[int]:
     """The checksums a CommitResponse recorded, in either form."""
+    return read_u64s(answer.checksums_packed, "checksums_packed") if answer.checksums_packed else answer.checksums
+
+
+def acquire_offsets(answer: Any) -> Sequence[int]:
+    """Each hit page's slot offset, from an AcquireResponse in either form."""
+    return read_u64s(answer.offsets_packed, "offsets_packed") if answer.offsets_packed else answer.offsets
+
+
+def acquire_checksums(answer: Any) -> Sequence[int]:
+    """Each hit page's checksum, from an AcquireResponse in either form."""
     return read_u64s(answer.checksums_packed, "checksums_packed") if answer.checksums_packed else answer.checksums

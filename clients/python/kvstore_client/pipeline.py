@@ -56,7 +56,7 @@ class PutBatch:
     def steps(self, conn: Any, ns_id: int) -> Steps[PutResult]:
         """Store the batch (an attempt: node_steps.py); returns how many leading keys are now stored (see stored_pages)."""
         keys, in_order, shape = self.keys, conn.control.answers_in_order, conn.data.shape
-        packs = conn.hello.limits.write_packed   # the node reads and answers packed fields (packed.py)
+        packs = conn.hello.limits.pages_packed   # the node reads and answers packed fields (packed.py)
         groups = shape.reserve_groups(len(keys), self.page_bytes)
         run = shape.run_pages(self.page_bytes)
         states: list[int] = []
@@ -292,6 +292,7 @@ def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegme
     """
     def attempt(conn: Any) -> Steps[int]:
         request.rdma_qp_num = conn.data.rdma_qp_num
+        request.packed_answer = conn.hello.limits.pages_packed
         transfer = getattr(conn, "transfer", None)
         # A part waiting for commits or promotion would add its wait to the parts before it: one Acquire then.
         whole = request.wait_ms or request.timeout_ms
@@ -311,7 +312,8 @@ def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegme
                     break
                 landed = None
                 try:
-                    pages = PageColumns(range(hits), acquired.offsets[:hits], segments[start:start + hits])
+                    pages = PageColumns(range(hits), packed.acquire_offsets(acquired)[:hits],
+                                        segments[start:start + hits])
                     moving = time.monotonic()
                     landed = yield GetPages(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
                     if transfer is not None:   # this data plane's rate, for fetch-or-recompute (load_estimate.py)
@@ -324,7 +326,8 @@ def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegme
                         leases.append(acquired.lease_id)
                 check_loaded(acquired, sent_at, segments[start:start + hits], verify, changed)
                 if acquired.hot_pages and on_hot is not None:
-                    on_hot([(keys[start + i], acquired.checksums[i]) for i in acquired.hot_pages if i < hits])
+                    sums = packed.acquire_checksums(acquired)
+                    on_hot([(keys[start + i], sums[i]) for i in acquired.hot_pages if i < hits])
                 loaded += hits
                 if hits < stop - start:
                     break
@@ -368,7 +371,12 @@ def changed_pages(acquired: pb.AcquireResponse, landed: list[int | None] | None)
     landed as None was vouched for by the node (tcp_framing.VOUCHED) and not hashed."""
     if landed is None:
         return []
-    want = list(acquired.checksums[:len(landed)])
+    want = packed.acquire_checksums(acquired)[:len(landed)]
+    if isinstance(landed, memoryview):   # uint64s (copy_out_hashed_rows): compared as bytes, not page by page
+        if packed.u64s(landed) == packed.u64s(want):
+            return []
+        landed = landed.tolist()
+    want = list(want)
     if landed == want or landed.count(None) == len(landed):   # the common cases, without a loop in Python
         return []
     return [i for i, (got, sum_) in enumerate(zip(landed, want)) if got is not None and got != sum_]
@@ -388,6 +396,7 @@ def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[li
             "client of this tenant changed them in shared memory (or they were damaged on the way). The node drops "
             "each it finds changed; put them again")
     if verify:
+        sums = packed.acquire_checksums(acquired)
         for i in range(acquired.hit_pages):
-            if checksums.of_page(segments[i]) != acquired.checksums[i]:
+            if checksums.of_page(segments[i]) != sums[i]:
                 raise errors.ChecksumMismatch(f"page {i} does not match its checksum")

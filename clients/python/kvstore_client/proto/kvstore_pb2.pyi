@@ -130,7 +130,7 @@ class NamespaceSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_tokens: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[str] = ..., page_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed", "lookup_hex_digests", "write_packed")
+    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed", "lookup_hex_digests", "pages_packed")
     BATCH_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -140,7 +140,7 @@ class Limits(_message.Message):
     LOOKUP_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HEX_DIGESTS_FIELD_NUMBER: _ClassVar[int]
-    WRITE_PACKED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_PACKED_FIELD_NUMBER: _ClassVar[int]
     batch_pages_max: int
     page_bytes_max: int
     key_bytes_max: int
@@ -150,8 +150,8 @@ class Limits(_message.Message):
     lookup_pages_max: int
     lookup_keys_packed: bool
     lookup_hex_digests: bool
-    write_packed: bool
-    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ..., lookup_hex_digests: _Optional[bool] = ..., write_packed: _Optional[bool] = ...) -> None: ...
+    pages_packed: bool
+    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ..., lookup_hex_digests: _Optional[bool] = ..., pages_packed: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -368,7 +368,7 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted_pages: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "lease_ttl_ms", "policy", "timeout_ms", "rdma_qp_num", "wait_ms", "hbm_reader")
+    __slots__ = ("namespace_id", "keys", "lease_ttl_ms", "policy", "timeout_ms", "rdma_qp_num", "wait_ms", "hbm_reader", "packed_answer")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,7 @@ class AcquireRequest(_message.Message):
     RDMA_QP_NUM_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     HBM_READER_FIELD_NUMBER: _ClassVar[int]
+    PACKED_ANSWER_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_ms: int
@@ -385,14 +386,17 @@ class AcquireRequest(_message.Message):
     rdma_qp_num: int
     wait_ms: int
     hbm_reader: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., wait_ms: _Optional[int] = ..., hbm_reader: _Optional[bool] = ...) -> None: ...
+    packed_answer: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_ms: _Optional[int] = ..., rdma_qp_num: _Optional[int] = ..., wait_ms: _Optional[int] = ..., hbm_reader: _Optional[bool] = ..., packed_answer: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token", "hbm_offsets", "hot_pages")
+    __slots__ = ("lease_id", "hit_pages", "offsets", "checksums", "offsets_packed", "checksums_packed", "page_bytes", "lease_ttl_ms", "promoted_pages", "data_token", "hbm_offsets", "hot_pages")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_PACKED_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -403,13 +407,15 @@ class AcquireResponse(_message.Message):
     hit_pages: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
+    offsets_packed: bytes
+    checksums_packed: bytes
     page_bytes: int
     lease_ttl_ms: int
     promoted_pages: int
     data_token: bytes
     hbm_offsets: _containers.RepeatedScalarFieldContainer[int]
     hot_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., data_token: _Optional[bytes] = ..., hbm_offsets: _Optional[_Iterable[int]] = ..., hot_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., hit_pages: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., offsets_packed: _Optional[bytes] = ..., checksums_packed: _Optional[bytes] = ..., page_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., data_token: _Optional[bytes] = ..., hbm_offsets: _Optional[_Iterable[int]] = ..., hot_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids", "changed_pages")
