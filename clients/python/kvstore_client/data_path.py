@@ -69,10 +69,13 @@ class PipelineShape:
     # group). Nothing overlaps it, and where copying a page takes far longer than reserving one, the
     # next group is reserved while these few pages move.
     first_group_bytes: int = 0
+    # ... and at most this many pages, and a Commit too (0: no cap): small pages cost the node about as much
+    # to reserve and commit as the client to copy, so the two overlap only in short runs.
+    small_run_pages: int = 0
 
     def __post_init__(self) -> None:
         assert self.reserve_group_pages_min >= 1 and self.reserve_group_bytes >= 0 and self.commit_run_bytes > 0
-        assert self.acquire_part_pages_min >= 0 and self.first_group_bytes >= 0
+        assert self.acquire_part_pages_min >= 0 and self.first_group_bytes >= 0 and self.small_run_pages >= 0
         assert self.reserve_group_pages_max == 0 or self.reserve_group_pages_max >= self.reserve_group_pages_min
 
     def group_pages(self, page_bytes: int) -> int:
@@ -84,6 +87,7 @@ class PipelineShape:
         then group_pages each."""
         group = self.group_pages(page_bytes)
         first = min(group, max(1, self.first_group_bytes // page_bytes)) if self.first_group_bytes else group
+        first = min(first, self.small_run_pages or first)
         bounds = [(0, min(first, pages))]
         while bounds[-1][1] < pages:
             start = bounds[-1][1]
@@ -91,7 +95,8 @@ class PipelineShape:
         return bounds
 
     def run_pages(self, page_bytes: int) -> int:
-        return max(1, self.commit_run_bytes // page_bytes)
+        pages = max(1, self.commit_run_bytes // page_bytes)
+        return min(pages, self.small_run_pages or pages)
 
     def acquire_part_pages(self, pages: int) -> int:
         """Pages of one Acquire of a get of `pages` (all of them where gets are not cut up)."""
