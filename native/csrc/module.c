@@ -22,8 +22,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <poll.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "copy_hash.h"
 #include "copy_hasher.h"
@@ -339,6 +342,35 @@ static PyObject *py_unclaim_keys(PyObject *self, PyObject *args) {
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;
+}
+
+/* spin_until_readable(fd, spin_s) -> bool: poll the socket for input without waiting, yielding the CPU between
+ * polls, until it is readable (True) or spin_s has passed (False); an error on it counts as readable, for the
+ * read that follows to raise. All of it without the GIL: a connection thread waiting for its client's next
+ * frame this way holds up no other thread's Python, where a loop in Python took the GIL back between polls. */
+static PyObject *py_spin_until_readable(PyObject *self, PyObject *args) {
+    int fd;
+    double spin_s;
+    if (!PyArg_ParseTuple(args, "id", &fd, &spin_s))
+        return NULL;
+    int readable = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct pollfd wanted = {.fd = fd, .events = POLLIN};
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double deadline = (double)now.tv_sec + (double)now.tv_nsec / 1e9 + spin_s;
+    for (;;) {
+        if (poll(&wanted, 1, 0) != 0) {
+            readable = 1;
+            break;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((double)now.tv_sec + (double)now.tv_nsec / 1e9 >= deadline)
+            break;
+        sched_yield();
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(readable);
 }
 
 /* Packed keys of 64 lowercase hex digits each as the 32 bytes each spells, back to back: a Lookup's keys in
@@ -1022,6 +1054,9 @@ static PyMethodDef methods[] = {
      "claim_keys(claimed, keys, value) -> bool: every key put in the dict with value if none is in it yet, else nothing"},
     {"unclaim_keys", py_unclaim_keys, METH_VARARGS,
      "unclaim_keys(claimed, keys) -> None: each key taken out of the dict (KeyError for one not in it)"},
+    {"spin_until_readable", py_spin_until_readable, METH_VARARGS,
+     "spin_until_readable(fd, spin_s) -> bool: poll fd without waiting, yielding between polls and without the GIL, "
+     "until it is readable or spin_s has passed"},
     {"hex_digests", py_hex_digests, METH_O,
      "hex_digests(packed) -> bytes | None: keys of 64 lowercase hex digits, back to back, as their 32 bytes each"},
     {"copy_hash", py_copy_hash, METH_VARARGS,

@@ -646,6 +646,21 @@ def test_claiming_keys_takes_all_of_them_or_none_and_unclaiming_takes_each_out()
     assert claimed == {}
 
 
+def test_spinning_for_a_frame_returns_once_one_waits_or_the_peer_is_gone_and_not_before():
+    ours, theirs = socket.socketpair()
+    try:
+        assert kvstore_native.spin_until_readable(ours.fileno(), 0.0) is False
+        assert kvstore_native.spin_until_readable(ours.fileno(), 0.002) is False
+        theirs.sendall(b"frame")
+        assert kvstore_native.spin_until_readable(ours.fileno(), 60.0) is True   # at once: the bytes are there
+        assert ours.recv(16) == b"frame"
+        theirs.close()
+        assert kvstore_native.spin_until_readable(ours.fileno(), 60.0) is True   # the read that follows sees EOF
+        assert ours.recv(16) == b""
+    finally:
+        ours.close()
+
+
 def test_key_set_agrees_with_a_python_set_through_adds_and_discards():
     """KeySet (open addressing, backward-shift deletion) against a set: membership of every key ever seen,
     length, its keys, and leading runs by list and packed, after every burst of random adds and discards

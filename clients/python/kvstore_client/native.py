@@ -39,6 +39,7 @@ distinct_keys = getattr(module, "distinct_keys", None)
 claim_keys = getattr(module, "claim_keys", None)
 copy_hash_rows = getattr(module, "copy_hash_rows", None)
 copy_out_hashed_rows = getattr(module, "copy_out_hashed_rows", None)
+spin_until_readable = getattr(module, "spin_until_readable", None)
 unclaim_keys = getattr(module, "unclaim_keys", None)
 CopyHasher = getattr(module, "CopyHasher", None)
 if not hasattr(CopyHasher, "receive"):   # a build from before receive and copy_unhashed: the landings go direct
