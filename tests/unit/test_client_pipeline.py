@@ -54,8 +54,9 @@ def test_shared_memory_groups_small_pages_and_commits_short_runs():
 def test_where_the_sdk_hashes_as_it_copies_a_commit_covers_32_mib_or_128_small_pages():
     assert [HASHING_SHAPE.run_pages(p) for p in (4 << 10, 64 << 10, 1 << 20, 4 << 20)] == [128, 128, 32, 8]
     assert HASHING_SHAPE.reserve_groups(1024, 4 << 10) == [(0, 128), (128, 640), (640, 1024)]
-    for page_bytes in (64 << 10, 1 << 20, 4 << 20):   # groups of larger pages stay as they were
-        assert HASHING_SHAPE.reserve_groups(1024, page_bytes) == SHM_SHAPE.reserve_groups(1024, page_bytes)
+    assert HASHING_SHAPE.reserve_groups(128, 64 << 10) == [(0, 128)]        # no short first group of larger pages
+    assert HASHING_SHAPE.reserve_groups(40, 1 << 20) == [(0, 32), (32, 40)]
+    assert HASHING_SHAPE.reserve_groups(32, 4 << 20) == [(0, 32)]
     assert commit_runs(HASHING_SHAPE.run_pages(4 << 10), 384, 4 << 10, last=True) == [(0, 128), (128, 256), (256, 384)]
 
 

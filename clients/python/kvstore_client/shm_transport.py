@@ -36,8 +36,11 @@ SHAPE = PipelineShape(reserve_group_pages_min=32, reserve_group_bytes=8 << 20, c
 # spend 6-7% of a put of 1-4 MiB pages outside the copy where runs of 2 MiB spent 14-19%. Small pages
 # are reserved first, and committed, 128 at a time: with packed messages the node reserves and commits a
 # page of 4 KiB in about the time the client copies it, so a put of 1,024 of them overlaps the two best in
-# short runs (5-16% more puts/s than a first Reserve and Commits of 512, alternated in one hour).
-HASHING_SHAPE = dataclasses.replace(SHAPE, commit_run_bytes=32 << 20, small_run_pages=128)
+# short runs (5-16% more puts/s than a first Reserve and Commits of 512, alternated in one hour). Larger
+# pages take no short first group: reserving a group of them costs the node tens of microseconds, less
+# than the Reserve and Commit a short group adds, and its Commit found the node asleep (64 KiB: 7-8% more
+# puts/s without it, twice in one hour; 1 MiB the same).
+HASHING_SHAPE = dataclasses.replace(SHAPE, commit_run_bytes=32 << 20, small_run_pages=128, first_group_bytes=0)
 
 
 class ShmDataPath:
