@@ -55,8 +55,9 @@ run: system-packages $(STAMP) $(NATIVE)
 # The pure-Python pass: the tests of hashing, page copies and the page index again, with kvstore_native
 # turned off in the tests and in every node they start (tests/without_native/kvstore_native.py).
 FALLBACK_TESTS := tests/unit/test_keys.py tests/unit/test_index.py tests/unit/test_page_buffers.py \
-	tests/unit/test_client_pipeline.py tests/unit/test_writer_checksums.py tests/unit/test_lookup_packed.py tests/unit/test_service.py \
-	tests/unit/test_nvme_tier.py tests/unit/test_landing.py tests/integration/test_put_get.py tests/integration/test_put_checksums.py \
+	tests/unit/test_client_pipeline.py tests/unit/test_writer_checksums.py tests/unit/test_lookup_packed.py \
+	tests/unit/test_service.py tests/unit/test_nvme_tier.py tests/unit/test_landing.py \
+	tests/integration/test_put_get.py tests/integration/test_put_checksums.py \
 	tests/integration/test_long_lookup.py tests/integration/test_nvme.py tests/integration/test_cli.py \
 	tests/integration/test_startup_errors.py tests/integration/test_structured_logs.py \
 	tests/integration/test_daemon.py tests/integration/test_native_core.py tests/integration/test_tcp_put_get.py

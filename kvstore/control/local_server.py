@@ -27,10 +27,10 @@ After each answer a connection polls for its next frame for shm.spin_us before i
 recv: a put's Reserves and Commits follow each other closely, and each wake-up of a sleeping
 thread adds 25-45 us on a VM (4 KiB puts: about 10% more pages/s). It polls in kvstore_native,
 without the GIL: two clients putting at once, each connection's polls held up the other's Python
-(4-9% more pages/s for both together without). Longer polls were measured and not kept: 1 ms gave
-64 KiB puts 10% more pages/s, and a reader beside a writer on a one-core node 1.5x its p99. Leases taken on a
-connection end when it closes, so a client killed mid-put frees its slots at once. A broken
-invariant in the service stops the node (kvstore/invariants.py).
+(4-9% more pages/s for both together without). Longer polls were measured and not kept: 1 ms
+gave 64 KiB puts 10% more pages/s, and a reader beside a writer on a one-core node 1.5x its p99.
+Leases taken on a connection end when it closes, so a client killed mid-put frees its slots at
+once. A broken invariant in the service stops the node (kvstore/invariants.py).
 """
 
 from __future__ import annotations
