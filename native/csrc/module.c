@@ -246,41 +246,39 @@ static PyObject *py_distinct_keys(PyObject *self, PyObject *args) {
         capacity <<= 1;
     Py_ssize_t *table = PyMem_Calloc(capacity, sizeof *table);   /* position + 1 of the key there; 0: empty */
     Py_hash_t *hashes = PyMem_Malloc((n ? (size_t)n : 1) * sizeof *hashes);
+    PyObject *result = NULL;
     if (!table || !hashes) {
         PyErr_NoMemory();
-        goto failed;
+        goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) <= 0 || PyBytes_GET_SIZE(key) > key_bytes_max)
-            goto refused;
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) <= 0 || PyBytes_GET_SIZE(key) > key_bytes_max) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
         Py_hash_t hash = PyObject_Hash(key);
         if (hash == -1)
-            goto failed;
+            goto done;
         hashes[i] = hash;
         size_t at = (size_t)hash & (capacity - 1);
         for (; table[at]; at = (at + 1) & (capacity - 1)) {
             Py_ssize_t j = table[at] - 1;
             PyObject *other = PyList_GET_ITEM(keys, j);
             if (hashes[j] == hash && PyBytes_GET_SIZE(other) == PyBytes_GET_SIZE(key)
-                && memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key)) == 0)
-                goto refused;
+                && memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key)) == 0) {
+                result = Py_NewRef(Py_None);
+                goto done;
+            }
         }
         table[at] = i + 1;
     }
-    PyMem_Free(table);
-    PyMem_Free(hashes);
-    return keys;
-refused:
-    PyMem_Free(table);
-    PyMem_Free(hashes);
-    Py_DECREF(keys);
-    Py_RETURN_NONE;
-failed:
+    result = Py_NewRef(keys);
+done:
     PyMem_Free(table);
     PyMem_Free(hashes);
     Py_DECREF(keys);
-    return NULL;
+    return result;
 }
 
 /* Every key of a list of bytes put in a dict with one value when none of them is in it yet: True. Else the
@@ -691,6 +689,17 @@ static int batch_from_args(PyObject *args, batch_t *b) {
     return parse_batch(base, offsets, pages, b);
 }
 
+/* `run` over a batch, without the GIL where it moves enough bytes to be worth handing the GIL over. */
+static void run_batch(const batch_t *b, void (*run)(const batch_t *, uint64_t *), uint64_t *sums) {
+    if (b->total >= UNLOCKED_BYTES_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        run(b, sums);
+        Py_END_ALLOW_THREADS
+    } else {
+        run(b, sums);
+    }
+}
+
 /* (base, offsets, pages) -> list[int]: `run` over the batch, one checksum a page. */
 static PyObject *batch_sums(PyObject *args, void (*run)(const batch_t *, uint64_t *)) {
     batch_t b;
@@ -702,13 +711,7 @@ static PyObject *batch_sums(PyObject *args, void (*run)(const batch_t *, uint64_
         PyErr_NoMemory();
         goto done;
     }
-    if (b.total >= UNLOCKED_BYTES_MIN) {
-        Py_BEGIN_ALLOW_THREADS
-        run(&b, sums);
-        Py_END_ALLOW_THREADS
-    } else {
-        run(&b, sums);
-    }
+    run_batch(&b, run, sums);
     result = PyList_New((Py_ssize_t)b.pages);
     for (size_t i = 0; result && i < b.pages; i++) {
         PyObject *value = PyLong_FromUnsignedLongLong(sums[i]);
@@ -804,13 +807,7 @@ static PyObject *rows_sums(PyObject *args, void (*run)(const batch_t *, uint64_t
         b.segments[i].nbytes = (size_t)page_bytes;
     }
     b.first[n] = (size_t)n;
-    if (b.total >= UNLOCKED_BYTES_MIN) {
-        Py_BEGIN_ALLOW_THREADS
-        run(&b, sums);
-        Py_END_ALLOW_THREADS
-    } else {
-        run(&b, sums);
-    }
+    run_batch(&b, run, sums);
     result = PyBytes_FromStringAndSize((const char *)sums, n * (Py_ssize_t)sizeof *sums);
 done:
     free(slot_offsets);
