@@ -69,8 +69,8 @@ class PipelineShape:
     # group). Nothing overlaps it, and where copying a page takes far longer than reserving one, the
     # next group is reserved while these few pages move.
     first_group_bytes: int = 0
-    # ... and at most this many pages, and a Commit too (0: no cap): small pages cost the node about as much
-    # to reserve and commit as the client to copy, so the two overlap only in short runs.
+    # A put's first Reserve, and each Commit, covers at most this many pages (0: no cap): small pages cost the
+    # node about as much to reserve and commit as the client to copy, so the two overlap only in short runs.
     small_run_pages: int = 0
 
     def __post_init__(self) -> None:
