@@ -89,7 +89,7 @@ def test_packed_reserve_and_commit_say_what_the_repeated_fields_say(service):
     answer = service.reserve(pb.ReserveRequest(namespace_id=ns, keys=keys("p", 4), page_bytes=PAGE,
                                                packed_answer=True), None)
     assert not answer.states and not answer.offsets
-    states, offsets = packed.reserve_states(answer), list(packed.reserve_offsets(answer))
+    states, offsets = packed.reserve_states(answer), list(packed.offsets(answer))
     assert states == [pb.RESERVED] * 3 + [pb.IN_FLIGHT]
     assert offsets[3] == 0 and len(set(offsets[:3])) == 3 and all(o % PAGE == 0 for o in offsets)
     for offset in offsets[:3]:
@@ -102,13 +102,13 @@ def test_packed_reserve_and_commit_say_what_the_repeated_fields_say(service):
                                            checksums_packed=packed.u64s([good] * 3), packed_answer=True), None)
     assert not done.states and not done.checksums
     assert list(packed.commit_states(done)) == [pb.COMMITTED] * 3
-    assert list(packed.commit_checksums(done)) == [good] * 3
+    assert list(packed.checksums(done)) == [good] * 3
     assert lookup(service, ns, keys("p", 3)) == 3
     plain, packs = (service.acquire(pb.AcquireRequest(namespace_id=ns, keys=keys("p", 4), packed_answer=p), None)
                     for p in (False, True))
     assert plain.hit_pages == packs.hit_pages == 3 and not packs.offsets and not packs.checksums
-    assert list(packed.acquire_offsets(packs)) == list(plain.offsets) == offsets[:3]
-    assert list(packed.acquire_checksums(packs)) == list(plain.checksums) == [good] * 3
+    assert list(packed.offsets(packs)) == list(plain.offsets) == offsets[:3]
+    assert list(packed.checksums(packs)) == list(plain.checksums) == [good] * 3
 
 
 @pytest.mark.parametrize("fields, message", [

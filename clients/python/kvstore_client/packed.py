@@ -43,26 +43,16 @@ def reserve_states(answer: Any) -> list[int]:
     return list(answer.states_packed) if answer.states_packed else list(answer.states)
 
 
-def reserve_offsets(answer: Any) -> Sequence[int]:
-    """Each key's slot offset, from a ReserveResponse in either form."""
+def offsets(answer: Any) -> Sequence[int]:
+    """Each page's slot offset, from a ReserveResponse or an AcquireResponse in either form."""
     return read_u64s(answer.offsets_packed, "offsets_packed") if answer.offsets_packed else answer.offsets
+
+
+def checksums(answer: Any) -> Sequence[int]:
+    """Each page's checksum, from a CommitResponse or an AcquireResponse in either form."""
+    return read_u64s(answer.checksums_packed, "checksums_packed") if answer.checksums_packed else answer.checksums
 
 
 def commit_states(answer: Any) -> Sequence[int]:
     """Each page's CommitState, from a CommitResponse in either form."""
     return answer.states_packed if answer.states_packed else answer.states
-
-
-def commit_checksums(answer: Any) -> Sequence[int]:
-    """The checksums a CommitResponse recorded, in either form."""
-    return read_u64s(answer.checksums_packed, "checksums_packed") if answer.checksums_packed else answer.checksums
-
-
-def acquire_offsets(answer: Any) -> Sequence[int]:
-    """Each hit page's slot offset, from an AcquireResponse in either form."""
-    return read_u64s(answer.offsets_packed, "offsets_packed") if answer.offsets_packed else answer.offsets
-
-
-def acquire_checksums(answer: Any) -> Sequence[int]:
-    """Each hit page's checksum, from an AcquireResponse in either form."""
-    return read_u64s(answer.checksums_packed, "checksums_packed") if answer.checksums_packed else answer.checksums

@@ -168,7 +168,7 @@ def reserved_pages(reserved: pb.ReserveResponse, indices: Sequence[int], segment
                    start: int = 0) -> PageColumns:
     """The pages a Reserve gave slots to, keys[start + i] for i in `indices` (ascending), with their lease
     indices, slots and segments[start + i]; a run without gaps is sliced, not gathered page by page."""
-    first, offsets = reserved.first_index, packed.reserve_offsets(reserved)
+    first, offsets = reserved.first_index, packed.offsets(reserved)
     low, high = (indices[0], indices[-1] + 1) if indices else (0, 0)
     if high - low == len(indices):
         return PageColumns(range(first + low, first + high), offsets[low:high],
@@ -312,7 +312,7 @@ def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegme
                     break
                 landed = None
                 try:
-                    pages = PageColumns(range(hits), packed.acquire_offsets(acquired)[:hits],
+                    pages = PageColumns(range(hits), packed.offsets(acquired)[:hits],
                                         segments[start:start + hits])
                     moving = time.monotonic()
                     landed = yield GetPages(acquired.lease_id, acquired.data_token, pages, acquired.page_bytes)
@@ -326,7 +326,7 @@ def get_batch(request: pb.AcquireRequest, keys: list[bytes], segments: PageSegme
                         leases.append(acquired.lease_id)
                 check_loaded(acquired, sent_at, segments[start:start + hits], verify, changed)
                 if acquired.hot_pages and on_hot is not None:
-                    sums = packed.acquire_checksums(acquired)
+                    sums = packed.checksums(acquired)
                     on_hot([(keys[start + i], sums[i]) for i in acquired.hot_pages if i < hits])
                 loaded += hits
                 if hits < stop - start:
@@ -371,7 +371,7 @@ def changed_pages(acquired: pb.AcquireResponse, landed: list[int | None] | None)
     landed as None was vouched for by the node (tcp_framing.VOUCHED) and not hashed."""
     if landed is None:
         return []
-    want = packed.acquire_checksums(acquired)[:len(landed)]
+    want = packed.checksums(acquired)[:len(landed)]
     if isinstance(landed, memoryview):   # uint64s (copy_out_hashed_rows): compared as bytes, not page by page
         if packed.u64s(landed) == packed.u64s(want):
             return []
@@ -396,7 +396,7 @@ def check_loaded(acquired: pb.AcquireResponse, sent_at: float, segments: list[li
             "client of this tenant changed them in shared memory (or they were damaged on the way). The node drops "
             "each it finds changed; put them again")
     if verify:
-        sums = packed.acquire_checksums(acquired)
+        sums = packed.checksums(acquired)
         for i in range(acquired.hit_pages):
             if checksums.of_page(segments[i]) != sums[i]:
                 raise errors.ChecksumMismatch(f"page {i} does not match its checksum")
