@@ -47,7 +47,8 @@ setup(
     ext_modules=[Extension(
         "kvstore_native",
         sources=["csrc/module.c", "csrc/prefix_hash.c", "csrc/copy_hash.c", "csrc/copy_hash_avx2.c",
-                 "csrc/xxh3.c", "csrc/xxh3_scalar.c", "csrc/xxh3_sse2.c", "csrc/xxh3_avx2.c",
+                 "csrc/copy_hash_avx512.c", "csrc/xxh3.c", "csrc/xxh3_scalar.c", "csrc/xxh3_sse2.c",
+                 "csrc/xxh3_avx2.c", "csrc/xxh3_avx512.c",
                  "csrc/page_index.c", "csrc/page_table.c", "csrc/page_heaps.c", "csrc/index_record.c",
                  "csrc/placement_hash.c", "csrc/key_set.c",
                  "csrc/copy_hasher.c", "csrc/sha256_ni.c"],

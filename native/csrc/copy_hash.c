@@ -5,8 +5,9 @@
  * write of the slot, where memcpy + a separate hash reads the page twice (the hash's read is what
  * the node's commit used to cost). Where the CPU has AVX2 the slot is written with non-temporal
  * stores: nothing on this core reads it back soon, and they skip the read-for-ownership a cached
- * store costs. The result equals the one-shot XXH3_64bits of the page (the stream is defined so),
- * whatever the instruction set.
+ * store costs; where it has AVX-512F, a whole cache line a store, hashed a stripe a register. The
+ * result equals the one-shot XXH3_64bits of the page (the stream is defined so), whatever the
+ * instruction set.
  */
 #define COPY_HASH_NAME copy_hash_sse2
 #define COPY_HASH_UPDATE_NAME copy_hash_update_sse2
@@ -19,6 +20,10 @@ uint64_t copy_hash_avx2(uint8_t *dst, const segment_t *segments, size_t count, i
 uint64_t copy_out_hash_avx2(const uint8_t *src, const segment_t *segments, size_t count, int streaming);
 void copy_hash_update_avx2(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes, int streaming);
 void copy_streamed_avx2(uint8_t *dst, const uint8_t *src, size_t nbytes);
+uint64_t copy_hash_avx512(uint8_t *dst, const segment_t *segments, size_t count, int streaming);
+uint64_t copy_out_hash_avx512(const uint8_t *src, const segment_t *segments, size_t count, int streaming);
+void copy_hash_update_avx512(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes, int streaming);
+void copy_streamed_avx512(uint8_t *dst, const uint8_t *src, size_t nbytes);
 
 int cpu_avx2(void) {
     static int known = -1;
@@ -29,32 +34,72 @@ int cpu_avx2(void) {
     return known;
 }
 
+int cpu_avx512(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f");
+    }
+    return known;
+}
+
+static enum copy_kernel cap = COPY_AVX512;
+
+/* The widest kernel this CPU runs, up to the cap. */
+static enum copy_kernel widest(void) {
+    enum copy_kernel runs = cpu_avx512() ? COPY_AVX512 : cpu_avx2() ? COPY_AVX2 : COPY_SSE2;
+    return runs < cap ? runs : cap;
+}
+
+enum copy_kernel copy_kernel_cap(enum copy_kernel widest_allowed) {
+    cap = widest_allowed;
+    return widest();
+}
+
 uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
-    return cpu_avx2() ? copy_hash_avx2(dst, segments, count, 1) : copy_hash_sse2(dst, segments, count, 0);
+    switch (widest()) {
+    case COPY_AVX512: return copy_hash_avx512(dst, segments, count, 1);
+    case COPY_AVX2: return copy_hash_avx2(dst, segments, count, 1);
+    default: return copy_hash_sse2(dst, segments, count, 0);
+    }
 }
 
 uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
-    return cpu_avx2() ? copy_out_hash_avx2(src, segments, count, 1) : copy_out_hash_sse2(src, segments, count, 0);
+    switch (widest()) {
+    case COPY_AVX512: return copy_out_hash_avx512(src, segments, count, 1);
+    case COPY_AVX2: return copy_out_hash_avx2(src, segments, count, 1);
+    default: return copy_out_hash_sse2(src, segments, count, 0);
+    }
 }
 
 void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes) {
-    if (cpu_avx2())
-        copy_hash_update_avx2(state, dst, src, nbytes, 1);
-    else
-        copy_hash_update_sse2(state, dst, src, nbytes, 0);
+    switch (widest()) {
+    case COPY_AVX512: copy_hash_update_avx512(state, dst, src, nbytes, 1); break;
+    case COPY_AVX2: copy_hash_update_avx2(state, dst, src, nbytes, 1); break;
+    default: copy_hash_update_sse2(state, dst, src, nbytes, 0);
+    }
 }
 
 void copy_streamed(uint8_t *dst, const uint8_t *src, size_t nbytes) {
-    if (cpu_avx2())
-        copy_streamed_avx2(dst, src, nbytes);
-    else
-        memcpy(dst, src, nbytes);
+    switch (widest()) {
+    case COPY_AVX512: copy_streamed_avx512(dst, src, nbytes); break;
+    case COPY_AVX2: copy_streamed_avx2(dst, src, nbytes); break;
+    default: memcpy(dst, src, nbytes);
+    }
 }
 
 uint64_t copy_hash_digest(const xxh3_state_t *state) {
-    return cpu_avx2() ? xxh3_digest_avx2(state) : xxh3_digest_sse2(state);
+    switch (widest()) {
+    case COPY_AVX512: return xxh3_digest_avx512(state);
+    case COPY_AVX2: return xxh3_digest_avx2(state);
+    default: return xxh3_digest_sse2(state);
+    }
 }
 
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes) {
-    return cpu_avx2() ? xxh3_64_avx2(data, nbytes) : xxh3_64_sse2(data, nbytes);
+    switch (widest()) {
+    case COPY_AVX512: return xxh3_64_avx512(data, nbytes);
+    case COPY_AVX2: return xxh3_64_avx2(data, nbytes);
+    default: return xxh3_64_sse2(data, nbytes);
+    }
 }

@@ -27,6 +27,12 @@ void copy_streamed(uint8_t *dst, const uint8_t *src, size_t nbytes);
 /* XXH3_64bits of [data, data + nbytes). */
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes);
 
-/* Whether this CPU has AVX2: the copies and xxh3 then run their AVX2 kernels. */
+/* Whether this CPU has AVX2, AVX-512F: the copies and xxh3 run the widest kernel it has. */
 int cpu_avx2(void);
+int cpu_avx512(void);
+
+/* The copies' kernels, narrowest first. copy_kernel_cap keeps them to one no wider than `widest_allowed`
+ * (tests reach each kernel this way) and returns the one they run now. */
+enum copy_kernel { COPY_SSE2, COPY_AVX2, COPY_AVX512 };
+enum copy_kernel copy_kernel_cap(enum copy_kernel widest_allowed);
 #endif

@@ -6,6 +6,7 @@
 #define HASH_UPDATE xxh3_update_avx2
 #define HASH_DIGEST xxh3_digest_avx2
 #define COPY_AND_HASH xxh3_update_copy_avx2
+#define COPY_AND_HASH_ALIGN 32
 #include "copy_hash_body.h"
 
 /* copy_streamed where the CPU has AVX2: copy_hash's streamed stores, fenced so they are visible on return. */

@@ -1,7 +1,8 @@
 /* The bodies of copy_hash and copy_out_hash, compiled once per instruction set (copy_hash.c,
- * copy_hash_avx2.c): the including file names the functions (COPY_HASH_NAME, COPY_OUT_HASH_NAME)
- * and the xxh3 kernel they stream through (HASH_UPDATE, HASH_DIGEST: xxh3.h; COPY_AND_HASH, where
- * the kernel copies as it hashes). */
+ * copy_hash_avx2.c, copy_hash_avx512.c): the including file names the functions (COPY_HASH_NAME,
+ * COPY_OUT_HASH_NAME) and the xxh3 kernel they stream through (HASH_UPDATE, HASH_DIGEST: xxh3.h;
+ * COPY_AND_HASH, where the kernel copies as it hashes, with the alignment its stores need,
+ * COPY_AND_HASH_ALIGN); COPY_STREAM_AVX512 streams a copy out in whole cache lines. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -21,13 +22,25 @@ enum { PIECE_BYTES = 4 << 10 };
 /* Streamed stores fill whole cache lines, so the stream starts at a line: from a destination aligned
  * only to 16 or 32 bytes (as numpy's own allocations are), lines went out part-filled, and a get
  * into such a buffer ran at a quarter of memmove. */
+#ifdef COPY_STREAM_AVX512
+__attribute__((target("avx512f")))
+#else
 __attribute__((target("avx2")))
+#endif
 static void copy_stream(uint8_t *dst, const uint8_t *src, size_t nbytes) {
     size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
     if (head > nbytes)
         head = nbytes;
     memcpy(dst, src, head);
     size_t i = head;
+#ifdef COPY_STREAM_AVX512
+    for (; i + 128 <= nbytes; i += 128) {   /* a line a store: the write-combining buffer fills in one go */
+        __m512i a = _mm512_loadu_si512(src + i);
+        __m512i b = _mm512_loadu_si512(src + i + 64);
+        _mm512_stream_si512((__m512i *)(dst + i), a);
+        _mm512_stream_si512((__m512i *)(dst + i + 64), b);
+    }
+#endif
     for (; i + 128 <= nbytes; i += 128) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
@@ -53,8 +66,8 @@ static inline void prefetch_next_piece(const uint8_t *next, const uint8_t *end) 
 }
 
 /* Whether a piece goes to `dst` through the registers it is hashed from (COPY_AND_HASH, where the
- * kernel has one: xxh3_update_copy), which streamed stores need 32-byte aligned, and the stream at a
- * stripe's end (a page's segments of whole stripes, as KV layouts cut them): the copy and the hash
+ * kernel has one: xxh3_update_copy), which streamed stores need aligned (COPY_AND_HASH_ALIGN), and
+ * the stream at a stripe's end (a page's segments of whole stripes, as KV layouts cut them): the copy and the hash
  * then overlap, where a copy and then a hash of the piece take turns, and a get needs no bounce.
  * Gets of 1 MiB pages into a page-aligned buffer: 6.2 -> 8.5 GB/s (native/README.md). */
 #ifdef COPY_AND_HASH
@@ -62,9 +75,10 @@ enum { COPY_AND_HASH_KERNEL = 1 };
 #else
 enum { COPY_AND_HASH_KERNEL = 0 };
 #define COPY_AND_HASH(state, dst, src, n) ((void)0)
+#define COPY_AND_HASH_ALIGN 1
 #endif
 static inline int fused(int streaming, const uint8_t *dst, const xxh3_state_t *state) {
-    return COPY_AND_HASH_KERNEL && streaming && !((uintptr_t)dst & 31) && xxh3_at_stripe(state);
+    return COPY_AND_HASH_KERNEL && streaming && !((uintptr_t)dst & (COPY_AND_HASH_ALIGN - 1)) && xxh3_at_stripe(state);
 }
 
 /* Copy nbytes from src to dst, feeding them to the stream, piece by piece. Returns dst past them. */

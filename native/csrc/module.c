@@ -14,6 +14,7 @@
  *   xxh3_64(buffer) -> int                                   XXH3_64bits of a buffer
  *   key_hashes(keys) -> bytes                                BLAKE2b-64 of each bytes key, 8 bytes each (placement)
  *   xxh3_64_kernel(buffer, kernel, cuts) -> int              the same by a named kernel, maybe streamed (tests)
+ *   copy_kernel(name) -> str                                 the copies kept to a kernel no wider (tests)
  *   CopyHasher                                               xxh3 of a page copied into place piece by piece
  *   PageIndex, IndexRecord                                   the page index (page_index.c)
  *
@@ -909,17 +910,22 @@ static PyObject *py_key_hashes(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* xxh3's kernels by name, for xxh3_64_kernel. */
+static int cpu_any(void) {
+    return 1;
+}
+
+/* xxh3's kernels by name, for xxh3_64_kernel; `runs` says whether this CPU has the instructions. */
 static const struct {
     const char *name;
-    int needs_avx2;
+    int (*runs)(void);
     uint64_t (*hash)(const uint8_t *, size_t);
     void (*update)(xxh3_state_t *, const uint8_t *, size_t);
     uint64_t (*digest)(const xxh3_state_t *);
 } XXH3_KERNELS[] = {
-    {"scalar", 0, xxh3_64_scalar, xxh3_update_scalar, xxh3_digest_scalar},
-    {"sse2", 0, xxh3_64_sse2, xxh3_update_sse2, xxh3_digest_sse2},
-    {"avx2", 1, xxh3_64_avx2, xxh3_update_avx2, xxh3_digest_avx2},
+    {"scalar", cpu_any, xxh3_64_scalar, xxh3_update_scalar, xxh3_digest_scalar},
+    {"sse2", cpu_any, xxh3_64_sse2, xxh3_update_sse2, xxh3_digest_sse2},
+    {"avx2", cpu_avx2, xxh3_64_avx2, xxh3_update_avx2, xxh3_digest_avx2},
+    {"avx512", cpu_avx512, xxh3_64_avx512, xxh3_update_avx512, xxh3_digest_avx512},
 };
 
 /* One kernel's XXH3_64bits of the buffer: one-shot (cuts None), or streamed in the pieces between
@@ -935,11 +941,12 @@ static PyObject *py_xxh3_64_kernel(PyObject *self, PyObject *args) {
     while (k < sizeof(XXH3_KERNELS) / sizeof(XXH3_KERNELS[0]) && strcmp(XXH3_KERNELS[k].name, name) != 0)
         k++;
     if (k == sizeof(XXH3_KERNELS) / sizeof(XXH3_KERNELS[0])) {
-        PyErr_Format(PyExc_ValueError, "kernel must be 'scalar', 'sse2' or 'avx2', got %R", PyTuple_GET_ITEM(args, 1));
+        PyErr_Format(PyExc_ValueError, "kernel must be 'scalar', 'sse2', 'avx2' or 'avx512', got %R",
+                     PyTuple_GET_ITEM(args, 1));
         goto done;
     }
-    if (XXH3_KERNELS[k].needs_avx2 && !cpu_avx2()) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX2");
+    if (!XXH3_KERNELS[k].runs()) {
+        PyErr_Format(PyExc_RuntimeError, "this CPU cannot run the %s kernel", name);
         goto done;
     }
     const uint8_t *bytes = data.buf;
@@ -974,6 +981,25 @@ done:
     Py_XDECREF(seq);
     PyBuffer_Release(&data);
     return result;
+}
+
+/* copy_kernel(name) -> str: keep the copies (copy_hash*, copy_out*, CopyHasher) to the kernel `name` or a
+ * narrower one ('sse2', 'avx2', 'avx512'), so a test reaches each kernel the CPU runs; the name of the one they
+ * run now. Process-wide: for tests only. */
+static PyObject *py_copy_kernel(PyObject *self, PyObject *arg) {
+    static const char *const names[] = {"sse2", "avx2", "avx512"};
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (!name) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "copy_kernel takes a kernel's name, got %R", arg);
+        return NULL;
+    }
+    for (int k = COPY_SSE2; k <= COPY_AVX512; k++) {
+        if (strcmp(name, names[k]) == 0)
+            return PyUnicode_FromString(names[copy_kernel_cap((enum copy_kernel)k)]);
+    }
+    PyErr_Format(PyExc_ValueError, "kernel must be 'sse2', 'avx2' or 'avx512', got %R", arg);
+    return NULL;
 }
 
 /* An exact int of at most one internal digit (below 2**30: every token id of a real vocabulary) read
@@ -1077,9 +1103,12 @@ static PyMethodDef methods[] = {
      "token_ids_u32(ids) -> bytes | None: a list or tuple of ints as native uint32, None where one does not fit"},
     {"key_hashes", py_key_hashes, METH_VARARGS,
      "key_hashes(keys) -> bytes: BLAKE2b with an 8-byte digest of each bytes key, back to back"},
+    {"copy_kernel", py_copy_kernel, METH_O,
+     "copy_kernel(name) -> str: the copies kept to kernel name ('sse2', 'avx2', 'avx512') or a narrower one the CPU "
+     "runs; the one they run now (tests)"},
     {"xxh3_64_kernel", py_xxh3_64_kernel, METH_VARARGS,
-     "xxh3_64_kernel(buffer, kernel, cuts) -> int: XXH3_64bits by kernel 'scalar', 'sse2' or 'avx2', one-shot if cuts is None, "
-     "else streamed in the pieces between the ascending offsets cuts"},
+     "xxh3_64_kernel(buffer, kernel, cuts) -> int: XXH3_64bits by kernel 'scalar', 'sse2', 'avx2' or 'avx512', "
+     "one-shot if cuts is None, else streamed in the pieces between the ascending offsets cuts"},
     {NULL, NULL, 0, NULL},
 };
 

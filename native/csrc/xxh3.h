@@ -36,8 +36,8 @@ typedef struct {
 
 void xxh3_reset(xxh3_state_t *state);
 
-/* One kernel per instruction set, all giving the same bits: SSE2 (every x86-64 CPU), AVX2 (only
- * where the CPU has it), and portable C, the reference the tests hold the other two to. */
+/* One kernel per instruction set, all giving the same bits: SSE2 (every x86-64 CPU), AVX2 and
+ * AVX-512F (only where the CPU has them), and portable C, the reference the tests hold the others to. */
 uint64_t xxh3_64_scalar(const uint8_t *data, size_t nbytes);
 void xxh3_update_scalar(xxh3_state_t *state, const uint8_t *data, size_t nbytes);
 uint64_t xxh3_digest_scalar(const xxh3_state_t *state);
@@ -52,6 +52,12 @@ uint64_t xxh3_digest_avx2(const xxh3_state_t *state);
 /* xxh3_update_avx2 of what it writes to dst (32-byte aligned, streamed) from src, the stream at a
  * stripe's end (xxh3_kernel.h). */
 void xxh3_update_copy_avx2(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes);
+
+uint64_t xxh3_64_avx512(const uint8_t *data, size_t nbytes);
+void xxh3_update_avx512(xxh3_state_t *state, const uint8_t *data, size_t nbytes);
+uint64_t xxh3_digest_avx512(const xxh3_state_t *state);
+/* The same with AVX-512F (only where the CPU has it), dst 64-byte aligned. */
+void xxh3_update_copy_avx512(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes);
 
 /* Whether the stream so far is whole stripes. */
 static inline int xxh3_at_stripe(const xxh3_state_t *state) {

@@ -1,6 +1,7 @@
 /* XXH3_64bits' long loop and the stream built on it, compiled once per instruction set
- * (xxh3_scalar.c, xxh3_sse2.c, xxh3_avx2.c): the including file defines XXH3_KERNEL (the suffix of
- * the names) and, for a vector kernel, XXH3_KERNEL_SSE2 or XXH3_KERNEL_AVX2.
+ * (xxh3_scalar.c, xxh3_sse2.c, xxh3_avx2.c, xxh3_avx512.c): the including file defines XXH3_KERNEL
+ * (the suffix of the names) and, for a vector kernel, XXH3_KERNEL_SSE2, XXH3_KERNEL_AVX2 or
+ * XXH3_KERNEL_AVX512.
  *
  * A stripe is 64 bytes: lane i of eight takes its 8 input bytes d, xors them with its 8 secret
  * bytes into k, adds d to the neighbouring lane (i ^ 1) and the product of k's two 32-bit halves to
@@ -19,10 +20,58 @@
 
 /* Each kernel gives the eight lanes as a type held in registers (lanes_t) and four steps on it:
  * load, store, one stripe, scramble. What follows them is written once. */
-#ifdef XXH3_KERNEL_AVX2
+#ifdef XXH3_KERNEL_AVX512
+#include <immintrin.h>
+
+typedef struct { __m512i a; } lanes_t;   /* all eight lanes in one register: a stripe is one load */
+
+/* The stream copies (lanes_stripe_copy) with 64-byte streamed stores: `out` 64-byte aligned. */
+#define XXH3_COPY_ALIGN 64
+
+static inline lanes_t lanes_load(const uint64_t acc[8]) {
+    return (lanes_t){_mm512_loadu_si512(acc)};
+}
+
+static inline void lanes_store(uint64_t acc[8], lanes_t l) {
+    _mm512_storeu_si512(acc, l.a);
+}
+
+/* The AVX2 kernel's stripe, the eight lanes at once. */
+static inline __m512i lanes_fold512(__m512i a, __m512i d, const uint8_t *key) {
+    __m512i k = _mm512_xor_si512(d, _mm512_loadu_si512(key));
+    __m512i p = _mm512_mul_epu32(k, _mm512_srli_epi64(k, 32));
+    return _mm512_add_epi64(a, _mm512_add_epi64(p, _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+}
+
+static inline void lanes_stripe(lanes_t *l, const uint8_t *in, const uint8_t *key) {
+    l->a = lanes_fold512(l->a, _mm512_loadu_si512(in), key);
+    __asm__("" : "+v"(l->a));   /* one stripe's sum at a time, as in AVX2's */
+}
+
+/* lanes_stripe of a stripe also written to `out` (64-byte aligned) in one streamed store, a whole
+ * cache line, from the register it was read into. */
+static inline void lanes_stripe_copy(lanes_t *l, const uint8_t *in, uint8_t *out, const uint8_t *key) {
+    __m512i d = _mm512_loadu_si512(in);
+    _mm512_stream_si512((__m512i *)out, d);
+    l->a = lanes_fold512(l->a, d, key);
+    __asm__("" : "+v"(l->a));
+}
+
+static inline void lanes_scramble(lanes_t *l) {
+    const __m512i prime = _mm512_set1_epi64(XXH3_PRIME32_1);
+    __m512i key = _mm512_loadu_si512(xxh3_secret + XXH3_SCRAMBLE_KEY);
+    __m512i a = _mm512_xor_si512(_mm512_xor_si512(l->a, _mm512_srli_epi64(l->a, 47)), key);
+    __m512i lo = _mm512_mul_epu32(a, prime);
+    __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+    l->a = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+}
+
+#elif defined(XXH3_KERNEL_AVX2)
 #include <immintrin.h>
 
 typedef struct { __m256i a[2]; } lanes_t;   /* lanes 0-3, 4-7 */
+
+#define XXH3_COPY_ALIGN 32   /* lanes_stripe_copy's 32-byte streamed stores: `out` 32-byte aligned */
 
 static inline lanes_t lanes_load(const uint64_t acc[8]) {
     return (lanes_t){{_mm256_loadu_si256((const __m256i *)acc), _mm256_loadu_si256((const __m256i *)(acc + 4))}};
@@ -146,9 +195,10 @@ static inline void lanes_scramble(lanes_t *l) {
 /* `count` stripes from `in`, each with at least one byte after it in the stream, continuing the
  * block that `*stripes` stripes of have been folded already: the rest of that block, whole
  * blocks (unrolled, so each stripe's key is a constant offset), then the start of the next. The
- * lanes stay in registers throughout. With `out` (an address; the AVX2 kernel's only), each stripe
- * is also written there (lanes_stripe_copy); inlined always, so that a fold without one has no branch. */
-#ifdef XXH3_KERNEL_AVX2
+ * lanes stay in registers throughout. With `out` (an address; the kernels with XXH3_COPY_ALIGN only),
+ * each stripe is also written there (lanes_stripe_copy); inlined always, so that a fold without one has
+ * no branch. */
+#ifdef XXH3_COPY_ALIGN
 #define STRIPE(l, in, out, key) \
     ((out) ? lanes_stripe_copy(l, in, (uint8_t *)(out), key) : lanes_stripe(l, in, key))
 #else
@@ -250,8 +300,8 @@ uint64_t XXH3_NAME(xxh3_digest, XXH3_KERNEL)(const xxh3_state_t *state) {
     return finish(acc, held + state->held - XXH3_STRIPE_BYTES, state->total);
 }
 
-#ifdef XXH3_KERNEL_AVX2
-/* xxh3_update of `nbytes` read from `src`, each also written to `dst` (32-byte aligned), the stream at
+#ifdef XXH3_COPY_ALIGN
+/* xxh3_update of `nbytes` read from `src`, each also written to `dst` (XXH3_COPY_ALIGN), the stream at
  * a stripe's end (xxh3_at_stripe): every byte is read from src once, and what is folded is exactly
  * what was written, whatever changes src meanwhile (another client's shared memory). The bulk goes
  * through registers (fold_to); a short input, and the last stripe and a half, through a buffer: from

@@ -65,6 +65,27 @@ def test_float_token_ids_are_refused_not_truncated():
             chain([1.5, 2.0], 1)
 
 
+def _kernels() -> list[str]:
+    """xxh3's kernels this CPU runs: portable C, SSE2, and AVX2 and AVX-512F where the CPU has them."""
+    kernels = ["scalar", "sse2"]
+    for wide in ("avx2", "avx512"):
+        try:
+            kvstore_native.xxh3_64_kernel(b"", wide, None)
+            kernels.append(wide)
+        except RuntimeError:
+            pass
+    return kernels
+
+
+@pytest.fixture(params=[k for k in ("sse2", "avx2", "avx512") if k in _kernels()] if kvstore_native else ["none"])
+def copy_kernel(request):
+    """The copies (copy_hash*, copy_out*, CopyHasher) kept to each kernel this CPU runs in turn: the widest one
+    alone is what they would run here otherwise."""
+    assert kvstore_native.copy_kernel(request.param) == request.param
+    yield request.param
+    kvstore_native.copy_kernel("avx512")   # the widest the CPU runs again
+
+
 def _aligned(nbytes: int, misalign: int) -> tuple[np.ndarray, int]:
     storage = np.zeros(nbytes + 128, dtype=np.uint8)
     address = (storage.ctypes.data + 63) // 64 * 64 + misalign
@@ -72,7 +93,7 @@ def _aligned(nbytes: int, misalign: int) -> tuple[np.ndarray, int]:
 
 
 @pytest.mark.parametrize("misalign", [0, 1, 17])
-def test_copy_hash_copies_and_equals_xxh3(misalign):
+def test_copy_hash_copies_and_equals_xxh3(misalign, copy_kernel):
     rng = np.random.default_rng(misalign)
     sizes = [0, 1, 15, 16, 17, 128, 129, 240, 241, 255, 1024, 4095, 4096, 4097, 65536 + 13, 1 << 20]
     for nbytes in sizes:
@@ -99,17 +120,6 @@ def test_copy_hash_pages_copies_each_page_to_its_offset():
         data = source[i * page:(i + 1) * page].tobytes()
         assert ctypes.string_at(base + offset, page) == data
         assert sums[i] == xxhash.xxh3_64_intdigest(data)
-
-
-def _kernels() -> list[str]:
-    """xxh3's kernels this CPU runs: portable C, SSE2, and AVX2 where the CPU has it."""
-    kernels = ["scalar", "sse2"]
-    try:
-        kvstore_native.xxh3_64_kernel(b"", "avx2", None)
-        kernels.append("avx2")
-    except RuntimeError:
-        pass
-    return kernels
 
 
 LENGTHS_EVERY = range(0, 2101)   # every length class (0, 1-3, 4-8, 9-16, 17-128, 129-240, long) and two blocks
@@ -173,7 +183,7 @@ def test_xxh3_kernel_refuses_what_it_cannot_do():
         kvstore_native.xxh3_64_kernel(b"abc", "scalar", [4])
 
 
-def test_copy_hash_equals_xxh3_for_every_length(source):
+def test_copy_hash_equals_xxh3_for_every_length(source, copy_kernel):
     rng = np.random.default_rng(4)
     storage, dst = _aligned(max(LENGTHS_EVERY), 3)
     for nbytes in LENGTHS_EVERY:
@@ -199,7 +209,7 @@ def _pages_of(rng: np.random.Generator, source: np.ndarray, lengths: list[int]):
 
 
 @pytest.mark.parametrize("lengths", ["every", "mib"])
-def test_copy_hash_pages_and_copy_out_hashed_equal_xxh3(source, lengths):
+def test_copy_hash_pages_and_copy_out_hashed_equal_xxh3(source, lengths, copy_kernel):
     """Puts (copy_hash_pages) and gets (copy_out_hashed) of pages of every length to 2100, then of random
     lengths to 6 MiB, each page in random segments: the bytes land and the sums are xxhash's."""
     rng = np.random.default_rng(5 if lengths == "every" else 6)
@@ -220,9 +230,9 @@ def test_copy_hash_pages_and_copy_out_hashed_equal_xxh3(source, lengths):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_copies_into_aligned_pieces_hash_what_they_write(source, seed):
+def test_copies_into_aligned_pieces_hash_what_they_write(source, seed, copy_kernel):
     """Pages cut where every piece lands 32-byte aligned (the pieces copied through the registers they are hashed
-    from, where the CPU has AVX2), in segments of multiples of 32 bytes, short and long, so that a segment starts
+    from, where the CPU has AVX2; with AVX-512F, those 64-byte aligned), in segments of multiples of 32 bytes, short and long, so that a segment starts
     both at a stripe's end and in its middle: puts and gets land every byte and equal xxhash."""
     rng = np.random.default_rng(40 + seed)
     sizes = [int(n) * 32 for n in rng.integers(1, 40_000, size=6)] + [32, 384, 416, 4096, 4128, 1 << 20]
@@ -245,7 +255,7 @@ def test_copies_into_aligned_pieces_hash_what_they_write(source, seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_copy_hasher_streams_equal_xxh3_and_land_every_byte(source, seed):
+def test_copy_hasher_streams_equal_xxh3_and_land_every_byte(source, seed, copy_kernel):
     """A stream copied in at random cuts (socket reads: anywhere, around stripes and blocks, 4 KiB steps), into a
     destination aligned or not, equals the one-shot xxh3 of the bytes, and those bytes are what landed."""
     rng = np.random.default_rng(60 + seed)
@@ -299,7 +309,7 @@ def _send_in_pieces(sock: socket.socket, data: bytes, rng: np.random.Generator) 
     return sender
 
 
-def test_copy_hasher_receives_a_page_from_a_socket_hashed_or_not():
+def test_copy_hasher_receives_a_page_from_a_socket_hashed_or_not(copy_kernel):
     """receive() fills the page from reads of any length, each through the buffer, and feeds the stream only
     when asked; a second page follows the first on the same stream of bytes."""
     rng = np.random.default_rng(70)
@@ -427,7 +437,7 @@ def test_copy_hash_into_equals_the_python_path(page):
 
 
 @pytest.mark.parametrize("page", [1, 100, 4096, 65536 + 7])
-def test_copying_rows_in_and_out_does_what_the_segment_lists_do(page):
+def test_copying_rows_in_and_out_does_what_the_segment_lists_do(page, copy_kernel):
     """Pages back to back in one buffer, offsets as ints or as a buffer of uint64s: copy_hash_rows puts the same
     bytes in the same slots as copy_hash_into and copy_out_hashed_rows reads them back as copy_out_hashed does, with
     the same checksums, as uint64s."""
