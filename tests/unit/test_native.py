@@ -231,9 +231,9 @@ def test_copy_hash_pages_and_copy_out_hashed_equal_xxh3(source, lengths, copy_ke
 
 @pytest.mark.parametrize("seed", range(4))
 def test_copies_into_aligned_pieces_hash_what_they_write(source, seed, copy_kernel):
-    """Pages cut where every piece lands 32-byte aligned (the pieces copied through the registers they are hashed
-    from, where the CPU has AVX2; with AVX-512F, those 64-byte aligned), in segments of multiples of 32 bytes, short and long, so that a segment starts
-    both at a stripe's end and in its middle: puts and gets land every byte and equal xxhash."""
+    """Pages cut where every piece lands 32-byte aligned (those 64-byte aligned copied through the registers
+    they are hashed from, where the CPU has AVX2), in segments of multiples of 32 bytes, short and long, so that a
+    segment starts both at a stripe's end and in its middle: puts and gets land every byte and equal xxhash."""
     rng = np.random.default_rng(40 + seed)
     sizes = [int(n) * 32 for n in rng.integers(1, 40_000, size=6)] + [32, 384, 416, 4096, 4128, 1 << 20]
     starts = [int(rng.integers(0, SOURCE_BYTES - n + 1)) for n in sizes]
