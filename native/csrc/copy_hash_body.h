@@ -67,9 +67,9 @@ static inline void prefetch_next_piece(const uint8_t *next, const uint8_t *end) 
 
 /* Whether a piece goes to `dst` through the registers it is hashed from (COPY_AND_HASH, where the
  * kernel has one: xxh3_update_copy), which streamed stores need aligned (COPY_AND_HASH_ALIGN), and
- * the stream at a stripe's end (a page's segments of whole stripes, as KV layouts cut them): the copy and the hash
- * then overlap, where a copy and then a hash of the piece take turns, and a get needs no bounce.
- * Gets of 1 MiB pages into a page-aligned buffer: 6.2 -> 8.5 GB/s (native/README.md). */
+ * the stream at a stripe's end (a page's segments of whole stripes, as KV layouts cut them): the
+ * copy and the hash then overlap, where a copy and then a hash of the piece take turns, and a get
+ * needs no bounce. Gets of 1 MiB pages into a page-aligned buffer: 6.2 -> 8.5 GB/s (native/README.md). */
 #ifdef COPY_AND_HASH
 enum { COPY_AND_HASH_KERNEL = 1 };
 #else
@@ -78,7 +78,8 @@ enum { COPY_AND_HASH_KERNEL = 0 };
 #define COPY_AND_HASH_ALIGN 1
 #endif
 static inline int fused(int streaming, const uint8_t *dst, const xxh3_state_t *state) {
-    return COPY_AND_HASH_KERNEL && streaming && !((uintptr_t)dst & (COPY_AND_HASH_ALIGN - 1)) && xxh3_at_stripe(state);
+    return COPY_AND_HASH_KERNEL && streaming && !((uintptr_t)dst & (COPY_AND_HASH_ALIGN - 1)) &&
+           xxh3_at_stripe(state);
 }
 
 /* Copy nbytes from src to dst, feeding them to the stream, piece by piece. Returns dst past them. */
