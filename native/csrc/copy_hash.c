@@ -43,15 +43,29 @@ int cpu_avx512(void) {
     return known;
 }
 
-static enum copy_kernel cap = COPY_AVX512;
-
-/* The widest kernel this CPU runs, up to the cap. */
-static enum copy_kernel widest(void) {
-    enum copy_kernel runs = cpu_avx512() ? COPY_AVX512 : cpu_avx2() ? COPY_AVX2 : COPY_SSE2;
-    return runs < cap ? runs : cap;
+/* Skylake-SP and its successors up to Cooper Lake lower a core's clock for a while after 512-bit multiplies,
+ * which would slow the Python beside the copies on that core: there, as glibc's memcpy does, the copies keep
+ * to AVX2 unless told otherwise. */
+static int avx512_lowers_clock(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("skylake-avx512") || __builtin_cpu_is("cascadelake") || __builtin_cpu_is("cooperlake");
 }
 
-enum copy_kernel copy_kernel_cap(enum copy_kernel widest_allowed) {
+static int cap = -1;   /* an enum copy_kernel once copy_kernel_cap was called, else the default choice */
+
+/* The kernel the copies run: the widest this CPU runs and prefers, or up to the cap. */
+static enum copy_kernel widest(void) {
+    enum copy_kernel runs = cpu_avx512() ? COPY_AVX512 : cpu_avx2() ? COPY_AVX2 : COPY_SSE2;
+    if (cap < 0) {
+        static int prefers_avx2 = -1;
+        if (prefers_avx2 < 0)
+            prefers_avx2 = avx512_lowers_clock();
+        return runs == COPY_AVX512 && prefers_avx2 ? COPY_AVX2 : runs;
+    }
+    return (int)runs < cap ? runs : (enum copy_kernel)cap;
+}
+
+enum copy_kernel copy_kernel_cap(int widest_allowed) {
     cap = widest_allowed;
     return widest();
 }

@@ -32,7 +32,8 @@ int cpu_avx2(void);
 int cpu_avx512(void);
 
 /* The copies' kernels, narrowest first. copy_kernel_cap keeps them to one no wider than `widest_allowed`
- * (tests reach each kernel this way) and returns the one they run now. */
+ * (an enum copy_kernel; -1: the default choice) and returns the one they run now: tests reach each kernel
+ * the CPU runs this way. */
 enum copy_kernel { COPY_SSE2, COPY_AVX2, COPY_AVX512 };
-enum copy_kernel copy_kernel_cap(enum copy_kernel widest_allowed);
+enum copy_kernel copy_kernel_cap(int widest_allowed);
 #endif

@@ -984,19 +984,21 @@ done:
 }
 
 /* copy_kernel(name) -> str: keep the copies (copy_hash*, copy_out*, CopyHasher) to the kernel `name` or a
- * narrower one ('sse2', 'avx2', 'avx512'), so a test reaches each kernel the CPU runs; the name of the one they
- * run now. Process-wide: for tests only. */
+ * narrower one ('sse2', 'avx2', 'avx512'; None: back to the default choice), so a test reaches each kernel the
+ * CPU runs; the name of the one they run now. Process-wide: for tests only. */
 static PyObject *py_copy_kernel(PyObject *self, PyObject *arg) {
     static const char *const names[] = {"sse2", "avx2", "avx512"};
+    if (arg == Py_None)
+        return PyUnicode_FromString(names[copy_kernel_cap(-1)]);
     const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
     if (!name) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "copy_kernel takes a kernel's name, got %R", arg);
+        PyErr_Format(PyExc_TypeError, "copy_kernel takes a kernel's name or None, got %R", arg);
         return NULL;
     }
     for (int k = COPY_SSE2; k <= COPY_AVX512; k++) {
         if (strcmp(name, names[k]) == 0)
-            return PyUnicode_FromString(names[copy_kernel_cap((enum copy_kernel)k)]);
+            return PyUnicode_FromString(names[copy_kernel_cap(k)]);
     }
     PyErr_Format(PyExc_ValueError, "kernel must be 'sse2', 'avx2' or 'avx512', got %R", arg);
     return NULL;
@@ -1105,7 +1107,7 @@ static PyMethodDef methods[] = {
      "key_hashes(keys) -> bytes: BLAKE2b with an 8-byte digest of each bytes key, back to back"},
     {"copy_kernel", py_copy_kernel, METH_O,
      "copy_kernel(name) -> str: the copies kept to kernel name ('sse2', 'avx2', 'avx512') or a narrower one the CPU "
-     "runs; the one they run now (tests)"},
+     "runs (None: the default choice); the one they run now (tests)"},
     {"xxh3_64_kernel", py_xxh3_64_kernel, METH_VARARGS,
      "xxh3_64_kernel(buffer, kernel, cuts) -> int: XXH3_64bits by kernel 'scalar', 'sse2', 'avx2' or 'avx512', "
      "one-shot if cuts is None, else streamed in the pieces between the ascending offsets cuts"},

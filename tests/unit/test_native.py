@@ -83,7 +83,7 @@ def copy_kernel(request):
     alone is what they would run here otherwise."""
     assert kvstore_native.copy_kernel(request.param) == request.param
     yield request.param
-    kvstore_native.copy_kernel("avx512")   # the widest the CPU runs again
+    kvstore_native.copy_kernel(None)   # the default choice again
 
 
 def _aligned(nbytes: int, misalign: int) -> tuple[np.ndarray, int]:
@@ -279,6 +279,18 @@ def test_copy_hasher_streams_equal_xxh3_and_land_every_byte(source, seed, copy_k
             hasher.copy_unhashed(dst[a:], data[a:b])
         assert ctypes.string_at(address, nbytes) == data.tobytes()
         assert hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")
+
+
+def test_copy_kernel_keeps_the_copies_to_one_and_goes_back_to_the_default_choice():
+    default = kvstore_native.copy_kernel(None)
+    assert default in _kernels()   # the widest this CPU runs, or AVX2 where 512-bit work lowers its clock
+    assert kvstore_native.copy_kernel("sse2") == "sse2"
+    assert kvstore_native.copy_kernel(None) == default
+    with pytest.raises(ValueError, match="'sse2', 'avx2' or 'avx512'"):
+        kvstore_native.copy_kernel("avx1024")
+    with pytest.raises(TypeError, match="kernel's name or None"):
+        kvstore_native.copy_kernel(512)
+    assert kvstore_native.copy_kernel(None) == default
 
 
 def test_copy_hasher_refuses_what_it_cannot_copy():
