@@ -79,8 +79,8 @@ def _kernels() -> list[str]:
 
 @pytest.fixture(params=[k for k in ("sse2", "avx2", "avx512") if k in _kernels()] if kvstore_native else ["none"])
 def copy_kernel(request):
-    """The copies (copy_hash*, copy_out*, CopyHasher) kept to each kernel this CPU runs in turn: the widest one
-    alone is what they would run here otherwise."""
+    """The copies (copy_hash*, copy_out*, CopyHasher) kept to each kernel this CPU runs in turn, where otherwise
+    they would run only the default choice (copy_kernel(None))."""
     assert kvstore_native.copy_kernel(request.param) == request.param
     yield request.param
     kvstore_native.copy_kernel(None)   # the default choice again
