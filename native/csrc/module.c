@@ -644,8 +644,8 @@ static void prefetch_source(const batch_t *b, size_t i) {
  * running one's next tick (a virtual machine here: a get waited 1.9-3.4 ms beside a process that only computed,
  * even one at nice 19 or SCHED_IDLE, 0.2 ms beside one that yielded), every YIELD_BYTES the copy lets a thread
  * that is ready run first; with none ready, a yield returns at once. A reader whose client shared its core with
- * a writer putting 64 KiB pages (bench/writedown_latency.py): p99 1.42-1.47 -> 0.99-1.00 ms, two pairs of runs
- * alternated; puts and gets of 64 KiB to 4 MiB moved as fast as before. */
+ * a writer putting 64 KiB pages (bench/hot_path.py's write-down row): loaded p99 1.37-1.51 ms in three runs
+ * before, 0.99-1.06 in three after; puts and gets of 64 KiB to 4 MiB moved as fast as before. */
 enum { YIELD_BYTES = 1 << 20 };
 
 static void yield_every(size_t *copied, size_t nbytes) {
