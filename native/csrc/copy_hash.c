@@ -26,21 +26,13 @@ void copy_hash_update_avx512(xxh3_state_t *state, uint8_t *dst, const uint8_t *s
 void copy_streamed_avx512(uint8_t *dst, const uint8_t *src, size_t nbytes);
 
 int cpu_avx2(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2");
-    }
-    return known;
+    __builtin_cpu_init();   /* at once after the first call; needed where a copy runs before libgcc's own */
+    return __builtin_cpu_supports("avx2");
 }
 
 int cpu_avx512(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f");
-    }
-    return known;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
 }
 
 /* Skylake-SP and its successors up to Cooper Lake lower a core's clock for a while after 512-bit multiplies,
@@ -51,18 +43,36 @@ static int avx512_lowers_clock(void) {
     return __builtin_cpu_is("skylake-avx512") || __builtin_cpu_is("cascadelake") || __builtin_cpu_is("cooperlake");
 }
 
+static void copy_plain(uint8_t *dst, const uint8_t *src, size_t nbytes) {
+    memcpy(dst, src, nbytes);
+}
+
+/* One kernel's entry points; `streaming`: whether it writes with non-temporal stores. */
+static const struct {
+    uint64_t (*copy_hash)(uint8_t *dst, const segment_t *segments, size_t count, int streaming);
+    uint64_t (*copy_out_hash)(const uint8_t *src, const segment_t *segments, size_t count, int streaming);
+    void (*copy_hash_update)(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes, int streaming);
+    void (*copy_streamed)(uint8_t *dst, const uint8_t *src, size_t nbytes);
+    uint64_t (*digest)(const xxh3_state_t *state);
+    uint64_t (*hash)(const uint8_t *data, size_t nbytes);
+    int streaming;
+} KERNELS[] = {
+    [COPY_SSE2] = {copy_hash_sse2, copy_out_hash_sse2, copy_hash_update_sse2, copy_plain,
+                   xxh3_digest_sse2, xxh3_64_sse2, 0},
+    [COPY_AVX2] = {copy_hash_avx2, copy_out_hash_avx2, copy_hash_update_avx2, copy_streamed_avx2,
+                   xxh3_digest_avx2, xxh3_64_avx2, 1},
+    [COPY_AVX512] = {copy_hash_avx512, copy_out_hash_avx512, copy_hash_update_avx512, copy_streamed_avx512,
+                     xxh3_digest_avx512, xxh3_64_avx512, 1},
+};
+
 static int cap = -1;   /* an enum copy_kernel once copy_kernel_cap was called, else the default choice */
 
 /* The kernel the copies run: the widest this CPU runs and prefers, or up to the cap. */
 static enum copy_kernel widest(void) {
     enum copy_kernel runs = cpu_avx512() ? COPY_AVX512 : cpu_avx2() ? COPY_AVX2 : COPY_SSE2;
-    if (cap < 0) {
-        static int prefers_avx2 = -1;
-        if (prefers_avx2 < 0)
-            prefers_avx2 = avx512_lowers_clock();
-        return runs == COPY_AVX512 && prefers_avx2 ? COPY_AVX2 : runs;
-    }
-    return (int)runs < cap ? runs : (enum copy_kernel)cap;
+    if (cap >= 0)
+        return (int)runs < cap ? runs : (enum copy_kernel)cap;
+    return runs == COPY_AVX512 && avx512_lowers_clock() ? COPY_AVX2 : runs;
 }
 
 enum copy_kernel copy_kernel_cap(int widest_allowed) {
@@ -71,49 +81,28 @@ enum copy_kernel copy_kernel_cap(int widest_allowed) {
 }
 
 uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
-    switch (widest()) {
-    case COPY_AVX512: return copy_hash_avx512(dst, segments, count, 1);
-    case COPY_AVX2: return copy_hash_avx2(dst, segments, count, 1);
-    default: return copy_hash_sse2(dst, segments, count, 0);
-    }
+    enum copy_kernel k = widest();
+    return KERNELS[k].copy_hash(dst, segments, count, KERNELS[k].streaming);
 }
 
 uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
-    switch (widest()) {
-    case COPY_AVX512: return copy_out_hash_avx512(src, segments, count, 1);
-    case COPY_AVX2: return copy_out_hash_avx2(src, segments, count, 1);
-    default: return copy_out_hash_sse2(src, segments, count, 0);
-    }
+    enum copy_kernel k = widest();
+    return KERNELS[k].copy_out_hash(src, segments, count, KERNELS[k].streaming);
 }
 
 void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes) {
-    switch (widest()) {
-    case COPY_AVX512: copy_hash_update_avx512(state, dst, src, nbytes, 1); break;
-    case COPY_AVX2: copy_hash_update_avx2(state, dst, src, nbytes, 1); break;
-    default: copy_hash_update_sse2(state, dst, src, nbytes, 0);
-    }
+    enum copy_kernel k = widest();
+    KERNELS[k].copy_hash_update(state, dst, src, nbytes, KERNELS[k].streaming);
 }
 
 void copy_streamed(uint8_t *dst, const uint8_t *src, size_t nbytes) {
-    switch (widest()) {
-    case COPY_AVX512: copy_streamed_avx512(dst, src, nbytes); break;
-    case COPY_AVX2: copy_streamed_avx2(dst, src, nbytes); break;
-    default: memcpy(dst, src, nbytes);
-    }
+    KERNELS[widest()].copy_streamed(dst, src, nbytes);
 }
 
 uint64_t copy_hash_digest(const xxh3_state_t *state) {
-    switch (widest()) {
-    case COPY_AVX512: return xxh3_digest_avx512(state);
-    case COPY_AVX2: return xxh3_digest_avx2(state);
-    default: return xxh3_digest_sse2(state);
-    }
+    return KERNELS[widest()].digest(state);
 }
 
 uint64_t hash_bytes(const uint8_t *data, size_t nbytes) {
-    switch (widest()) {
-    case COPY_AVX512: return xxh3_64_avx512(data, nbytes);
-    case COPY_AVX2: return xxh3_64_avx2(data, nbytes);
-    default: return xxh3_64_sse2(data, nbytes);
-    }
+    return KERNELS[widest()].hash(data, nbytes);
 }
