@@ -43,7 +43,7 @@ def private_server(start_server, tmp_path) -> "ServerProcess":
     token, on the local socket too, and the test hands `server.token` to its own clients (token=): a client of
     an earlier test that finds this node at a port the kernel gave out again is refused before a call is
     counted. Not through KVSTORE_TOKEN: every client in this process reads that when it connects, one an
-    earlier test left running included (a CI run counted a whole put-and-get session no client of the test made)."""
+    earlier test left running included."""
     from identities import token_line
 
     token = secrets.token_urlsafe(24)

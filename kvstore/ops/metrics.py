@@ -18,6 +18,8 @@ view: with authentication configured (auth.*) a scrape must carry an admin token
 (`Authorization: Bearer <token>`, Prometheus' `authorization` scrape setting) and is
 answered 401 without a known token, 403 with a tenant's. Refused callers are counted per
 plane and error (kvstore_auth_refusals_total).
+
+The series live in the node's own memory, whatever its environment says (_own_values).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from wsgiref.simple_server import make_server
 
 from google.protobuf.descriptor import FieldDescriptor
 from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
-                               make_wsgi_app)
+                               make_wsgi_app, values)
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -61,6 +63,7 @@ _NUMERIC = {FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_UINT32, FieldDescr
 class Metrics:
     def __init__(self, service: KVStoreService, auth: Authenticator | None = None):
         disable_created_metrics()  # *_created series double the output and no dashboard reads them
+        _own_values()
         self.auth = auth
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(StatsCollector(service, auth))
@@ -126,6 +129,17 @@ class _BoundedServer(ThreadingWSGIServer):
 
 class _PatientHandler(_SilentHandler):
     timeout = SCRAPE_TIMEOUT_S   # a peer silent this long mid-request loses its thread
+
+
+def _own_values() -> None:
+    """Keep the per-call series in this process's memory. prometheus_client keeps them instead in files named by
+    pid in $PROMETHEUS_MULTIPROC_DIR wherever that is set (LMCache sets it for itself, and so for any node an
+    engine's process starts): a node would go on from the counts of an earlier process that had its pid, and
+    leave its own files behind."""
+    if values.ValueClass is not values.MutexValue:
+        log.warning("PROMETHEUS_MULTIPROC_DIR is set in the node's environment; the node's metrics stay in its own "
+                    "memory and are served at ops.metrics_address only")
+        values.ValueClass = values.MutexValue
 
 
 class MeteredService:

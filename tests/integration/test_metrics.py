@@ -86,6 +86,21 @@ def _ns_id(samples):
     return ids.pop()
 
 
+def test_a_node_keeps_its_metrics_its_own_where_the_environment_names_a_multiprocess_dir(start_server, tmp_path):
+    """LMCache sets PROMETHEUS_MULTIPROC_DIR in its process, so a node an engine starts inherits it: the node must not
+    keep its counts in that directory's per-pid files, where they would add to an earlier process's of its pid."""
+    shared = tmp_path / "engine-prometheus"
+    shared.mkdir()
+    server = start_server(env={"PROMETHEUS_MULTIPROC_DIR": str(shared)})
+    with KVStoreClient(server.address) as client:
+        assert client.put(Namespace(model="multiproc", page_bytes=PAGE), ["a", "b"], np.ones((2, PAGE), np.uint8)) == 2
+    samples = scrape(server)
+    assert value(samples, "kvstore_rpc_duration_seconds_count", method="Reserve", carrier="local") == 1
+    assert value(samples, "kvstore_rpc_duration_seconds_count", method="Commit", carrier="local") == 1
+    assert list(shared.iterdir()) == []
+    assert "PROMETHEUS_MULTIPROC_DIR is set" in server.log()
+
+
 def test_errors_evictions_and_expired_leases_are_counted(start_server):
     server = start_server({"dram.arena_bytes": "8MiB", "leases.reap_interval_ms": 10})
     big = Namespace(model="evict", page_bytes=1 << 20)
