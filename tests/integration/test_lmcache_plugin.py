@@ -40,10 +40,14 @@ def test_lmcache_is_the_pinned_release():
 
 @pytest.fixture
 def loop():
+    """LMCache's event loop on its thread; the engines a test made on it are closed before it stops, so their
+    connectors' threads do not outlive the test."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield loop
+    for engine in Engine.made.pop(loop, []):
+        engine.remote.close()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
     loop.close()
@@ -69,11 +73,14 @@ def make_metadata(worker_id=0, world_size=1):
 class Engine:
     """LMCache's CPU buffer plus its remote backend for one plugin, as LMCache wires them."""
 
+    made: dict = {}   # loop -> the engines made on it, for the loop fixture to close
+
     def __init__(self, config, loop, worker_id=0, world_size=1, plugin="kvstore"):
         self.metadata = make_metadata(worker_id, world_size)
         self.cpu = LocalCPUBackend(config, self.metadata, dst_device="cpu")
         self.remote = RemoteBackend(config, self.metadata, loop, self.cpu, dst_device="cpu", plugin_name=plugin)
         self.loop = loop
+        Engine.made.setdefault(loop, []).append(self)
         assert self.remote.connection is not None, "LMCache could not create the kvstore connector"
 
     def chunk(self, seed, tokens=CHUNK):
