@@ -57,7 +57,7 @@ import _mooncake_te_peer
 import tcp_throughput
 import writedown_latency
 from _server import ServerProcess
-from kvstore_client import KVStoreClient, Namespace, keys as kv_keys, native
+from kvstore_client import KVStoreClient, Namespace, keys as kv_keys, native, page_buffer
 
 PAGE_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 BATCH_PAGES = {4 << 10: 1024, 64 << 10: 128, 1 << 20: 128, 4 << 20: 32}
@@ -67,12 +67,6 @@ TCP_PAGE_SIZES = (1 << 20, 4 << 20)
 TCP_WORKING_SET = 256 << 20
 TCP_BATCH_PAGES = 64
 WRITEDOWN_PAGES_PER_S = 3366   # 64 KiB pages a second, before write-down's transactions were cut to 256 KiB
-
-
-def page_aligned(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + 4096, dtype=np.uint8)
-    start = -raw.ctypes.data % 4096
-    return raw[start:start + nbytes]
 
 
 def memmove_gbps(src: int, dst: int, nbytes: int, page_bytes: int) -> float:
@@ -124,7 +118,7 @@ def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
     figures taken within seconds of each other: on a shared host, a slow minute between a kvstore phase and
     a Mooncake phase moved put/mc by a fifth either way."""
     working_set = args.working_set_mib << 20
-    src, dst = page_aligned(working_set), page_aligned(working_set)
+    src, dst = page_buffer(1, working_set)[0], page_buffer(1, working_set)[0]
     src[:] = np.random.default_rng(0).integers(0, 255, working_set, dtype=np.uint8)
     dst[:] = 1   # faulted in before timing
     rows = {p: {"page_bytes": p, "pages": working_set // p, "batch_pages": BATCH_PAGES[p]} for p in page_sizes}

@@ -41,9 +41,8 @@ import numpy as np
 import _mooncake_peer
 import _mooncake_te_peer
 from _server import ServerProcess
-from kvstore_client import KVStoreClient, Namespace
+from kvstore_client import KVStoreClient, Namespace, page_buffer
 from kvstore_client.tcp_transport import sendmsg_all
-from shm_throughput import page_aligned
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REQUEST_RAW = __import__("struct").Struct("<BII")
@@ -173,9 +172,9 @@ def measure(page_bytes: int, working_set: int, batch: int, repeats: int, congest
     client_cpu, server_cpus = PLACEMENTS[placement]
     os.sched_setaffinity(0, {client_cpu})
     pages = working_set // page_bytes
-    src = page_aligned(pages, page_bytes)
+    src = page_buffer(pages, page_bytes)
     src[:] = np.random.default_rng(page_bytes).integers(0, 255, (pages, page_bytes), dtype=np.uint8)
-    dst = page_aligned(pages, page_bytes)
+    dst = page_buffer(pages, page_bytes)
     dst[:] = 1
     batches = [(s, min(s + batch, pages)) for s in range(0, pages, batch)]
     settings = [f"dram.arena_bytes={working_set + (128 << 20)}", "server.log_level=WARNING"]

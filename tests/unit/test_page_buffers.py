@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvstore_client.buffers import PageRows, page_segments
+from kvstore_client.buffers import PageRows, page_buffer, page_segments
 from kvstore_client.data_path import PageColumns, offsets_and_segments
 from kvstore_client.errors import InvalidArgument, PageSizeMismatch
 
@@ -63,3 +63,18 @@ def test_a_buffer_that_is_not_contiguous_is_an_invalid_argument():
     strided = memoryview(bytearray(8192))[::2]
     with pytest.raises(InvalidArgument, match="page 0: .*not C-contiguous"):
         page_segments([strided], 1, 4096, writable=True)
+
+
+@pytest.mark.parametrize("pages, page_bytes", [(3, 4096), (5, 100), (1, 1 << 20)])
+def test_a_page_buffer_starts_on_a_4k_boundary_and_holds_its_pages_as_rows(pages, page_bytes):
+    buffer = page_buffer(pages, page_bytes)
+    assert buffer.shape == (pages, page_bytes) and buffer.dtype == np.uint8 and buffer.flags.c_contiguous
+    assert buffer.ctypes.data % 4096 == 0
+    rows, _ = page_segments(buffer, pages, page_bytes, writable=True)
+    assert list(rows) == [((buffer.ctypes.data + i * page_bytes, page_bytes),) for i in range(pages)]
+
+
+@pytest.mark.parametrize("pages, page_bytes", [(-1, 64), (2, 0)])
+def test_a_page_buffer_of_no_size_is_an_invalid_argument(pages, page_bytes):
+    with pytest.raises(InvalidArgument, match="page_bytes > 0"):
+        page_buffer(pages, page_bytes)
