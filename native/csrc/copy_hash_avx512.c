@@ -7,7 +7,7 @@
 #define HASH_UPDATE xxh3_update_avx512
 #define HASH_DIGEST xxh3_digest_avx512
 #define COPY_AND_HASH xxh3_update_copy_avx512
-#define COPY_AND_HASH_ALIGN 64
+#define COPY_AND_HASH_ALIGN 4   /* a line a store from any 4-byte boundary (xxh3_kernel.h: fold_to_shifted) */
 #define COPY_STREAM_AVX512
 #include "copy_hash_body.h"
 

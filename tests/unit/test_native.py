@@ -92,7 +92,7 @@ def _aligned(nbytes: int, misalign: int) -> tuple[np.ndarray, int]:
     return storage, address
 
 
-@pytest.mark.parametrize("misalign", [0, 1, 17])
+@pytest.mark.parametrize("misalign", [0, 1, 16, 17, 60])
 def test_copy_hash_copies_and_equals_xxh3(misalign, copy_kernel):
     rng = np.random.default_rng(misalign)
     sizes = [0, 1, 15, 16, 17, 128, 129, 240, 241, 255, 1024, 4095, 4096, 4097, 65536 + 13, 1 << 20]
@@ -252,6 +252,33 @@ def test_copies_into_aligned_pieces_hash_what_they_write(source, seed, copy_kern
     out_pages = [cut(out + offset, n) for offset, n in zip(offsets, sizes)]
     assert kvstore_native.copy_out_hashed(base, offsets, out_pages) == expected
     assert ctypes.string_at(out, sum(sizes)) == ctypes.string_at(base, sum(sizes))
+
+
+@pytest.mark.parametrize("misalign", [4, 16, 48, 60, 2])
+def test_gets_off_a_cache_line_land_every_byte_and_touch_nothing_around(source, misalign, copy_kernel):
+    """numpy's own arrays start 16 bytes past a cache line. A get there (where the CPU has AVX-512F: whole lines
+    streamed, each put together from two stripes, and masked stores at the two ends) lands every page, in segments
+    cut at 4-byte steps, equals xxhash, and leaves the bytes before and after the buffer as they were."""
+    rng = np.random.default_rng(misalign)
+    sizes = [64, 100, 4096, 4096 + 48, 65536 + 4, 1 << 20, 3 * 4096 + 64 * 17, 257]
+    starts = [int(rng.integers(0, SOURCE_BYTES - n + 1)) for n in sizes]
+    expected = [xxhash.xxh3_64_intdigest(source[s:s + n]) for s, n in zip(starts, sizes)]
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    total = sum(sizes)
+    storage, base = _aligned(total, 0)
+    for s, n, offset in zip(starts, sizes, offsets):
+        ctypes.memmove(base + offset, source.ctypes.data + s, n)
+    guard = 256
+    out_storage = np.full(total + 2 * guard, 0xA5, dtype=np.uint8)
+    out = (out_storage.ctypes.data + guard // 2 + 63) // 64 * 64 + misalign
+    out_pages = []
+    for offset, n in zip(offsets, sizes):
+        bounds = sorted({0, n, *(int(b) * 4 for b in rng.integers(0, n // 4 + 1, size=2))})
+        out_pages.append([(out + offset + a, b - a) for a, b in zip(bounds, bounds[1:])])
+    assert kvstore_native.copy_out_hashed(base, offsets, out_pages) == expected
+    assert ctypes.string_at(out, total) == ctypes.string_at(base, total)
+    before, after = out - out_storage.ctypes.data, out - out_storage.ctypes.data + total
+    assert (out_storage[:before] == 0xA5).all() and (out_storage[after:] == 0xA5).all()
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -63,11 +63,11 @@ PageSegments = Union[PageRows, list[Sequence[Segment]]]
 def page_buffer(pages: int, page_bytes: int) -> np.ndarray:
     """A (pages, page_bytes) uint8 array starting on a 4 KiB boundary, to put pages from and get them into.
 
-    numpy's own large arrays (np.zeros, np.empty) start 16 bytes past a cache line. A get writes a page with
-    streamed stores of whole lines, so into such an array it first copies each piece to a bounce buffer: gets of
-    1 MiB pages went at 4.9 GB/s into np.zeros, 6.1 into this (one run, client on CPU 0, node on CPU 1).
-    torch's CPU tensors start on a line already. (glibc's memcpy, too, runs about half speed for 64 KiB copies
-    between buffers that differ in alignment mod 64.)
+    numpy's own large arrays (np.zeros, np.empty) start 16 bytes past a cache line, and a get writes a page with
+    streamed stores of whole lines: into such an array the AVX2 and SSE2 copies go through a bounce buffer (gets
+    of 1 MiB pages at 4.9 GB/s against 6.1 into this), and the AVX-512 copies put each line together from two
+    stripes (5.5 against 6.2-6.4). torch's CPU tensors start on a line already. (glibc's memcpy, too, runs about
+    half speed for 64 KiB copies between buffers that differ in alignment mod 64.)
     """
     if pages < 0 or page_bytes <= 0:
         raise InvalidArgument(f"a page buffer of {pages} pages of {page_bytes} bytes: pages >= 0, page_bytes > 0")
