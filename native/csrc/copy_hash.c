@@ -67,12 +67,27 @@ static const struct {
 
 static int cap = -1;   /* an enum copy_kernel once copy_kernel_cap was called, else the default choice */
 
-/* The kernel the copies run: the widest this CPU runs and prefers, or up to the cap. */
+static enum copy_kernel widest_run(void) {
+    return cpu_avx512() ? COPY_AVX512 : cpu_avx2() ? COPY_AVX2 : COPY_SSE2;
+}
+
+/* The default choice: the widest kernel this CPU runs and prefers. Found once, not on every page's copy; two
+ * threads that race to find it find the same. */
+static enum copy_kernel preferred(void) {
+    static int known = -1;
+    if (known < 0) {
+        enum copy_kernel runs = widest_run();
+        known = runs == COPY_AVX512 && avx512_lowers_clock() ? COPY_AVX2 : runs;
+    }
+    return (enum copy_kernel)known;
+}
+
+/* The kernel the copies run: the default choice, or the widest this CPU runs up to the cap. */
 static enum copy_kernel widest(void) {
-    enum copy_kernel runs = cpu_avx512() ? COPY_AVX512 : cpu_avx2() ? COPY_AVX2 : COPY_SSE2;
-    if (cap >= 0)
-        return (int)runs < cap ? runs : (enum copy_kernel)cap;
-    return runs == COPY_AVX512 && avx512_lowers_clock() ? COPY_AVX2 : runs;
+    if (cap < 0)
+        return preferred();
+    enum copy_kernel runs = widest_run();
+    return (int)runs < cap ? runs : (enum copy_kernel)cap;
 }
 
 enum copy_kernel copy_kernel_cap(int widest_allowed) {
