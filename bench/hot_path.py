@@ -7,11 +7,13 @@ shared-memory zero-copy path, long-prompt lookups and prefix hashing.
 
 Placement: this process (the client, and Mooncake's dummy client) runs on --client-cpu (0); the
 kvstore node, and Mooncake's master and real client, on --server-cpu (1) (sched_setaffinity /
-taskset). Mooncake copies pages in its real client, kvstore in the client: on a host where one
-core is busier than the other, run both placements. Each page size moves
-a working set of distinct pages (default 1 GiB, larger than every cache) from one page-aligned
-buffer into the store, then back into another; memmove copies the same pages between the same
-buffers. Each kvstore call is its own chain of `batch` pages (4 KiB: 1024, 64 KiB and 1 MiB: 128,
+taskset). Mooncake copies pages in its real client, from and into a pool its dummy client registered;
+kvstore's goal rows put from and get into shared page buffers (kvstore_client.shared_page_buffer), whose
+pages the client and the node copy at once, and its "any buffer" columns do the same from and into
+page_buffer()s, which the client copies alone: on a host where one core is busier than the other, run both
+placements. Each page size moves a working set of distinct pages (default 1 GiB, larger than every cache)
+from one buffer into the store, then back into another; memmove copies the same pages between two
+page-aligned buffers. Each kvstore call is its own chain of `batch` pages (4 KiB: 1024, 64 KiB and 1 MiB: 128,
 4 MiB: 32); Mooncake gets the same batches. Medians of --repeats, each repeat memmove, kvstore and
 Mooncake one after another, so each ratio's figures are taken within seconds of each other. The
 whole run happens in a private network namespace when Mooncake runs (its servers bind every
@@ -57,7 +59,7 @@ import _mooncake_te_peer
 import tcp_throughput
 import writedown_latency
 from _server import ServerProcess
-from kvstore_client import KVStoreClient, Namespace, keys as kv_keys, native, page_buffer
+from kvstore_client import KVStoreClient, Namespace, keys as kv_keys, native, page_buffer, shared_page_buffer
 
 PAGE_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 BATCH_PAGES = {4 << 10: 1024, 64 << 10: 128, 1 << 20: 128, 4 << 20: 32}
@@ -121,6 +123,8 @@ def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
     src, dst = page_buffer(1, working_set)[0], page_buffer(1, working_set)[0]
     src[:] = np.random.default_rng(0).integers(0, 255, working_set, dtype=np.uint8)
     dst[:] = 1   # faulted in before timing
+    shared_src, shared_dst = shared_page_buffer(1, working_set)[0], shared_page_buffer(1, working_set)[0]
+    shared_src[:], shared_dst[:] = src, 1
     rows = {p: {"page_bytes": p, "pages": working_set // p, "batch_pages": BATCH_PAGES[p]} for p in page_sizes}
     server = ServerProcess(f"dram.arena_bytes={working_set + (256 << 20)}", "dram.slab_bytes=4MiB",
                            cpus=args.server_cpu)
@@ -139,7 +143,9 @@ def throughput(args, page_sizes: list[int], mooncake_reason: str) -> list[dict]:
                 for run in range(args.repeats):
                     taken = {"memmove_gbps": memmove_gbps(src.ctypes.data, dst.ctypes.data, working_set, p)}
                     taken.update(zip(("put_gbps", "get_gbps", "put_pages_per_s", "get_pages_per_s"),
-                                     kvstore_round(client, src, dst, p, run)))
+                                     kvstore_round(client, shared_src, shared_dst, p, run)))
+                    taken.update(zip(("any_put_gbps", "any_get_gbps"),
+                                     kvstore_round(client, src, dst, p, run + args.repeats)))
                     if peer is not None:
                         put, get, put_failed, get_failed = mooncake_round(peer, pool_src, pool_dst, working_set, p, run)
                         taken.update(mooncake_put_gbps=put, mooncake_get_gbps=get)
@@ -286,8 +292,10 @@ def print_throughput(report: dict) -> None:
     print(f"\nhot path, working set {report['working_set_mib']} MiB of distinct pages, {report['placement']}, "
           f"median of {report['repeats']}; kvstore_native: {report['native']}; Mooncake: {report['mooncake']}")
     head = (f"{'page':>7} {'memmove':>8} {'put':>6} {'put/mm':>7} {'get':>6} {'get/mm':>7} "
-            f"{'mc put':>7} {'mc get':>7} {'put/mc':>7} {'get/mc':>7} {'put pg/s':>9} {'get pg/s':>9}")
-    print(head + "   (GB/s unless said)")
+            f"{'mc put':>7} {'mc get':>7} {'put/mc':>7} {'get/mc':>7} {'put pg/s':>9} {'get pg/s':>9} "
+            f"{'any put':>8} {'any get':>8}")
+    print(head + "   (GB/s unless said; put/get from and into shared page buffers, 'any' from and into "
+                 "page_buffer()s)")
     for r in report["throughput"]:
         mm = r["memmove_gbps"]
         mc_put, mc_get = r.get("mooncake_put_gbps"), r.get("mooncake_get_gbps")
@@ -295,7 +303,7 @@ def print_throughput(report: dict) -> None:
               if mc_put else f"{'-':>7} {'-':>7} {'-':>7} {'-':>7}")
         print(f"{r['page_bytes'] >> 10:>5}Ki {mm:>8.2f} {r['put_gbps']:>6.2f} {r['put_gbps'] / mm:>7.2f} "
               f"{r['get_gbps']:>6.2f} {r['get_gbps'] / mm:>7.2f} {mc} {r['put_pages_per_s']:>9.0f} "
-              f"{r['get_pages_per_s']:>9.0f}")
+              f"{r['get_pages_per_s']:>9.0f} {r['any_put_gbps']:>8.2f} {r['any_get_gbps']:>8.2f}")
 
 
 def print_tcp(report: dict) -> None:

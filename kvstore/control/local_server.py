@@ -16,6 +16,8 @@ in a memfd of their own, so the fd exposes no other tenant's bytes); an admin ge
 tenant's memfd too, and moves other tenants' pages over TCP. Where tenants share one memfd
 (rdma.enabled with authentication) only an admin may map it. Before a memfd first goes out, the
 node stops vouching for TCP reads of its pages and waits for those in flight (store_exposure.py).
+SHARE_BUFFER, UNSHARE_BUFFER and MOVE_PAGES carry a client's shared page buffers and the node's part of the
+copies of pages in them (peer_buffers.py); the buffers are unmapped when the connection ends.
 Other frames carry kvstore.v1 requests (framing.py).
 A process keeps what it mapped after its token is revoked or expires. So the node notes which
 tokens each tenant's memfd went to, and once one of them is no longer in force
@@ -35,6 +37,7 @@ once. A broken invariant in the service stops the node (kvstore/invariants.py).
 
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import os
@@ -48,6 +51,7 @@ import time
 from kvstore.config import AuthConfig
 from kvstore.control import local_proof
 from kvstore.control.identity import Authenticator, Caller, TokenStanding
+from kvstore.control.peer_buffers import PeerBuffers
 from kvstore.control.service import KVStoreService
 from kvstore.invariants import stop_node
 from kvstore.tiers.dram import Arena
@@ -64,6 +68,9 @@ RECLAIM_IDLE_S = 1.0
 # Where the token authenticates (auth.local_require_token), the first frame is PROVE or
 # AUTHENTICATE: a peer that has shown nothing may announce no more than this.
 FIRST_FRAME_BYTES_MAX = 4096
+# The frames of a client's shared page buffers, and the most fds read with one (one is kept, see _receive_fd).
+_BUFFER_FRAMES = frozenset((framing.SHARE_BUFFER, framing.UNSHARE_BUFFER, framing.MOVE_PAGES))
+_FDS_READ_MAX = 4
 # A payload's buffer starts at most this large and doubles as its bytes arrive: what a frame
 # announces costs memory only once it is sent.
 _FIRST_READ_BYTES = 1 << 16
@@ -251,6 +258,8 @@ class LocalServer:
                 first = False
                 if kind == framing.MAP_ARENA:
                     self._map_arena(conn, owner)
+                elif kind in _BUFFER_FRAMES:
+                    self._answer_buffers(peer, kind, payload)
                 else:
                     self._answer(conn, kind, payload, owner)
         except framing.FrameError as exc:
@@ -261,6 +270,8 @@ class LocalServer:
             with self._lock:
                 self._connections.pop(conn, None)
             conn.close()
+            if peer.buffers is not None:
+                peer.buffers.close()
             try:
                 self._service.end_owner(owner)
             except AssertionError as exc:
@@ -319,13 +330,34 @@ class LocalServer:
         conn.sendall(framing.encode(0, response.SerializeToString()))
 
 
+    def _answer_buffers(self, peer: "_Peer", kind: int, payload: bytearray) -> None:
+        """SHARE_BUFFER, UNSHARE_BUFFER and MOVE_PAGES: the client's shared page buffers (peer_buffers.py)."""
+        conn = peer.conn
+        if peer.buffers is None:
+            peer.buffers = PeerBuffers(self._service.store, self._service.limits.batch_pages_max)
+        try:
+            if kind == framing.SHARE_BUFFER:
+                answer = peer.buffers.share(_receive_fd(conn, payload))
+            elif kind == framing.UNSHARE_BUFFER:
+                answer = peer.buffers.unshare(payload)
+            else:
+                answer = peer.buffers.move(payload, peer.owner.identity)
+        except errors.KVStoreError as exc:
+            _send_error(conn, exc)
+            return
+        except AssertionError as exc:
+            stop_node("the local channel", exc)
+        conn.sendall(framing.encode(0, answer))
+
+
 class _Peer:
     """An accepted local connection: its socket, the owner of its leases, and when it last finished a frame."""
 
-    __slots__ = ("conn", "owner", "since", "busy")
+    __slots__ = ("conn", "owner", "since", "busy", "buffers")
 
     def __init__(self, conn: socket.socket, owner: Caller):
         self.conn, self.owner = conn, owner
+        self.buffers: PeerBuffers | None = None   # the page buffers it shared, once it shares one
         self.since = time.monotonic()   # accepted, or its last answer sent
         self.busy = False               # a frame of it is being answered
 
@@ -417,6 +449,20 @@ def _check_directory(directory: str) -> None:
     if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise OSError(f"the socket directory {directory} is writable by others (mode {found.st_mode & 0o7777:o}) "
                       f"(shm.socket_path): they could replace the socket; chmod go-w it, or name another")
+
+
+def _receive_fd(conn: socket.socket, payload: bytearray) -> int:
+    """The memfd sent with the byte after a SHARE_BUFFER frame; FrameError (the connection closes) for anything else."""
+    data, ancillary, flags, _ = conn.recvmsg(1, socket.CMSG_SPACE(4 * _FDS_READ_MAX))
+    fds = array.array("i")
+    for level, kind, cdata in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+    if payload or data != b"\0" or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise framing.FrameError("SHARE_BUFFER is an empty frame followed by one byte that carries one memfd")
+    return fds[0]
 
 
 def _send_error(conn: socket.socket, exc: errors.KVStoreError) -> None:

@@ -406,43 +406,71 @@ class WriteLeases:
         """Check a frame against its lease; (lease, slot offset, whether this node vouches for the bytes of a
         read: store_exposure.py), held until end_transfer."""
         with self._lock:
-            lease = self.leases.get(lease_id)
-            if lease is None or self.clock() > lease.deadline:
-                raise lease_not_found(lease_id)
-            if not hmac.compare_digest(lease.token, token):
-                raise errors.TokenMismatch(f"the token does not match lease {lease_id:#x}")
-            if lease.kind != kind:
-                verb = "written" if kind == WRITE else "read"
-                raise errors.SlotNotInLease(f"lease {lease_id:#x} is a {lease.kind} lease: its slots cannot be {verb}")
-            if kind == WRITE:
-                offset = lease.slots.get(slot)
-                if offset is None:
-                    raise errors.SlotNotInLease(f"slot {slot} is not a reserved, uncommitted slot of lease {lease_id:#x}")
-                if slot in lease.writing or slot in lease.committing:
-                    raise errors.SlotBusy(f"slot {slot} of lease {lease_id:#x} is already being written or committed")
-            elif not 0 <= slot < len(lease.pinned):
-                raise errors.SlotNotInLease(f"lease {lease_id:#x} pins {len(lease.pinned)} pages; no page {slot}")
-            else:
-                offset = lease.pinned[slot].offset
-            page_bytes = self.namespaces[lease.namespace_id].page_bytes
-            if nbytes != page_bytes:
-                raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
-            if kind == WRITE:
-                lease.writing.add(slot)
-                lease.arrived.pop(slot, None)   # the bytes an earlier write's checksum was taken of are going
-            lease.transfers += 1
-            return lease, offset, kind == READ and self._vouch(lease.tenant)
+            return self._begin_transfer(lease_id, token, kind, slot, nbytes)
+
+    def begin_transfers(self, lease_id: int, token: bytes, kind: str, slots: list[int],
+                        nbytes: int) -> list[tuple[Lease, int, bool]]:
+        """begin_transfer of each slot, under one hold of the lock: all of them, or none and the first error."""
+        begun: list[tuple[Lease, int, bool]] = []
+        with self._lock:
+            try:
+                for slot in slots:
+                    begun.append(self._begin_transfer(lease_id, token, kind, slot, nbytes))
+            except BaseException:
+                for (lease, _, vouched), slot in zip(begun, slots):
+                    self._transfer_ended(lease, slot)
+                    if vouched:
+                        self._unvouch(lease.tenant)
+                raise
+        return begun
+
+    def end_transfers(self, lease: Lease, slots: list[int], arrived: list[int | None], vouched: list[bool]) -> None:
+        """end_transfer of each slot of `lease`, under one hold of the lock."""
+        with self._lock:
+            for slot, checksum, vouch in zip(slots, arrived, vouched):
+                self._end_transfer(lease, slot, checksum, vouch)
+
+    def _begin_transfer(self, lease_id: int, token: bytes, kind: str, slot: int, nbytes: int) -> tuple[Lease, int, bool]:
+        lease = self.leases.get(lease_id)
+        if lease is None or self.clock() > lease.deadline:
+            raise lease_not_found(lease_id)
+        if not hmac.compare_digest(lease.token, token):
+            raise errors.TokenMismatch(f"the token does not match lease {lease_id:#x}")
+        if lease.kind != kind:
+            verb = "written" if kind == WRITE else "read"
+            raise errors.SlotNotInLease(f"lease {lease_id:#x} is a {lease.kind} lease: its slots cannot be {verb}")
+        if kind == WRITE:
+            offset = lease.slots.get(slot)
+            if offset is None:
+                raise errors.SlotNotInLease(f"slot {slot} is not a reserved, uncommitted slot of lease {lease_id:#x}")
+            if slot in lease.writing or slot in lease.committing:
+                raise errors.SlotBusy(f"slot {slot} of lease {lease_id:#x} is already being written or committed")
+        elif not 0 <= slot < len(lease.pinned):
+            raise errors.SlotNotInLease(f"lease {lease_id:#x} pins {len(lease.pinned)} pages; no page {slot}")
+        else:
+            offset = lease.pinned[slot].offset
+        page_bytes = self.namespaces[lease.namespace_id].page_bytes
+        if nbytes != page_bytes:
+            raise errors.LengthMismatch(f"{nbytes} bytes for a page of {page_bytes}: move whole pages")
+        if kind == WRITE:
+            lease.writing.add(slot)
+            lease.arrived.pop(slot, None)   # the bytes an earlier write's checksum was taken of are going
+        lease.transfers += 1
+        return lease, offset, kind == READ and self._vouch(lease.tenant)
 
     def end_transfer(self, lease: Lease, slot: int, arrived_checksum: int | None = None, vouched: bool = False) -> None:
         """A transfer is over; `arrived_checksum`: the xxh3 this node took of a written slot's bytes once
         all of them had landed, which its Commit records without hashing the slot again; `vouched`: what
         begin_transfer said of this read."""
         with self._lock:
-            self._transfer_ended(lease, slot)
-            if vouched:
-                self._unvouch(lease.tenant)
-            if arrived_checksum is not None and lease.kind == WRITE and slot in lease.slots:
-                lease.arrived[slot] = arrived_checksum
+            self._end_transfer(lease, slot, arrived_checksum, vouched)
+
+    def _end_transfer(self, lease: Lease, slot: int, arrived_checksum: int | None, vouched: bool) -> None:
+        self._transfer_ended(lease, slot)
+        if vouched:
+            self._unvouch(lease.tenant)
+        if arrived_checksum is not None and lease.kind == WRITE and slot in lease.slots:
+            lease.arrived[slot] = arrived_checksum
 
     def cut_transfer(self, lease: Lease, slot: int) -> None:
         """A write stopped part-way: its lease ends, so the torn page is never visible."""

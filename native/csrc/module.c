@@ -866,6 +866,70 @@ static PyObject *py_copy_out_hashed(PyObject *self, PyObject *args) {
     return batch_sums(args, copy_out_hash_batch);
 }
 
+/* Pages shared out between two processes copying at once (a client and its node: the SDK's shared page
+ * buffers): each claims the next page with an atomic add to one counter in memory both map, and copies it,
+ * hashed as copy_hash (into the arena) or copy_out_hash (out of it) hashes it. A caller claims at most n times,
+ * whatever the other process does to the counter, so its work stays bounded by the n pages it was given. */
+static void copy_claimed_pages(uint64_t *cursor, int out, uint8_t *arena, const unsigned long long *slot_offsets,
+                               uint8_t *buffer, const unsigned long long *buffer_offsets, size_t n, size_t nbytes,
+                               uint64_t *sums, uint8_t *claimed) {
+    size_t copied = 0;
+    for (size_t claims = 0; claims < n; claims++) {
+        uint64_t i = __atomic_fetch_add(cursor, 1, __ATOMIC_RELAXED);
+        if (i >= n)
+            break;
+        segment_t page = {buffer + buffer_offsets[i], nbytes};
+        uint8_t *slot = arena + slot_offsets[i];
+        sums[i] = out ? copy_out_hash(slot, &page, 1) : copy_hash(slot, &page, 1);
+        claimed[i] = 1;
+        yield_every(&copied, nbytes);
+    }
+}
+
+/* copy_claimed(cursor, out, arena, slot_offsets, buffer, buffer_offsets, page_bytes) -> (sums, claimed). */
+static PyObject *py_copy_claimed(PyObject *self, PyObject *args) {
+    unsigned long long cursor, arena, buffer;
+    int out;
+    PyObject *slots_arg, *buffers_arg;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "KpKOKOn", &cursor, &out, &arena, &slots_arg, &buffer, &buffers_arg, &nbytes))
+        return NULL;
+    if (nbytes <= 0 || cursor % 8) {
+        PyErr_SetString(PyExc_ValueError, "page_bytes is positive and the cursor a uint64 on an 8-byte boundary");
+        return NULL;
+    }
+    unsigned long long *slot_offsets = NULL, *buffer_offsets = NULL;
+    Py_ssize_t n = 0, m = 0;
+    if (!read_offsets(slots_arg, &slot_offsets, &n))
+        return NULL;
+    PyObject *result = NULL;
+    uint64_t *sums = NULL;
+    uint8_t *claimed = NULL;
+    if (!read_offsets(buffers_arg, &buffer_offsets, &m))
+        goto done;
+    if (n != m) {
+        PyErr_Format(PyExc_ValueError, "%zd slot offsets for %zd buffer offsets", n, m);
+        goto done;
+    }
+    sums = calloc(n ? (size_t)n : 1, sizeof *sums);
+    claimed = calloc(n ? (size_t)n : 1, 1);
+    if (!sums || !claimed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_claimed_pages((uint64_t *)(uintptr_t)cursor, out, (uint8_t *)(uintptr_t)arena, slot_offsets,
+                       (uint8_t *)(uintptr_t)buffer, buffer_offsets, (size_t)n, (size_t)nbytes, sums, claimed);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(y#y#)", (const char *)sums, n * (Py_ssize_t)sizeof *sums, (const char *)claimed, n);
+done:
+    free(slot_offsets);
+    free(buffer_offsets);
+    free(sums);
+    free(claimed);
+    return result;
+}
+
 static PyObject *py_copy_out(PyObject *self, PyObject *args) {
     batch_t b;
     if (!batch_from_args(args, &b))
@@ -1126,6 +1190,11 @@ static PyMethodDef methods[] = {
     {"copy_out_hashed_rows", py_copy_out_hashed_rows, METH_VARARGS,
      "copy_out_hashed_rows(base, offsets, dst, page_bytes, count) -> bytes: copy_out_hashed of the slots at base + "
      "offsets[i] into count pages back to back at dst; their checksums as native uint64s"},
+    {"copy_claimed", py_copy_claimed, METH_VARARGS,
+     "copy_claimed(cursor, out, arena, slot_offsets, buffer, buffer_offsets, page_bytes) -> (bytes, bytes): claim "
+     "pages by an atomic add to the uint64 at cursor (at most as many times as there are pages) and copy each one "
+     "claimed between buffer + buffer_offsets[i] and arena + slot_offsets[i] (out: into the buffer), hashed; the "
+     "checksums as native uint64s and one byte a page, 1 where this call copied it"},
     {"copy_out", py_copy_out, METH_VARARGS,
      "copy_out(base, offsets, pages) -> None: copy the slot at base + offsets[i] out into pages[i]'s segments"},
     {"copy_out_hashed", py_copy_out_hashed, METH_VARARGS,

@@ -7,6 +7,7 @@ from kvstore_client.cluster import KVStoreCluster
 from kvstore_client.errors import InvalidArgument, KVStoreError
 from kvstore_client.keys import Namespace, namespace_id, page_hash, prefix_hashes
 from kvstore_client.pipeline import PutResult
+from kvstore_client.shared_buffers import shared_page_buffer
 
 __all__ = ["AsyncKVStoreClient", "InvalidArgument", "KVStoreClient", "KVStoreCluster", "KVStoreError", "Namespace",
-           "PutResult", "namespace_id", "page_buffer", "page_hash", "prefix_hashes"]
+           "PutResult", "namespace_id", "page_buffer", "page_hash", "prefix_hashes", "shared_page_buffer"]

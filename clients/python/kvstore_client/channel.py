@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any, Iterator
@@ -227,15 +228,22 @@ class OrderedChannel:
 
     def submit(self, name: str, request: Any) -> Pending:
         method_id = framing.METHOD_IDS[name]
-        frame = self._frame(method_id, request.SerializeToString())
+        return self.submit_frame(name, self._frame(method_id, request.SerializeToString()),
+                                 framing.METHODS[method_id][2])
+
+    def submit_frame(self, name: str, frame: bytes, answer_type: Any, fd: int = -1) -> Pending:
+        """Send a framed request whose answer answer_type.FromString reads; `fd`: sent after the frame,
+        with one byte (SCM_RIGHTS), where the frame says one follows."""
         pending = Pending(name, self)
         with self._send_lock:
             if self._broken is not None:
                 raise self._broken
             # Queued before sending, so a reader on another thread matches answers in order.
-            self._inflight.append((pending, framing.METHODS[method_id][2]))
+            self._inflight.append((pending, answer_type))
             try:
                 self._sock.sendall(frame)
+                if fd >= 0:
+                    self._sock.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
             except OSError as exc:
                 self._break(errors.Unavailable(f"{self._what} closed: {exc}"))
                 raise self._broken from None

@@ -45,6 +45,14 @@ def offsets_and_segments(pages: Pages) -> tuple[Sequence[int], Sequence[Sequence
         return pages.offsets, pages.segments
     return [offset for _, offset, _ in pages], [segments for _, _, segments in pages]
 
+
+def indices_of(pages: Pages) -> Sequence[int]:
+    """The lease index of each of `pages`."""
+    if isinstance(pages, PageColumns):
+        return pages.indices
+    return [index for index, _, _ in pages]
+
+
 # A get's Acquires: one more is one more message each way, so a batch is cut in few parts.
 ACQUIRE_PARTS = 4
 

@@ -38,6 +38,16 @@ AUTHENTICATE = 255
 # The node's proof that it answered the client's Hello (kvstore/control/local_proof.py): the first frame
 # carries HelloResponse.local_challenge, the answer must equal HelloResponse.local_answer.
 PROVE = 254
+# A page buffer the client shares with the node (shared_buffers.py): the frame carries nothing, and one byte sent
+# right after it carries the buffer's memfd (SCM_RIGHTS); the answer is the u32 id the node gives it on this
+# connection. UNSHARE_BUFFER's payload is that id; the node unmaps the buffer and answers nothing.
+SHARE_BUFFER = 253
+UNSHARE_BUFFER = 252
+# Pages the node and the client copy at once between a shared buffer and a lease's slots (shared_buffers.py):
+#     MOVE_HEADER | data token | count u32 lease indices | count u64 buffer offsets
+# answered with count bytes (1: the node copied that page) and count u64 checksums (those of its pages).
+MOVE_PAGES = 251
+MOVE_HEADER = struct.Struct("<QIIIIB")   # lease_id, buffer_id, cursor, count, page_bytes, into_buffer
 # What check_proof is given for a socket that closed, stayed silent or sent no frame: not the node either.
 NO_ANSWER = (-1, b"")
 
@@ -51,7 +61,7 @@ METHODS: dict[int, tuple[str, type, type]] = {
     )
     for index, method in enumerate(_SERVICE.methods)
 }
-assert AUTHENTICATE not in METHODS and PROVE not in METHODS, "method ids reached the PROVE frame's"
+assert not {AUTHENTICATE, PROVE, SHARE_BUFFER, UNSHARE_BUFFER, MOVE_PAGES} & set(METHODS), "method ids reached the local frames'"
 METHOD_IDS: dict[str, int] = {name: method_id for method_id, (name, _, _) in METHODS.items()}
 
 
@@ -99,3 +109,26 @@ def check_proof(path: str, answer: tuple[int, bytes], expected: bytes) -> None:
             f"the socket at {path} is not the node's: it did not answer the challenge that node's Hello gave "
             f"(another host's path, or someone else's socket); nothing was sent to it. From another host, "
             f"connect with transport='tcp'; on the node's host, check who owns {path}")
+
+
+def encode_move(lease_id: int, token: bytes, buffer_id: int, cursor: int, page_bytes: int, into_buffer: bool,
+                indices: Any, buffer_offsets: Any) -> bytes:
+    """A MOVE_PAGES payload; `indices` and `buffer_offsets` are numpy arrays of uint32 and uint64."""
+    head = MOVE_HEADER.pack(lease_id, buffer_id, cursor, len(indices), page_bytes, into_buffer)
+    return b"".join((head, bytes([len(token)]), token, indices.tobytes(), buffer_offsets.tobytes()))
+
+
+def decode_move(payload: bytes | bytearray | memoryview) -> tuple:
+    """(lease_id, token, buffer_id, cursor, page_bytes, into_buffer, indices, buffer_offsets) of a MOVE_PAGES
+    payload, the last two as bytes of native uint32s and uint64s; MalformedRequest if its lengths disagree."""
+    view = memoryview(payload)
+    if len(view) < MOVE_HEADER.size + 1:
+        raise errors.MalformedRequest(f"a MOVE_PAGES frame of {len(view)} bytes is shorter than its header")
+    lease_id, buffer_id, cursor, count, page_bytes, into_buffer = MOVE_HEADER.unpack_from(view)
+    token_end = MOVE_HEADER.size + 1 + view[MOVE_HEADER.size]
+    if len(view) != token_end + 12 * count:
+        raise errors.MalformedRequest(f"a MOVE_PAGES frame of {len(view)} bytes does not hold the token and the "
+                                      f"{count} pages its header names")
+    token = bytes(view[MOVE_HEADER.size + 1:token_end])
+    indices = bytes(view[token_end:token_end + 4 * count])
+    return lease_id, token, buffer_id, cursor, page_bytes, bool(into_buffer), indices, bytes(view[token_end + 4 * count:])

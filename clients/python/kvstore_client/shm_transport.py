@@ -4,7 +4,8 @@ The memfd of the caller's tenant comes over the node's Unix socket (LocalChannel
 is mapped once per connection (arena.py). Committed pages are not write-protected in it: a get
 hashes each page as it copies it, and one that no longer matches the checksum recorded at commit
 (changed through a mapping) is refused and reported to the node, which drops it (pipeline.py).
-The socket it came over stays open as long as the mapping is used: the node closes it when it
+Pages in a shared page buffer (shared_buffers.py) are copied by the client and the node at once
+(assisted_copy.py). The socket it came over stays open as long as the mapping is used: the node closes it when it
 stops, and that is how a mapping is known to be stale.
 """
 
@@ -14,8 +15,9 @@ import dataclasses
 
 from kvstore_client import errors, native
 from kvstore_client.arena import ArenaMapping
+from kvstore_client.assisted_copy import AssistedCopies
 from kvstore_client.channel import LocalChannel
-from kvstore_client.data_path import Pages, PipelineShape, offsets_and_segments
+from kvstore_client.data_path import Pages, PipelineShape, indices_of, offsets_and_segments
 from kvstore_client.proto import pb
 
 # With kvstore_native the SDK checksums each page as it copies it, and the node reads nothing
@@ -59,11 +61,14 @@ class ShmDataPath:
             raise
         self.arena = arena
         self._channel = channel
+        self._assisted = AssistedCopies(channel, arena.base)
         self.shape = SHAPE if native.module is None else HASHING_SHAPE
 
     def put(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int] | None:
         offsets, segments = offsets_and_segments(pages)
-        sums = self.arena.write_hashed(offsets, segments)
+        sums = self._assisted.move(False, lease_id, token, indices_of(pages), offsets, segments, page_bytes)
+        if sums is None:
+            sums = self.arena.write_hashed(offsets, segments)
         if sums is None:   # no kvstore_native: memmove, and the node hashes the slots at commit
             write = self.arena.write
             for offset, page in zip(offsets, segments):
@@ -73,7 +78,9 @@ class ShmDataPath:
 
     def get(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int]:
         offsets, segments = offsets_and_segments(pages)
-        sums = self.arena.read_pages_hashed(offsets, segments)
+        sums = self._assisted.move(True, lease_id, token, indices_of(pages), offsets, segments, page_bytes)
+        if sums is None:
+            sums = self.arena.read_pages_hashed(offsets, segments)
         self._check_same_node()
         return sums
 

@@ -1,0 +1,142 @@
+"""Puts and gets of pages in a shared page buffer, copied by this process and the node at once (shared_buffers.py).
+
+One connection's side of it: the buffers it has shared with the node (each once, on first use, with the
+ids the node gave them), the MOVE_PAGES of each large move, and this process's own share of the copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstore_client import errors, framing, native, shared_buffers
+from kvstore_client.channel import LocalChannel
+from kvstore_client.shared_buffers import SharedPages
+
+log = logging.getLogger(__name__)
+
+# A move of fewer bytes is copied by this process alone: MOVE_PAGES and its answer cost tens of
+# microseconds on each side, and the node's thread takes as long to wake, about what copying 256 KiB takes.
+MOVE_BYTES_MIN = 1 << 20
+# After a call's deadline passes during a move, the node is left no more pages to claim, and the call
+# waits this long for it to finish the page it is copying before it gives the connection up.
+FINISH_WAIT_S = 10.0
+_ID = struct.Struct("<I")
+
+
+class _Bytes:
+    """An answer read as its bytes."""
+    FromString = staticmethod(bytes)
+
+
+class AssistedCopies:
+    def __init__(self, channel: LocalChannel, arena_base: int):
+        self._channel = channel
+        self._arena_base = arena_base
+        self._ids: dict[SharedPages, int | None] = {}   # shared here -> the node's id (None: it did not take it)
+
+    def move(self, into_buffer: bool, lease_id: int, token: bytes, indices: Sequence[int], offsets: Sequence[int],
+             segments: Any, page_bytes: int) -> memoryview | None:
+        """Copy pages between their slots (arena offsets) and a shared buffer, with the node: each page's xxh3
+        (of the bytes written, as the one-sided copies give it). None where this move is not one to share:
+        few bytes, pages outside any shared buffer, no kvstore_native, or a buffer the node did not take."""
+        count = len(indices)
+        if native.copy_claimed is None or count < 2 or count * page_bytes < MOVE_BYTES_MIN:
+            return None
+        held = shared_buffers.holding(segments, page_bytes)
+        if held is None:
+            return None
+        shared, buffer_offsets = held
+        buffer_id = self._share(shared)
+        cursor = shared.take_cursor() if buffer_id is not None else None
+        if cursor is None:
+            return None
+        slot_offsets = np.asarray(offsets, dtype=np.uint64)
+        request = framing.encode_move(lease_id, token, buffer_id, cursor, page_bytes, into_buffer,
+                                      np.asarray(indices, dtype=np.uint32), buffer_offsets)
+        pending = self._channel.submit_frame("MovePages", framing.encode(framing.MOVE_PAGES, request), _Bytes)
+        try:
+            mine = native.copy_claimed(shared.cursor_address(cursor), into_buffer, self._arena_base,
+                                       _as_q(slot_offsets), shared.base, _as_q(buffer_offsets), page_bytes)
+        finally:
+            theirs = self._node_part(pending, shared, cursor)
+        return _merged(mine, theirs, count)
+
+    def _node_part(self, pending: Any, shared: SharedPages, cursor: int) -> bytes:
+        """The node's answer to a move; its claim counter goes back to the buffer once the node is done with it."""
+        try:
+            answer = pending.result()
+        except errors.DeadlineExceeded:
+            shared.stop_claims(cursor)
+            pending.deadline = time.monotonic() + FINISH_WAIT_S
+            try:
+                pending.result()
+            except errors.DeadlineExceeded:   # the counter is never used again: the node may still hold it
+                raise errors.Unavailable(
+                    f"the node did not finish its part of a copy within {FINISH_WAIT_S:.0f} s of the call's "
+                    "deadline: pages of the shared buffer this call named may still be written by it") from None
+            except errors.KVStoreError:
+                pass
+            shared.give_back(cursor)
+            raise
+        except errors.KVStoreError:   # refused before it claimed any page, or the channel broke
+            if self._channel.alive():
+                shared.give_back(cursor)
+            raise
+        shared.give_back(cursor)
+        return answer
+
+    def _share(self, shared: SharedPages) -> int | None:
+        """The node's id of `shared` on this connection, handing it over the first time."""
+        self._unshare_released()
+        if shared in self._ids:
+            return self._ids[shared]
+        fd = shared.dup_fd()
+        if fd < 0:
+            return None
+        try:
+            pending = self._channel.submit_frame("ShareBuffer", framing.encode(framing.SHARE_BUFFER, b""), _Bytes,
+                                                 fd=fd)
+        finally:
+            os.close(fd)
+        try:
+            self._ids[shared] = _ID.unpack(pending.result())[0]
+        except errors.KVStoreError as exc:
+            if not self._channel.alive():
+                raise
+            log.info("the node did not take a shared page buffer, whose pages move as any buffer's: %s", exc)
+            self._ids[shared] = None
+        return self._ids[shared]
+
+    def _unshare_released(self) -> None:
+        """Tell the node to unmap the buffers shared here whose arrays are gone."""
+        for shared in [shared for shared in self._ids if shared.released]:
+            buffer_id = self._ids.pop(shared)
+            if buffer_id is not None:
+                frame = framing.encode(framing.UNSHARE_BUFFER, _ID.pack(buffer_id))
+                self._channel.submit_frame("UnshareBuffer", frame, _Bytes).posted = True
+
+
+def _merged(mine: tuple[bytes, bytes], theirs: bytes, count: int) -> memoryview:
+    """Each page's checksum, from whichever side copied it; Internal unless each page was copied exactly once."""
+    my_sums, my_claims = mine
+    if len(theirs) != 9 * count:
+        raise errors.Internal(f"the node answered a move of {count} pages with {len(theirs)} bytes")
+    their_claims = np.frombuffer(theirs, dtype=np.uint8, count=count).astype(bool)
+    claimed = np.frombuffer(my_claims, dtype=np.uint8).astype(bool)
+    if (claimed & their_claims).any() or not (claimed | their_claims).all():
+        raise errors.Internal("a shared move's pages were not each copied once (its claim counter was changed "
+                              "during the move)")
+    sums = np.where(their_claims, np.frombuffer(theirs, dtype=np.uint64, count=count, offset=count),
+                    np.frombuffer(my_sums, dtype=np.uint64))
+    return memoryview(sums.tobytes()).cast("Q")
+
+
+def _as_q(values: np.ndarray) -> memoryview:
+    """uint64s as a buffer of format 'Q', which kvstore_native reads in place (numpy's says 'L')."""
+    return memoryview(np.ascontiguousarray(values, dtype=np.uint64)).cast("B").cast("Q")

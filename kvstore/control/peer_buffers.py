@@ -1,0 +1,142 @@
+"""The page buffers one local connection shared with the node, and the node's part of each move in them.
+
+A client's shared page buffer (kvstore_client/shared_buffers.py) is a memfd it hands over on its local
+socket (framing.SHARE_BUFFER). The node maps it only if nothing the client does later can make reading or
+writing it fault: it must be a memfd sealed against shrinking (a shortened file is SIGBUS in the node), its
+size whole pages, all of them allocated (so the node's writes into it take no memory of the node's). A
+client can still punch holes in it afterwards; a page the node then writes into costs the node that page's
+memory until the client's buffer goes, and no more than BUFFER_BYTES_MAX a buffer.
+
+MOVE_PAGES names pages of one lease by their index in it, with their offsets in one buffer. Everything is
+checked before any byte moves: the frame's lengths, the buffer, the claim counter, each offset against the
+buffer, the lease against the caller's tenant and its token, and each slot (store.begin_transfer, which also
+holds the slot until the move ends, so a lease that expires meanwhile frees nothing under the copy). Then the
+node claims pages from the counter the client claims from too and copies each one it claims (a put's page
+into its slot, hashed as it is written; a get's out of its slot, hashed where it landed), without the GIL.
+It claims at most as many pages as the frame names, whatever the client does to the counter, so the work a
+frame buys is bounded by its size.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+import struct
+
+import numpy as np
+
+from kvstore.control import tenancy
+from kvstore.control.identity import Identity
+from kvstore.control.leases import READ, WRITE
+from kvstore.control.store import PageStore
+from kvstore_client import errors, framing, native
+from kvstore_client.shared_buffers import CURSORS, CURSOR_STRIDE, HEADER_BYTES
+
+# Buffers one connection may have shared at once, and the largest one.
+BUFFERS_MAX = 64
+BUFFER_BYTES_MAX = 1 << 40
+_ID = struct.Struct("<I")
+
+
+class PeerBuffers:
+    def __init__(self, store: PageStore, pages_max: int):
+        """pages_max: the most pages one MOVE_PAGES names (limits.batch_pages_max)."""
+        self._store = store
+        self._pages_max = pages_max
+        self._buffers: dict[int, _Mapped] = {}
+        self._next_id = 1
+
+    def share(self, fd: int) -> bytes:
+        """Map the memfd `fd` (taken: closed here); the answer: its id on this connection."""
+        try:
+            if native.copy_claimed is None:
+                raise errors.TransportUnavailable("this node's kvstore_native has no copy_claimed: pages of shared "
+                                                  "buffers move as any buffer's")
+            if len(self._buffers) >= BUFFERS_MAX:
+                raise errors.CapacityExhausted(f"a connection shares at most {BUFFERS_MAX} page buffers with the "
+                                               "node; release some (drop their arrays) before sharing more")
+            mapped = _Mapped(fd)
+        finally:
+            os.close(fd)
+        buffer_id, self._next_id = self._next_id, self._next_id + 1
+        self._buffers[buffer_id] = mapped
+        return _ID.pack(buffer_id)
+
+    def unshare(self, payload: bytes | bytearray) -> bytes:
+        if len(payload) != _ID.size:
+            raise errors.MalformedRequest(f"UNSHARE_BUFFER carries a {_ID.size}-byte id, not {len(payload)} bytes")
+        mapped = self._buffers.pop(_ID.unpack(payload)[0], None)
+        if mapped is not None:
+            mapped.close()
+        return b""
+
+    def move(self, payload: bytes | bytearray, identity: Identity) -> bytes:
+        """The node's part of a MOVE_PAGES: which of its pages it copied (a byte each) and their checksums."""
+        lease_id, token, buffer_id, cursor, page_bytes, into_buffer, indices, offsets = framing.decode_move(payload)
+        if len(indices) // 4 > self._pages_max:
+            raise errors.InvalidArgument(f"a move of {len(indices) // 4} pages; at most {self._pages_max} "
+                                         "(limits.batch_pages_max)")
+        mapped = self._buffers.get(buffer_id)
+        if mapped is None:
+            raise errors.InvalidArgument(f"no shared buffer {buffer_id} on this connection")
+        if cursor >= CURSORS:
+            raise errors.InvalidArgument(f"claim counter {cursor} of {CURSORS}")
+        buffer_offsets = np.frombuffer(offsets, dtype=np.uint64)
+        if len(buffer_offsets) and (int(buffer_offsets.min()) < HEADER_BYTES
+                                    or int(buffer_offsets.max()) + page_bytes > mapped.size):
+            raise errors.InvalidArgument(f"a page of {page_bytes} bytes outside shared buffer {buffer_id} "
+                                         f"({HEADER_BYTES} to {mapped.size})")
+        if not identity.admin:
+            tenancy.own_lease(self._store, lease_id, identity)
+        slots = np.frombuffer(indices, dtype=np.uint32).tolist()
+        begun = self._store.begin_transfers(lease_id, token, READ if into_buffer else WRITE, slots, page_bytes)
+        vouched = [vouch for _, _, vouch in begun]
+        arrived: list[int | None] = [None] * len(slots)
+        try:
+            sums, claimed = native.copy_claimed(
+                mapped.base + cursor * CURSOR_STRIDE, into_buffer, self._store.arena.address,
+                [offset for _, offset, _ in begun], mapped.base, memoryview(buffer_offsets).cast("B").cast("Q"),
+                page_bytes)
+            if not into_buffer:   # what landed in each slot the node wrote, as a TCP landing records it
+                arrived = [checksum if copied else None
+                           for checksum, copied in zip(np.frombuffer(sums, dtype=np.uint64).tolist(), claimed)]
+        finally:
+            if begun:
+                self._store.end_transfers(begun[0][0], slots, arrived, vouched)
+        return claimed + sums
+
+    def close(self) -> None:
+        for mapped in self._buffers.values():
+            mapped.close()
+        self._buffers.clear()
+
+
+class _Mapped:
+    """A checked, mapped shared buffer."""
+
+    def __init__(self, fd: int):
+        info = os.fstat(fd)
+        size = info.st_size
+        if not stat.S_ISREG(info.st_mode) or not HEADER_BYTES < size <= BUFFER_BYTES_MAX or size % 4096:
+            raise errors.InvalidArgument(f"a shared page buffer is a memfd of whole 4 KiB pages, more than one and "
+                                         f"at most {BUFFER_BYTES_MAX} bytes; this one has {size}")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise errors.InvalidArgument("a shared page buffer must be a memfd sealed against shrinking "
+                                         "(F_SEAL_SHRINK): the node would fault reading a shortened one")
+        if info.st_blocks * 512 < size:
+            raise errors.InvalidArgument("a shared page buffer must have all its pages allocated when it is shared "
+                                         "(kvstore_client.shared_page_buffer does)")
+        self.size = size
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.base = self._array.ctypes.data
+
+    def close(self) -> None:
+        del self._array
+        self._mmap.close()
