@@ -247,3 +247,27 @@ def test_copy_claimed_claims_at_most_its_pages_whatever_the_counter_says():
                                         source.ctypes.data, offsets, page)
     assert all(claimed) and np.array_equal(arena, source) and counter[0] == pages
     assert np.frombuffer(sums, np.uint64).tolist() == [native.module.xxh3_64(p.tobytes()) for p in source]
+
+
+def test_the_async_client_moves_shared_buffers_with_the_node(server, ns, monkeypatch):
+    import asyncio
+
+    from kvstore_client import AsyncKVStoreClient, assisted_copy
+
+    moved = []
+    monkeypatch.setattr(assisted_copy, "_merged", lambda mine, theirs, count: moved.append(count) or
+                        _real_merged(mine, theirs, count))
+    keys = [f"async{i}" for i in range(16)]
+    data = content(keys)
+
+    async def main():
+        async with AsyncKVStoreClient(server.address) as client:
+            source = shared_page_buffer(len(keys), PAGE)
+            source[:] = data
+            assert await client.put(ns, keys, buffers=source) == len(keys)
+            into = shared_page_buffer(len(keys), PAGE)
+            assert await client.get(ns, keys, into) == len(keys)
+            return into
+
+    assert np.array_equal(asyncio.run(main()), data)
+    assert sum(moved) == 2 * len(keys)

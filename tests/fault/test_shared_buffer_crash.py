@@ -1,0 +1,100 @@
+"""A node SIGKILLed while it copies pages into and out of a client's shared page buffer, again and again: every
+page read afterwards is the one its key was put with, a put caught by a kill counts nothing that is not
+stored, and a call caught by one fails as Unavailable (the node's half of a move never lands after the call)."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, Namespace, errors, native, shared_page_buffer
+
+pytestmark = pytest.mark.skipif(native.copy_claimed is None, reason="kvstore_native is not installed")
+
+PAGE = 256 << 10
+LENGTH = 8   # 2 MiB a chain: each put and get is a move the node takes part in
+NS = Namespace(model="shared-crash", page_bytes=PAGE)
+KILLS = 5
+RESTART_ERRORS = (errors.Unavailable, errors.Draining)
+
+
+def page_of(key: str) -> np.ndarray:
+    seed = hashlib.sha256(key.encode()).digest()
+    return np.frombuffer((seed * (PAGE // len(seed)))[:PAGE], np.uint8)
+
+
+class Traffic(threading.Thread):
+    """Puts chains from one shared buffer and reads chains into another, checking every page read."""
+
+    def __init__(self, address: str):
+        super().__init__(daemon=True)
+        self.client = KVStoreClient(address, timeout_s=5)
+        self.source = shared_page_buffer(LENGTH, PAGE)
+        self.into = shared_page_buffer(LENGTH, PAGE)
+        self.stored: list[list[str]] = []
+        self.wrong: list[str] = []
+        self.failures: list[BaseException] = []
+        self.moves = 0
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            keys = [f"chain{n}-{i}" for i in range(LENGTH)]
+            try:
+                for i, key in enumerate(keys):
+                    self.source[i] = page_of(key)
+                if self.client.put(NS, keys, self.source) == LENGTH:
+                    self.stored.append(keys)
+                for chain in (keys, self.stored[n % len(self.stored)] if self.stored else keys):
+                    self.into[:] = 0
+                    loaded = self.client.get(NS, chain, self.into)
+                    self.wrong += [chain[i] for i in range(loaded) if not np.array_equal(self.into[i], page_of(chain[i]))]
+                    self.moves += 1
+            except RESTART_ERRORS:
+                pass
+            except BaseException as exc:  # reported by the test
+                self.failures.append(exc)
+
+    def finish(self) -> None:
+        self.stopping.set()
+        self.join(30)
+        self.client.close()
+
+
+def test_a_node_killed_mid_move_never_leaves_a_wrong_page(start_server, tmp_path):
+    settings = {"nvme.enabled": "true", "nvme.paths": f"{tmp_path}/nvme", "nvme.map_bytes": "256MiB",
+                "controller.write_policy": "write_through", "dram.arena_bytes": "128MiB"}
+    node = start_server(settings)
+    traffic = Traffic(node.address)
+    traffic.start()
+    try:
+        for _ in range(KILLS):
+            moves = traffic.moves
+            deadline = time.monotonic() + 30
+            while traffic.moves < moves + 20:
+                assert time.monotonic() < deadline, "traffic did not go on after the restart"
+                time.sleep(0.01)
+            node.process.send_signal(signal.SIGKILL)
+            node.process.wait(10)
+            node = start_server({**settings, "server.grpc_address": node.address, "shm.socket_path": node.socket_path})
+        moves = traffic.moves
+        deadline = time.monotonic() + 30
+        while traffic.moves < moves + 20:
+            assert time.monotonic() < deadline, "traffic did not go on after the last restart"
+            time.sleep(0.01)
+    finally:
+        traffic.finish()
+    assert traffic.failures == [], f"calls failed with other than a restart error: {traffic.failures[:3]}"
+    assert traffic.wrong == [], f"pages read with the wrong bytes: {traffic.wrong[:5]}"
+    with KVStoreClient(node.address) as client:   # what the last node holds is each chain's own bytes
+        out = shared_page_buffer(LENGTH, PAGE)
+        for keys in traffic.stored[-20:]:
+            loaded = client.get(NS, keys, out, verify=True)
+            assert all(np.array_equal(out[i], page_of(keys[i])) for i in range(loaded))
