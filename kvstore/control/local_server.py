@@ -329,7 +329,6 @@ class LocalServer:
             return
         conn.sendall(framing.encode(0, response.SerializeToString()))
 
-
     def _answer_buffers(self, peer: "_Peer", kind: int, payload: bytearray) -> None:
         """SHARE_BUFFER, UNSHARE_BUFFER and MOVE_PAGES: the client's shared page buffers (peer_buffers.py)."""
         conn = peer.conn
@@ -347,6 +346,12 @@ class LocalServer:
             return
         except AssertionError as exc:
             stop_node("the local channel", exc)
+        except framing.FrameError:
+            raise
+        except Exception:
+            log.exception("local frame %d failed", kind)
+            _send_error(conn, errors.Internal("internal error, see the server log"))
+            return
         conn.sendall(framing.encode(0, answer))
 
 

@@ -75,9 +75,9 @@ class PeerBuffers:
     def move(self, payload: bytes | bytearray, identity: Identity) -> bytes:
         """The node's part of a MOVE_PAGES: which of its pages it copied (a byte each) and their checksums."""
         lease_id, token, buffer_id, cursor, page_bytes, into_buffer, indices, offsets = framing.decode_move(payload)
-        if len(indices) // 4 > self._pages_max:
-            raise errors.InvalidArgument(f"a move of {len(indices) // 4} pages; at most {self._pages_max} "
-                                         "(limits.batch_pages_max)")
+        if not 1 <= len(indices) // 4 <= self._pages_max or not page_bytes:
+            raise errors.InvalidArgument(f"a move of {len(indices) // 4} pages of {page_bytes} bytes: 1 to "
+                                         f"{self._pages_max} pages (limits.batch_pages_max) of at least a byte")
         mapped = self._buffers.get(buffer_id)
         if mapped is None:
             raise errors.InvalidArgument(f"no shared buffer {buffer_id} on this connection")
@@ -133,7 +133,10 @@ class _Mapped:
             raise errors.InvalidArgument("a shared page buffer must have all its pages allocated when it is shared "
                                          "(kvstore_client.shared_page_buffer does)")
         self.size = size
-        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        try:
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError as exc:   # sealed against writes, say
+            raise errors.InvalidArgument(f"a shared page buffer the node cannot map to read and write: {exc}") from None
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base = self._array.ctypes.data
 

@@ -55,7 +55,8 @@ class Traffic(threading.Thread):
                 for chain in (keys, self.stored[n % len(self.stored)] if self.stored else keys):
                     self.into[:] = 0
                     loaded = self.client.get(NS, chain, self.into)
-                    self.wrong += [chain[i] for i in range(loaded) if not np.array_equal(self.into[i], page_of(chain[i]))]
+                    self.wrong += [chain[i] for i in range(loaded)
+                                   if not np.array_equal(self.into[i], page_of(chain[i]))]
                     self.moves += 1
             except RESTART_ERRORS:
                 pass

@@ -83,13 +83,13 @@ def test_the_node_copies_the_pages_the_client_leaves_it(server, ns, monkeypatch)
         assert client.get(ns, keys, out, verify=True) == len(keys) and np.array_equal(out, data)
 
 
-def _memfd(size: int, seal: bool = True, fill: bool = True) -> int:
+def _memfd(size: int, seal: bool = True, fill: bool = True, read_only: bool = False) -> int:
     fd = os.memfd_create("test-buffer", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     if fill:
         os.posix_fallocate(fd, 0, size)
     if seal:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | (fcntl.F_SEAL_WRITE if read_only else 0))
     return fd
 
 
@@ -109,6 +109,7 @@ def _share(channel: LocalChannel, fd: int) -> int:
     ("sparse", lambda tmp: _memfd(1 << 20, fill=False), "all its pages allocated"),
     ("a file", lambda tmp: _file(tmp / "buffer", 1 << 20), "sealed against shrinking"),
     ("one page", lambda tmp: _memfd(4096), "more than one"),
+    ("sealed against writes", lambda tmp: _memfd(1 << 20, read_only=True), "cannot map to read and write"),
     ("a ragged size", lambda tmp: _memfd(3 * 4096 + 100), "whole 4 KiB pages"),
 ])
 def test_the_node_maps_only_buffers_nothing_can_make_it_fault_on(server, tmp_path, what, make, message):
@@ -169,6 +170,8 @@ def test_moves_are_checked_before_any_byte_moves(server, ns):
             (lambda: move(page=PAGE // 2, offs=offsets[:1], idx=indices[:1]), errors.LengthMismatch, "whole pages"),
             (lambda: move(idx=np.zeros(5000, np.uint32), offs=np.full(5000, 4096, np.uint64)),
              errors.InvalidArgument, "batch_pages_max"),
+            (lambda: move(idx=indices[:0], offs=offsets[:0]), errors.InvalidArgument, "1 to"),
+            (lambda: move(page=0), errors.InvalidArgument, "at least a byte"),
         ]:
             with pytest.raises(error, match=message):
                 call()

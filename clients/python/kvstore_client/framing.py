@@ -61,7 +61,8 @@ METHODS: dict[int, tuple[str, type, type]] = {
     )
     for index, method in enumerate(_SERVICE.methods)
 }
-assert not {AUTHENTICATE, PROVE, SHARE_BUFFER, UNSHARE_BUFFER, MOVE_PAGES} & set(METHODS), "method ids reached the local frames'"
+_LOCAL_FRAMES = {AUTHENTICATE, PROVE, SHARE_BUFFER, UNSHARE_BUFFER, MOVE_PAGES}
+assert not _LOCAL_FRAMES & set(METHODS), "method ids reached the local frames' kinds"
 METHOD_IDS: dict[str, int] = {name: method_id for method_id, (name, _, _) in METHODS.items()}
 
 
@@ -130,5 +131,5 @@ def decode_move(payload: bytes | bytearray | memoryview) -> tuple:
         raise errors.MalformedRequest(f"a MOVE_PAGES frame of {len(view)} bytes does not hold the token and the "
                                       f"{count} pages its header names")
     token = bytes(view[MOVE_HEADER.size + 1:token_end])
-    indices = bytes(view[token_end:token_end + 4 * count])
-    return lease_id, token, buffer_id, cursor, page_bytes, bool(into_buffer), indices, bytes(view[token_end + 4 * count:])
+    indices, offsets = bytes(view[token_end:token_end + 4 * count]), bytes(view[token_end + 4 * count:])
+    return lease_id, token, buffer_id, cursor, page_bytes, bool(into_buffer), indices, offsets

@@ -5,8 +5,8 @@ is mapped once per connection (arena.py). Committed pages are not write-protecte
 hashes each page as it copies it, and one that no longer matches the checksum recorded at commit
 (changed through a mapping) is refused and reported to the node, which drops it (pipeline.py).
 Pages in a shared page buffer (shared_buffers.py) are copied by the client and the node at once
-(assisted_copy.py). The socket it came over stays open as long as the mapping is used: the node closes it when it
-stops, and that is how a mapping is known to be stale.
+(assisted_copy.py). The socket the memfd came over stays open as long as the mapping is used: the
+node closes it when it stops, and that is how a mapping is known to be stale.
 """
 
 from __future__ import annotations
