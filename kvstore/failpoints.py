@@ -34,6 +34,7 @@ NAMES = (
     "recovery.after_scan",           # start-up: headers read, orphans not yet dropped
     "acquire.each_page",             # an Acquire's pages pinned, not yet answered (sleep: a slow tier)
     "hbm.before_publish",            # pages copied into the HBM pool, the copies not yet answered
+    "move.before_copy",              # a shared buffer's move holds its slots, the node has copied none
 )
 
 

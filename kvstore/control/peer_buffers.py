@@ -27,6 +27,7 @@ import struct
 
 import numpy as np
 
+from kvstore import failpoints
 from kvstore.control import tenancy
 from kvstore.control.identity import Identity
 from kvstore.control.leases import READ, WRITE
@@ -95,6 +96,7 @@ class PeerBuffers:
         vouched = [vouch for _, _, vouch in begun]
         arrived: list[int | None] = [None] * len(slots)
         try:
+            failpoints.hit("move.before_copy")
             sums, claimed = native.copy_claimed(
                 mapped.base + cursor * CURSOR_STRIDE, into_buffer, self._store.arena.address,
                 [offset for _, offset, _ in begun], mapped.base, memoryview(buffer_offsets).cast("B").cast("Q"),

@@ -34,7 +34,10 @@ from kvstore_client import KVStoreClient, KVStoreError
 
 WORKLOAD = Path(__file__).with_name("crash_workload.py")
 STARTUP_POINT = "recovery.after_scan"
-RUNTIME_POINTS = tuple(name for name in NAMES if name != STARTUP_POINT)
+# Points this workload does not reach, armed by their own tests: its chains (at most 12 pages of 64 KiB) are
+# below the size of a move the node shares (tests/fault/test_shared_buffer_crash.py).
+ARMED_ELSEWHERE = ("move.before_copy",)
+RUNTIME_POINTS = tuple(name for name in NAMES if name != STARTUP_POINT and name not in ARMED_ELSEWHERE)
 POINT_WAIT_S = 8.0         # a point not reached by then is recorded as such and the node killed by hand
 STARTUP_WAIT_S = 30.0
 CHAINS_CHECKED_MAX = 90    # chains looked up and read after each restart
@@ -303,5 +306,6 @@ def test_kill_at_every_failpoint_then_restart(start_server, tmp_path):
     assert not report.lost_pages, f"pages on NVMe before a kill lost after the restart:\n{table}"
     assert not report.resurrected_pages, f"pages whose Delete answered came back after the restart:\n{table}"
     assert not report.unexpected_exits, f"the node exited other than by a kill:\n{table}"
-    unreached = [name for name in NAMES if not report.points.get(name, {}).get("reached")]
+    unreached = [name for name in NAMES
+                 if name not in ARMED_ELSEWHERE and not report.points.get(name, {}).get("reached")]
     assert not unreached, f"failpoints never reached: {unreached}\n{table}"

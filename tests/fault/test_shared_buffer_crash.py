@@ -99,3 +99,58 @@ def test_a_node_killed_mid_move_never_leaves_a_wrong_page(start_server, tmp_path
         for keys in traffic.stored[-20:]:
             loaded = client.get(NS, keys, out, verify=True)
             assert all(np.array_equal(out[i], page_of(keys[i])) for i in range(loaded))
+
+
+def test_a_node_killed_holding_a_moves_slots_makes_none_of_its_pages_visible(start_server, tmp_path):
+    """The node dies with a put's slots held for its part of the copy: the put fails as Unavailable, and the
+    restarted node serves none of those pages; the same put then stores them all."""
+    settings = {"nvme.enabled": "true", "nvme.paths": f"{tmp_path}/nvme", "nvme.map_bytes": "256MiB",
+                "controller.write_policy": "write_through"}
+    node = start_server(settings, env={"KVSTORE_TESTING_FAILPOINTS": "move.before_copy=kill@3"})
+    before, caught = [f"before-{i}" for i in range(LENGTH)], [f"caught-{i}" for i in range(LENGTH)]
+    source = shared_page_buffer(LENGTH, PAGE)
+    with KVStoreClient(node.address, timeout_s=5) as client:
+        source[:] = np.stack([page_of(k) for k in before])
+        assert client.put(NS, before, source) == LENGTH          # two moves: its last Commit is a short one
+        deadline = time.monotonic() + 20                          # written through to NVMe before the kill
+        while next(t.pages for t in client.stats().tiers if t.tier == 3) < LENGTH:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        source[:] = np.stack([page_of(k) for k in caught])
+        with pytest.raises(errors.Unavailable):
+            client.put(NS, caught, source)                        # its first move kills the node
+        node.process.wait(10)
+        start_server({**settings, "server.grpc_address": node.address, "shm.socket_path": node.socket_path})
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.lookup(NS, caught) == 0
+                break
+            except RESTART_ERRORS:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        into = shared_page_buffer(LENGTH, PAGE)
+        assert client.get(NS, before, into, verify=True) == LENGTH
+        assert all(np.array_equal(into[i], page_of(k)) for i, k in enumerate(before))
+        assert client.put(NS, caught, source) == LENGTH
+        assert client.get(NS, caught, into, verify=True) == LENGTH
+        assert all(np.array_equal(into[i], page_of(k)) for i, k in enumerate(caught))
+
+
+def test_a_call_past_its_deadline_returns_only_once_the_node_is_done_with_its_buffer(start_server):
+    """The node holds a get's slots for 2 s before it copies: the client copies every page itself meanwhile,
+    its 0.5 s deadline passes, and the call raises DeadlineExceeded only after the node has answered (the node
+    could otherwise still be writing into the caller's buffer), then the next call works."""
+    node = start_server(env={"KVSTORE_TESTING_FAILPOINTS": "move.before_copy=sleep:2000"})
+    keys = [f"slow-{i}" for i in range(LENGTH)]
+    data = np.stack([page_of(k) for k in keys])
+    with KVStoreClient(node.address, timeout_s=5) as client:
+        assert client.put(NS, keys, data) == LENGTH               # from a plain buffer: no move
+        into = shared_page_buffer(LENGTH, PAGE)
+        started = time.monotonic()
+        with pytest.raises(errors.DeadlineExceeded):
+            client.get(NS, keys, into, timeout_s=0.5)
+        assert time.monotonic() - started >= 1.9
+        assert np.array_equal(into, data)                          # the client copied them all
+        out = np.zeros_like(data)
+        assert client.get(NS, keys, out) == LENGTH and np.array_equal(out, data)

@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 # pages of 4 KiB, gets of 1,024 from a shared buffer ran at 402k pages/s where the client alone got 622k.
 MOVE_BYTES_MIN = 1 << 20
 MOVE_PAGE_BYTES_MIN = 64 << 10
-# After a call's deadline passes during a move, the node is left no more pages to claim, and the call
-# waits this long for it to finish the page it is copying before it gives the connection up.
+# When a call's deadline passes during a move, this process has claimed and copied every page the node did
+# not: the call waits this long for the node to finish those it claimed, so it never returns while the node
+# may still write into the caller's buffer, then gives up on the node.
 FINISH_WAIT_S = 10.0
 _ID = struct.Struct("<I")
 
@@ -78,7 +79,6 @@ class AssistedCopies:
         try:
             answer = pending.result()
         except errors.DeadlineExceeded:
-            shared.stop_claims(cursor)
             pending.deadline = time.monotonic() + FINISH_WAIT_S
             try:
                 pending.result()

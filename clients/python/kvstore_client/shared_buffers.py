@@ -121,10 +121,6 @@ class SharedPages:
     def cursor_address(self, cursor: int) -> int:
         return self.base + cursor * CURSOR_STRIDE
 
-    def stop_claims(self, cursor: int) -> None:
-        """Leave the node no page to claim after the one it is copying (a move given up on)."""
-        ctypes.c_uint64.from_address(self.cursor_address(cursor)).value = 1 << 62
-
     def release(self) -> None:
         """The array is gone: no new move uses the buffer, and connections unshare it (AssistedCopies)."""
         with _live_lock:
