@@ -28,6 +28,26 @@ def page_of(key: str) -> np.ndarray:
     return np.frombuffer((seed * (PAGE // len(seed)))[:PAGE], np.uint8)
 
 
+def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def served(call):
+    """call()'s result, or None while the node restarts."""
+    try:
+        return call()
+    except RESTART_ERRORS:
+        return None
+
+
+def restart(start_server, node, settings: dict):
+    """A new node on the killed one's gRPC port and socket path."""
+    return start_server({**settings, "server.grpc_address": node.address, "shm.socket_path": node.socket_path})
+
+
 class Traffic(threading.Thread):
     """Puts chains from one shared buffer and reads chains into another, checking every page read."""
 
@@ -78,18 +98,12 @@ def test_a_node_killed_mid_move_never_leaves_a_wrong_page(start_server, tmp_path
     try:
         for _ in range(KILLS):
             moves = traffic.moves
-            deadline = time.monotonic() + 30
-            while traffic.moves < moves + 20:
-                assert time.monotonic() < deadline, "traffic did not go on after the restart"
-                time.sleep(0.01)
+            wait_for(lambda: traffic.moves >= moves + 20, "traffic going on after a restart")
             node.process.send_signal(signal.SIGKILL)
             node.process.wait(10)
-            node = start_server({**settings, "server.grpc_address": node.address, "shm.socket_path": node.socket_path})
+            node = restart(start_server, node, settings)
         moves = traffic.moves
-        deadline = time.monotonic() + 30
-        while traffic.moves < moves + 20:
-            assert time.monotonic() < deadline, "traffic did not go on after the last restart"
-            time.sleep(0.01)
+        wait_for(lambda: traffic.moves >= moves + 20, "traffic going on after the last restart")
     finally:
         traffic.finish()
     assert traffic.failures == [], f"calls failed with other than a restart error: {traffic.failures[:3]}"
@@ -112,23 +126,15 @@ def test_a_node_killed_holding_a_moves_slots_makes_none_of_its_pages_visible(sta
     with KVStoreClient(node.address, timeout_s=5) as client:
         source[:] = np.stack([page_of(k) for k in before])
         assert client.put(NS, before, source) == LENGTH          # two moves: its last Commit is a short one
-        deadline = time.monotonic() + 20                          # written through to NVMe before the kill
-        while next(t.pages for t in client.stats().tiers if t.tier == 3) < LENGTH:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: next(t.pages for t in client.stats().tiers if t.tier == 3) >= LENGTH,
+                 "the first put written through to NVMe")
         source[:] = np.stack([page_of(k) for k in caught])
         with pytest.raises(errors.Unavailable):
             client.put(NS, caught, source)                        # its first move kills the node
         node.process.wait(10)
-        start_server({**settings, "server.grpc_address": node.address, "shm.socket_path": node.socket_path})
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert client.lookup(NS, caught) == 0
-                break
-            except RESTART_ERRORS:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        restart(start_server, node, settings)
+        wait_for(lambda: served(lambda: client.lookup(NS, caught)) is not None, "the restarted node serving")
+        assert client.lookup(NS, caught) == 0
         into = shared_page_buffer(LENGTH, PAGE)
         assert client.get(NS, before, into, verify=True) == LENGTH
         assert all(np.array_equal(into[i], page_of(k)) for i, k in enumerate(before))
