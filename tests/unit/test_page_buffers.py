@@ -1,11 +1,17 @@
 """How a put's or get's buffers become page segments, and how a run of pages is handed to a data path."""
 
+import fcntl
+import gc
+import os
+
 import numpy as np
 import pytest
 
+from kvstore_client import shared_buffers
 from kvstore_client.buffers import PageRows, page_buffer, page_segments
 from kvstore_client.data_path import PageColumns, offsets_and_segments
 from kvstore_client.errors import InvalidArgument, PageSizeMismatch
+from kvstore_client.shared_buffers import shared_page_buffer
 
 
 def test_an_array_of_pages_is_described_by_its_base_and_is_walked_page_by_page():
@@ -78,3 +84,26 @@ def test_a_page_buffer_starts_on_a_4k_boundary_and_holds_its_pages_as_rows(pages
 def test_a_page_buffer_of_no_size_is_an_invalid_argument(pages, page_bytes):
     with pytest.raises(InvalidArgument, match="page_bytes > 0"):
         page_buffer(pages, page_bytes)
+
+
+@pytest.mark.parametrize("pages, page_bytes", [(3, 4096), (5, 100), (2, 1 << 20)])
+def test_a_shared_page_buffer_is_a_sealed_filled_memfd_found_by_its_pages(pages, page_bytes):
+    buffer = shared_page_buffer(pages, page_bytes)
+    assert buffer.shape == (pages, page_bytes) and buffer.dtype == np.uint8 and buffer.ctypes.data % 4096 == 0
+    rows, held = page_segments(buffer, pages, page_bytes, writable=True)
+    shared, offsets = shared_buffers.holding(rows, page_bytes)
+    assert offsets.tolist() == [shared_buffers.HEADER_BYTES + i * page_bytes for i in range(pages)]
+    assert shared_buffers.holding(page_segments(page_buffer(pages, page_bytes), pages, page_bytes, True)[0],
+                                  page_bytes) is None
+    info = os.fstat(shared.fd)
+    assert info.st_size % 4096 == 0 and info.st_blocks * 512 >= info.st_size
+    assert fcntl.fcntl(shared.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    del buffer, rows, held, offsets   # the last view of the mapping: the buffer is released
+    gc.collect()
+    assert shared.released and shared not in shared_buffers.live_buffers()
+
+
+@pytest.mark.parametrize("pages, page_bytes", [(0, 64), (2, 0)])
+def test_a_shared_page_buffer_of_no_size_is_an_invalid_argument(pages, page_bytes):
+    with pytest.raises(InvalidArgument, match="both positive"):
+        shared_page_buffer(pages, page_bytes)

@@ -10,9 +10,11 @@ node over the local socket the first time a put or a get uses it on a connection
 Each put or get of large pages in one then names its pages to the node (framing.MOVE_PAGES) and starts
 copying them itself. Both sides claim pages one at a time with an atomic add to a counter in the buffer's
 first page (kvstore_native.copy_claimed), so each copies as many as it gets to: a node busy elsewhere takes
-few, an idle one about half. Each side hashes the pages it copies as the single-sided copies do; a get's
+few, an idle one 40-50% here. Each side hashes the pages it copies as the single-sided copies do; a get's
 checksums, the node's too, are compared with those recorded at commit. The call returns only after the node
-has answered, so nothing of the node's copy touches the caller's buffer after it.
+has answered, so nothing of the node's copy touches the caller's buffer after it (a node that has not
+answered 10 s past the call's deadline is given up on, and the error says the buffer may still change:
+assisted_copy.py).
 
 Without kvstore_native, or where the node does not take the buffer, pages move as from any other buffer.
 """
