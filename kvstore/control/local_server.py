@@ -315,44 +315,23 @@ class LocalServer:
         conn.sendmsg([framing.encode(0, answer)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
 
     def _answer(self, conn: socket.socket, kind: int, payload: bytearray, owner: Caller) -> None:
-        try:
+        def serve() -> bytes:
             name, request = framing.decode_call(kind, payload)
-            response = self._service.handle(name, request, owner)
-        except errors.KVStoreError as exc:
-            _send_error(conn, exc)
-            return
-        except AssertionError as exc:  # a broken invariant is never answered and carried on from
-            stop_node("the local channel", exc)
-        except Exception:
-            log.exception("local method %d failed", kind)
-            _send_error(conn, errors.Internal("internal error, see the server log"))
-            return
-        conn.sendall(framing.encode(0, response.SerializeToString()))
+            return self._service.handle(name, request, owner).SerializeToString()
+
+        _reply(conn, kind, serve)
 
     def _answer_buffers(self, peer: "_Peer", kind: int, payload: bytearray) -> None:
         """SHARE_BUFFER, UNSHARE_BUFFER and MOVE_PAGES: the client's shared page buffers (peer_buffers.py)."""
-        conn = peer.conn
         if peer.buffers is None:
             peer.buffers = PeerBuffers(self._service.store, self._service.limits.batch_pages_max)
-        try:
-            if kind == framing.SHARE_BUFFER:
-                answer = peer.buffers.share(_receive_fd(conn, payload))
-            elif kind == framing.UNSHARE_BUFFER:
-                answer = peer.buffers.unshare(payload)
-            else:
-                answer = peer.buffers.move(payload, peer.owner.identity)
-        except errors.KVStoreError as exc:
-            _send_error(conn, exc)
-            return
-        except AssertionError as exc:
-            stop_node("the local channel", exc)
-        except framing.FrameError:
-            raise
-        except Exception:
-            log.exception("local frame %d failed", kind)
-            _send_error(conn, errors.Internal("internal error, see the server log"))
-            return
-        conn.sendall(framing.encode(0, answer))
+        buffers = peer.buffers
+        if kind == framing.SHARE_BUFFER:
+            _reply(peer.conn, kind, lambda: buffers.share(_receive_fd(peer.conn, payload)))
+        elif kind == framing.UNSHARE_BUFFER:
+            _reply(peer.conn, kind, lambda: buffers.unshare(payload))
+        else:
+            _reply(peer.conn, kind, lambda: buffers.move(payload, peer.owner.identity))
 
 
 class _Peer:
@@ -468,6 +447,25 @@ def _receive_fd(conn: socket.socket, payload: bytearray) -> int:
             os.close(fd)
         raise framing.FrameError("SHARE_BUFFER is an empty frame followed by one byte that carries one memfd")
     return fds[0]
+
+
+def _reply(conn: socket.socket, kind: int, serve) -> None:
+    """Answer a frame with what serve() returns, or with its error: a KVStoreError as it is, anything else but
+    a broken invariant (which stops the node) or an unreadable stream (which closes the connection) as Internal."""
+    try:
+        answer = serve()
+    except errors.KVStoreError as exc:
+        _send_error(conn, exc)
+        return
+    except AssertionError as exc:  # a broken invariant is never answered and carried on from
+        stop_node("the local channel", exc)
+    except framing.FrameError:
+        raise
+    except Exception:
+        log.exception("local frame %d failed", kind)
+        _send_error(conn, errors.Internal("internal error, see the server log"))
+        return
+    conn.sendall(framing.encode(0, answer))
 
 
 def _send_error(conn: socket.socket, exc: errors.KVStoreError) -> None:

@@ -23,7 +23,6 @@ import fcntl
 import mmap
 import os
 import stat
-import struct
 
 import numpy as np
 
@@ -38,7 +37,6 @@ from kvstore_client.shared_buffers import CURSORS, CURSOR_STRIDE, HEADER_BYTES
 # Buffers one connection may have shared at once, and the largest one.
 BUFFERS_MAX = 64
 BUFFER_BYTES_MAX = 1 << 40
-_ID = struct.Struct("<I")
 
 
 class PeerBuffers:
@@ -63,12 +61,13 @@ class PeerBuffers:
             os.close(fd)
         buffer_id, self._next_id = self._next_id, self._next_id + 1
         self._buffers[buffer_id] = mapped
-        return _ID.pack(buffer_id)
+        return framing.BUFFER_ID.pack(buffer_id)
 
     def unshare(self, payload: bytes | bytearray) -> bytes:
-        if len(payload) != _ID.size:
-            raise errors.MalformedRequest(f"UNSHARE_BUFFER carries a {_ID.size}-byte id, not {len(payload)} bytes")
-        mapped = self._buffers.pop(_ID.unpack(payload)[0], None)
+        if len(payload) != framing.BUFFER_ID.size:
+            raise errors.MalformedRequest(f"UNSHARE_BUFFER carries a {framing.BUFFER_ID.size}-byte id, "
+                                          f"not {len(payload)} bytes")
+        mapped = self._buffers.pop(framing.BUFFER_ID.unpack(payload)[0], None)
         if mapped is not None:
             mapped.close()
         return b""
@@ -76,22 +75,21 @@ class PeerBuffers:
     def move(self, payload: bytes | bytearray, identity: Identity) -> bytes:
         """The node's part of a MOVE_PAGES: which of its pages it copied (a byte each) and their checksums."""
         lease_id, token, buffer_id, cursor, page_bytes, into_buffer, indices, offsets = framing.decode_move(payload)
-        if not 1 <= len(indices) // 4 <= self._pages_max or not page_bytes:
-            raise errors.InvalidArgument(f"a move of {len(indices) // 4} pages of {page_bytes} bytes: 1 to "
+        if not 1 <= len(indices) <= self._pages_max or not page_bytes:
+            raise errors.InvalidArgument(f"a move of {len(indices)} pages of {page_bytes} bytes: 1 to "
                                          f"{self._pages_max} pages (limits.batch_pages_max) of at least a byte")
         mapped = self._buffers.get(buffer_id)
         if mapped is None:
             raise errors.InvalidArgument(f"no shared buffer {buffer_id} on this connection")
         if cursor >= CURSORS:
             raise errors.InvalidArgument(f"claim counter {cursor} of {CURSORS}")
-        buffer_offsets = np.frombuffer(offsets, dtype=np.uint64)
-        if len(buffer_offsets) and (int(buffer_offsets.min()) < HEADER_BYTES
-                                    or int(buffer_offsets.max()) + page_bytes > mapped.size):
+        starts = np.frombuffer(offsets, dtype=np.uint64)
+        if int(starts.min()) < HEADER_BYTES or int(starts.max()) + page_bytes > mapped.size:
             raise errors.InvalidArgument(f"a page of {page_bytes} bytes outside shared buffer {buffer_id} "
                                          f"({HEADER_BYTES} to {mapped.size})")
         if not identity.admin:
             tenancy.own_lease(self._store, lease_id, identity)
-        slots = np.frombuffer(indices, dtype=np.uint32).tolist()
+        slots = indices.tolist()
         begun = self._store.begin_transfers(lease_id, token, READ if into_buffer else WRITE, slots, page_bytes)
         vouched = [vouch for _, _, vouch in begun]
         arrived: list[int | None] = [None] * len(slots)
@@ -99,8 +97,7 @@ class PeerBuffers:
             failpoints.hit("move.before_copy")
             sums, claimed = native.copy_claimed(
                 mapped.base + cursor * CURSOR_STRIDE, into_buffer, self._store.arena.address,
-                [offset for _, offset, _ in begun], mapped.base, memoryview(buffer_offsets).cast("B").cast("Q"),
-                page_bytes)
+                [offset for _, offset, _ in begun], mapped.base, offsets, page_bytes)
             if not into_buffer:   # what landed in each slot the node wrote, as a TCP landing records it
                 arrived = [checksum if copied else None
                            for checksum, copied in zip(np.frombuffer(sums, dtype=np.uint64).tolist(), claimed)]

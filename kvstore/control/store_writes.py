@@ -418,9 +418,7 @@ class WriteLeases:
                     begun.append(self._begin_transfer(lease_id, token, kind, slot, nbytes))
             except BaseException:
                 for (lease, _, vouched), slot in zip(begun, slots):
-                    self._transfer_ended(lease, slot)
-                    if vouched:
-                        self._unvouch(lease.tenant)
+                    self._end_transfer(lease, slot, None, vouched)
                 raise
         return begun
 

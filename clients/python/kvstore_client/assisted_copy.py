@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from typing import Any, Sequence
@@ -31,7 +30,6 @@ MOVE_PAGE_BYTES_MIN = 64 << 10
 # not: the call waits this long for the node to finish those it claimed, so it never returns while the node
 # may still write into the caller's buffer, then gives up on the node.
 FINISH_WAIT_S = 10.0
-_ID = struct.Struct("<I")
 
 
 class _Bytes:
@@ -63,13 +61,12 @@ class AssistedCopies:
         cursor = shared.take_cursor() if buffer_id is not None else None
         if cursor is None:
             return None
-        slot_offsets = np.asarray(offsets, dtype=np.uint64)
         request = framing.encode_move(lease_id, token, buffer_id, cursor, page_bytes, into_buffer,
                                       np.asarray(indices, dtype=np.uint32), buffer_offsets)
         pending = self._channel.submit_frame("MovePages", framing.encode(framing.MOVE_PAGES, request), _Bytes)
         try:
-            mine = native.copy_claimed(shared.cursor_address(cursor), into_buffer, self._arena_base,
-                                       _as_q(slot_offsets), shared.base, _as_q(buffer_offsets), page_bytes)
+            mine = native.copy_claimed(shared.cursor_address(cursor), into_buffer, self._arena_base, offsets,
+                                       shared.base, _as_q(buffer_offsets), page_bytes)
         finally:
             theirs = self._node_part(pending, shared, cursor)
         return _merged(mine, theirs, count)
@@ -116,7 +113,7 @@ class AssistedCopies:
         finally:
             os.close(fd)
         try:
-            return _ID.unpack(pending.result())[0]
+            return framing.BUFFER_ID.unpack(pending.result())[0]
         except errors.KVStoreError as exc:
             if not self._channel.alive():
                 raise
@@ -128,7 +125,7 @@ class AssistedCopies:
         for shared in [shared for shared in self._ids if shared.released]:
             buffer_id = self._ids.pop(shared)
             if buffer_id is not None:
-                frame = framing.encode(framing.UNSHARE_BUFFER, _ID.pack(buffer_id))
+                frame = framing.encode(framing.UNSHARE_BUFFER, framing.BUFFER_ID.pack(buffer_id))
                 self._channel.submit_frame("UnshareBuffer", frame, _Bytes).posted = True
 
 

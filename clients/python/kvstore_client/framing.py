@@ -43,6 +43,7 @@ PROVE = 254
 # connection. UNSHARE_BUFFER's payload is that id; the node unmaps the buffer and answers nothing.
 SHARE_BUFFER = 253
 UNSHARE_BUFFER = 252
+BUFFER_ID = struct.Struct("<I")
 # Pages the node and the client copy at once between a shared buffer and a lease's slots (shared_buffers.py):
 #     MOVE_HEADER | data token | count u32 lease indices | count u64 buffer offsets
 # answered with count bytes (1: the node copied that page) and count u64 checksums (those of its pages).
@@ -121,7 +122,7 @@ def encode_move(lease_id: int, token: bytes, buffer_id: int, cursor: int, page_b
 
 def decode_move(payload: bytes | bytearray | memoryview) -> tuple:
     """(lease_id, token, buffer_id, cursor, page_bytes, into_buffer, indices, buffer_offsets) of a MOVE_PAGES
-    payload, the last two as bytes of native uint32s and uint64s; MalformedRequest if its lengths disagree."""
+    payload, the last two as memoryviews of uint32s and uint64s; MalformedRequest if its lengths disagree."""
     view = memoryview(payload)
     if len(view) < MOVE_HEADER.size + 1:
         raise errors.MalformedRequest(f"a MOVE_PAGES frame of {len(view)} bytes is shorter than its header")
@@ -131,5 +132,7 @@ def decode_move(payload: bytes | bytearray | memoryview) -> tuple:
         raise errors.MalformedRequest(f"a MOVE_PAGES frame of {len(view)} bytes does not hold the token and the "
                                       f"{count} pages its header names")
     token = bytes(view[MOVE_HEADER.size + 1:token_end])
-    indices, offsets = bytes(view[token_end:token_end + 4 * count]), bytes(view[token_end + 4 * count:])
-    return lease_id, token, buffer_id, cursor, page_bytes, bool(into_buffer), indices, offsets
+    indices = bytes(view[token_end:token_end + 4 * count])
+    offsets = bytes(view[token_end + 4 * count:])
+    return (lease_id, token, buffer_id, cursor, page_bytes, bool(into_buffer), memoryview(indices).cast("I"),
+            memoryview(offsets).cast("Q"))
