@@ -4,6 +4,7 @@ stored, and a call caught by one fails as Unavailable (the node's half of a move
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import signal
 import threading
@@ -12,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore_client import KVStoreClient, Namespace, errors, native, shared_page_buffer
+from kvstore_client import AsyncKVStoreClient, KVStoreClient, Namespace, errors, native, shared_page_buffer
 
 pytestmark = pytest.mark.skipif(native.copy_claimed is None, reason="kvstore_native is not installed")
 
@@ -160,3 +161,43 @@ def test_a_call_past_its_deadline_returns_only_once_the_node_is_done_with_its_bu
         assert np.array_equal(into, data)                          # the client copied them all
         out = np.zeros_like(data)
         assert client.get(NS, keys, out) == LENGTH and np.array_equal(out, data)
+
+
+def test_the_async_client_serves_other_tasks_while_the_node_holds_a_move(start_server):
+    """The node holds each move's slots for 2 s before it copies. Meanwhile the event loop runs other tasks (the move
+    waits for the node on a worker thread, not on the loop), and a get cancelled mid-move raises CancelledError only
+    once the node has answered: until then the node may still write into the caller's buffer."""
+    node = start_server(env={"KVSTORE_TESTING_FAILPOINTS": "move.before_copy=sleep:2000"})
+    keys = [f"async-slow-{i}" for i in range(LENGTH)]
+    data = np.stack([page_of(k) for k in keys])
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        async with AsyncKVStoreClient(node.address, timeout_s=10) as client:
+            assert await client.put(NS, keys, data) == LENGTH                # from a plain buffer: no move
+            ticker = asyncio.create_task(tick())
+            into = shared_page_buffer(LENGTH, PAGE)
+            assert await client.get(NS, keys, into) == LENGTH
+            ticks_during_get = ticks
+            cancelled = asyncio.create_task(client.get(NS, keys, shared_page_buffer(LENGTH, PAGE)))
+            await asyncio.sleep(0.5)
+            cancelled.cancel()
+            cancelled_at = time.monotonic()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            waited = time.monotonic() - cancelled_at
+            ticker.cancel()
+            assert await client.get(NS, keys, np.zeros_like(data)) == LENGTH   # the client goes on
+            return into, ticks_during_get, waited
+
+    into, ticks_during_get, waited = asyncio.run(main())
+    assert np.array_equal(into, data)
+    assert ticks_during_get >= 10, ticks_during_get   # about 40 in 2 s; a loop held by the move ticks once at most
+    assert waited >= 1.0, waited                      # the node answers about 1.5 s after the cancel

@@ -50,10 +50,7 @@ class AssistedCopies:
         (of the bytes written, as the one-sided copies give it). None where this move is not one to share:
         few bytes, pages outside any shared buffer, no kvstore_native, or a buffer the node did not take."""
         count = len(indices)
-        if (native.copy_claimed is None or count < 2 or page_bytes < MOVE_PAGE_BYTES_MIN
-                or count * page_bytes < MOVE_BYTES_MIN):
-            return None
-        held = shared_buffers.holding(segments, page_bytes)
+        held = _held(count, segments, page_bytes)
         if held is None:
             return None
         shared, buffer_offsets = held
@@ -70,6 +67,11 @@ class AssistedCopies:
         finally:
             theirs = self._node_part(pending, shared, cursor)
         return _merged(mine, theirs, count)
+
+    @staticmethod
+    def shares(segments: Any, page_bytes: int) -> bool:
+        """Whether a move of the pages of `segments` is one to share: move() then waits on the node's answer."""
+        return _held(len(segments), segments, page_bytes) is not None
 
     def _node_part(self, pending: Any, shared: SharedPages, cursor: int) -> bytes:
         """The node's answer to a move; its claim counter goes back to the buffer once the node is done with it."""
@@ -142,6 +144,14 @@ def _merged(mine: tuple[bytes, bytes], theirs: bytes, count: int) -> memoryview:
     sums = np.where(their_claims, np.frombuffer(theirs, dtype=np.uint64, count=count, offset=count),
                     np.frombuffer(my_sums, dtype=np.uint64))
     return memoryview(sums.tobytes()).cast("Q")
+
+
+def _held(count: int, segments: Any, page_bytes: int) -> tuple[SharedPages, np.ndarray] | None:
+    """The shared buffer holding a move's pages, with their offsets in it, where the move is one to share."""
+    if (native.copy_claimed is None or count < 2 or page_bytes < MOVE_PAGE_BYTES_MIN
+            or count * page_bytes < MOVE_BYTES_MIN):
+        return None
+    return shared_buffers.holding(segments, page_bytes)
 
 
 def _as_q(values: np.ndarray) -> memoryview:

@@ -9,7 +9,8 @@ KVStoreClient; argument checks are shared (arguments.py). Control messages go ov
 Unix socket as asyncio streams (the same frames as LocalChannel, answered in order) when the
 node is on this host, on a call connection of its TCP data plane when pages move over TCP (where
 its Hello offers tcp_calls), else over grpc.aio (async_channel.py). Page bytes move through the
-shared-memory arena, copied inline: a memcpy of a page costs less than handing it to a thread. The arena's fd
+shared-memory arena, copied inline: a memcpy of a page costs less than handing it to a thread (a move the node
+copies with this process waits on the node, and runs on a worker thread instead). The arena's fd
 comes over its own socket (asyncio streams cannot receive SCM_RIGHTS), which stays open as
 the mapping's liveness signal, exactly as in the sync client: one short blocking exchange on
 the local socket at connect, never per call. Where shared memory cannot be used (the node is
@@ -30,6 +31,7 @@ client serves any number of tasks of one event loop; it is not for use from othe
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -49,6 +51,7 @@ from kvstore_client.proto import pb
 from kvstore_client.residency import Residency
 from kvstore_client.shm_transport import ShmDataPath
 from kvstore_client.transport_choice import candidates
+from kvstore_client.worker_thread import to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,9 @@ T = TypeVar("T")
 
 
 class _ArenaPages:
-    """Shared memory behind the same coroutines as AsyncTcpDataPath: the copy is inline (see the module doc)."""
+    """Shared memory behind the same coroutines as AsyncTcpDataPath: the copy is inline (see the module doc), but
+    for a move the node copies with this process (a shared page buffer's): that one waits for the node's answer, up
+    to the call's deadline and more, so it runs on a worker thread and the loop serves other tasks meanwhile."""
 
     name = "shm"
     rdma_qp_num = 0
@@ -66,10 +71,15 @@ class _ArenaPages:
         self.shape = path.shape
 
     async def put(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> list[int] | None:
-        return self.path.put(lease_id, token, pages, page_bytes)
+        return await self._move(self.path.put, lease_id, token, pages, page_bytes)
 
     async def get(self, lease_id: int, token: bytes, pages: list, page_bytes: int) -> list[int] | None:
-        return self.path.get(lease_id, token, pages, page_bytes)
+        return await self._move(self.path.get, lease_id, token, pages, page_bytes)
+
+    async def _move(self, copy: Callable[..., Any], lease_id: int, token: bytes, pages: list, page_bytes: int) -> Any:
+        if self.path.waits_on_node(pages, page_bytes):
+            return await to_the_end(functools.partial(copy, lease_id, token, pages, page_bytes))
+        return copy(lease_id, token, pages, page_bytes)
 
     def alive(self) -> bool:
         return self.path.alive()

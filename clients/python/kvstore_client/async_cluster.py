@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable
 
 from kvstore_client.cluster import KVStoreCluster
+from kvstore_client.worker_thread import to_the_end
 
 _CALLS = ("put", "get", "lookup", "held", "residency", "route", "delete", "clear", "list_keys", "list_pages", "events_run",
           "node_list_pages", "stats", "node_stats", "stage", "commit_group", "abort_staged", "put_group",
@@ -58,25 +59,8 @@ def _in_thread(name: str) -> Callable[..., Any]:
     @functools.wraps(method)
     async def call(self: AsyncKVStoreCluster, *args: Any, **kwargs: Any) -> Any:
         cluster = await self._opened()
-        return await _to_the_end(functools.partial(getattr(cluster, name), *args, **kwargs))
+        return await to_the_end(functools.partial(getattr(cluster, name), *args, **kwargs))
     return call
-
-
-async def _to_the_end(call: Callable[[], Any]) -> Any:
-    """call() on a worker thread, awaited; a cancelled await still waits for the thread to end (its pieces may be
-    copying into the caller's buffers) before the cancellation goes on to the caller."""
-    running = asyncio.get_running_loop().run_in_executor(None, call)
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        while not running.done():
-            try:
-                await asyncio.shield(running)
-            except asyncio.CancelledError:
-                continue
-            except Exception:   # the call failed after all: the caller asked for cancellation, it gets that
-                break
-        raise
 
 
 for _name in _CALLS:
