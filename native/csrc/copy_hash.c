@@ -95,14 +95,31 @@ enum copy_kernel copy_kernel_cap(int widest_allowed) {
     return widest();
 }
 
-uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
+uint64_t copy_hash_unfenced(uint8_t *dst, const segment_t *segments, size_t count) {
     enum copy_kernel k = widest();
     return KERNELS[k].copy_hash(dst, segments, count, KERNELS[k].streaming);
 }
 
-uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
+uint64_t copy_out_hash_unfenced(const uint8_t *src, const segment_t *segments, size_t count) {
     enum copy_kernel k = widest();
     return KERNELS[k].copy_out_hash(src, segments, count, KERNELS[k].streaming);
+}
+
+void copy_fence(void) {
+    if (KERNELS[widest()].streaming)
+        _mm_sfence();
+}
+
+uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
+    uint64_t sum = copy_hash_unfenced(dst, segments, count);
+    copy_fence();
+    return sum;
+}
+
+uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
+    uint64_t sum = copy_out_hash_unfenced(src, segments, count);
+    copy_fence();
+    return sum;
 }
 
 void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes) {

@@ -668,9 +668,10 @@ static void copy_hash_batch(const batch_t *b, uint64_t *sums) {
     for (size_t i = 0; i < b->pages; i++) {
         if (i + 1 < b->pages)
             prefetch_source(b, i + 1);
-        sums[i] = copy_hash(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
+        sums[i] = copy_hash_unfenced(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
         yield_every(&copied, page_bytes(b, i));
     }
+    copy_fence();
 }
 
 static void prefetch_page(const batch_t *b, size_t i) {
@@ -692,9 +693,10 @@ static void copy_out_hash_batch(const batch_t *b, uint64_t *sums) {
     for (size_t i = 0; i < b->pages; i++) {
         if (i + 1 < b->pages)
             prefetch_page(b, i + 1);
-        sums[i] = copy_out_hash(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
+        sums[i] = copy_out_hash_unfenced(b->slots[i], b->segments + b->first[i], b->first[i + 1] - b->first[i]);
         yield_every(&copied, page_bytes(b, i));
     }
+    copy_fence();
 }
 
 static void copy_out_batch(const batch_t *b) {
@@ -880,10 +882,11 @@ static void copy_claimed_pages(uint64_t *cursor, int out, uint8_t *arena, const 
             break;
         segment_t page = {buffer + buffer_offsets[i], nbytes};
         uint8_t *slot = arena + slot_offsets[i];
-        sums[i] = out ? copy_out_hash(slot, &page, 1) : copy_hash(slot, &page, 1);
+        sums[i] = out ? copy_out_hash_unfenced(slot, &page, 1) : copy_hash_unfenced(slot, &page, 1);
         claimed[i] = 1;
         yield_every(&copied, nbytes);
     }
+    copy_fence();
 }
 
 /* copy_claimed(cursor, out, arena, slot_offsets, buffer, buffer_offsets, page_bytes) -> (sums, claimed). */
