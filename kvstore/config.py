@@ -80,7 +80,7 @@ class ControllerConfig:
     # which a kernel without preemption inside system calls (PREEMPT_NONE) runs to its end. With idle
     # writers: 1 MiB commits, p99 4.7-4.9 ms and 1.3x the pages a second; 4 MiB, 10.3-10.8 ms and 1.3x.
     # Swept again in one hour, a reader's p99 loaded/idle and pages written down a second: 256 KiB 1.04-1.87x and
-    # 3,040-3,462; 384 KiB 1.59-2.15x and 3,469-4,538; 512 KiB 1.29-3.06x and 4,742-5,005; 1 MiB 1.66-2.42x and
+    # 3,027-3,462; 384 KiB 1.59-2.15x and 3,469-4,538; 512 KiB 1.29-3.06x and 4,672-5,005; 1 MiB 1.66-2.42x and
     # 5,677-5,856; two shards of 256 KiB, 2.41-2.42x and 3,642-3,885. A shard whose file still grows pays for it
     # in every commit's sync: LMDB alone committed the same transactions 1.45-1.6x faster into the freed pages of
     # a shard that had been written and emptied. Growing the file ahead (zeros written, or fallocate) gained
