@@ -116,12 +116,6 @@ uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count) {
     return sum;
 }
 
-uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count) {
-    uint64_t sum = copy_out_hash_unfenced(src, segments, count);
-    copy_fence();
-    return sum;
-}
-
 void copy_hash_update(xxh3_state_t *state, uint8_t *dst, const uint8_t *src, size_t nbytes) {
     enum copy_kernel k = widest();
     KERNELS[k].copy_hash_update(state, dst, src, nbytes, KERNELS[k].streaming);

@@ -8,20 +8,21 @@
 typedef struct { const uint8_t *src; size_t nbytes; } segment_t;
 
 /* Copy segments back to back into dst and return XXH3_64bits of the bytes copied, reading
- * each byte from memory once. */
+ * each byte from memory once. Fenced: what it wrote is visible to other cores when it returns. */
 uint64_t copy_hash(uint8_t *dst, const segment_t *segments, size_t count);
 
-/* Copy src out into the segments (their addresses are the destinations) and return XXH3_64bits
- * of the bytes that landed there, hashed from the destination. */
-uint64_t copy_out_hash(const uint8_t *src, const segment_t *segments, size_t count);
-
-/* copy_hash and copy_out_hash without their closing store fence, for a loop over many pages, which then
- * calls copy_fence() once before anyone else may read what it wrote (it returns, answers, or commits).
- * Streamed stores are weakly ordered, and a fence waits until every one is in memory. A fence after each
- * page of 4 KiB, against one a batch (bench/hot_path.py, alternated, three runs each): gets 586-609k pages/s
- * against 642-706k, puts 406-445k against 423-457k; 64 KiB pages and up moved the same either way. */
+/* copy_hash without its closing store fence, for a loop over many pages, which then calls copy_fence()
+ * once before anyone else may read what it wrote (it returns, answers, or commits). Streamed stores are
+ * weakly ordered, and a fence waits until every one is in memory. A fence after each page of 4 KiB, against
+ * one a batch (bench/hot_path.py, alternated, three runs each): gets 586-609k pages/s against 642-706k,
+ * puts 406-445k against 423-457k; 64 KiB pages and up moved the same either way. */
 uint64_t copy_hash_unfenced(uint8_t *dst, const segment_t *segments, size_t count);
+
+/* Copy src out into the segments (their addresses are the destinations) and return XXH3_64bits
+ * of the bytes that landed there, hashed from the destination. Unfenced, as copy_hash_unfenced: every
+ * caller copies a batch of pages and then calls copy_fence(). */
 uint64_t copy_out_hash_unfenced(const uint8_t *src, const segment_t *segments, size_t count);
+
 void copy_fence(void);
 
 /* Copy nbytes from src to dst and feed them to an xxh3 stream (xxh3_reset), in the same pass: a page

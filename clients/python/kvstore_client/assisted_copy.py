@@ -16,6 +16,7 @@ import numpy as np
 
 from kvstore_client import errors, framing, native, shared_buffers
 from kvstore_client.channel import LocalChannel
+from kvstore_client.data_path import Pages, offsets_and_segments
 from kvstore_client.shared_buffers import SharedPages
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class AssistedCopies:
         (of the bytes written, as the one-sided copies give it). None where this move is not one to share:
         few bytes, pages outside any shared buffer, no kvstore_native, or a buffer the node did not take."""
         count = len(indices)
-        held = _held(count, segments, page_bytes)
+        held = shared_buffers.holding(segments, page_bytes) if _large_enough(count, page_bytes) else None
         if held is None:
             return None
         shared, buffer_offsets = held
@@ -69,9 +70,11 @@ class AssistedCopies:
         return _merged(mine, theirs, count)
 
     @staticmethod
-    def shares(segments: Any, page_bytes: int) -> bool:
-        """Whether a move of the pages of `segments` is one to share: move() then waits on the node's answer."""
-        return _held(len(segments), segments, page_bytes) is not None
+    def shares(pages: Pages, page_bytes: int) -> bool:
+        """Whether a move of `pages` is one to share: move() then waits on the node's answer. Their segments are
+        looked at only for a move large enough."""
+        return (_large_enough(len(pages), page_bytes)
+                and shared_buffers.holding(offsets_and_segments(pages)[1], page_bytes) is not None)
 
     def _node_part(self, pending: Any, shared: SharedPages, cursor: int) -> bytes:
         """The node's answer to a move; its claim counter goes back to the buffer once the node is done with it."""
@@ -146,12 +149,10 @@ def _merged(mine: tuple[bytes, bytes], theirs: bytes, count: int) -> memoryview:
     return memoryview(sums.tobytes()).cast("Q")
 
 
-def _held(count: int, segments: Any, page_bytes: int) -> tuple[SharedPages, np.ndarray] | None:
-    """The shared buffer holding a move's pages, with their offsets in it, where the move is one to share."""
-    if (native.copy_claimed is None or count < 2 or page_bytes < MOVE_PAGE_BYTES_MIN
-            or count * page_bytes < MOVE_BYTES_MIN):
-        return None
-    return shared_buffers.holding(segments, page_bytes)
+def _large_enough(count: int, page_bytes: int) -> bool:
+    """Whether `count` pages of `page_bytes` are a move to share with the node (where kvstore_native can)."""
+    return (native.copy_claimed is not None and count >= 2 and page_bytes >= MOVE_PAGE_BYTES_MIN
+            and count * page_bytes >= MOVE_BYTES_MIN)
 
 
 def _as_q(values: np.ndarray) -> memoryview:

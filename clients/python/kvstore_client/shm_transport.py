@@ -86,7 +86,7 @@ class ShmDataPath:
 
     def waits_on_node(self, pages: Pages, page_bytes: int) -> bool:
         """Whether a put or get of `pages` is copied with the node, and so waits for its answer (assisted_copy.py)."""
-        return self._assisted.shares(offsets_and_segments(pages)[1], page_bytes)
+        return self._assisted.shares(pages, page_bytes)
 
     def alive(self) -> bool:
         return self._channel.alive()
