@@ -3,6 +3,7 @@
 import fcntl
 import gc
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -101,6 +102,27 @@ def test_a_shared_page_buffer_is_a_sealed_filled_memfd_found_by_its_pages(pages,
     del buffer, rows, held, offsets   # the last view of the mapping: the buffer is released
     gc.collect()
     assert shared.released and shared not in shared_buffers.live_buffers()
+
+
+def test_a_shared_buffer_released_by_the_collector_while_its_thread_looks_up_buffers_does_not_hang_it():
+    """The garbage collector runs a dead buffer's release at any allocation, in whichever thread allocates: here
+    while that thread holds the lock of the buffers' table (as holding() does), which the release must not wait on."""
+    def release_inside_the_lock(done: list) -> None:
+        buffer = shared_page_buffer(2, 4096)
+        shared, _ = shared_buffers.holding(page_segments(buffer, 2, 4096, True)[0], 4096)
+        cycle = [buffer]
+        cycle.append(cycle)   # only the collector frees it
+        del buffer, cycle
+        with shared_buffers._live_lock:
+            gc.collect()
+        done.append(shared)
+
+    done: list = []
+    thread = threading.Thread(target=release_inside_the_lock, args=(done,), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert done, "the release waited on the lock its own thread held"
+    assert done[0].released and done[0].fd == -1 and done[0] not in shared_buffers.live_buffers()
 
 
 @pytest.mark.parametrize("pages, page_bytes", [(0, 64), (2, 0)])

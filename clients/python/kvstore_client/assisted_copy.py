@@ -22,10 +22,13 @@ from kvstore_client.shared_buffers import SharedPages
 log = logging.getLogger(__name__)
 
 # A move of fewer bytes, or of smaller pages, is copied by this process alone. MOVE_PAGES and its answer cost
-# tens of microseconds on each side, and the node's thread takes as long to wake: about what copying 256 KiB
-# takes. And the node holds each page's slot before it copies any (a few microseconds of Python a page): with
-# pages of 4 KiB, gets of 1,024 from a shared buffer ran at 402k pages/s where the client alone got 622k.
-MOVE_BYTES_MIN = 1 << 20
+# tens of microseconds on each side, and the node's thread takes as long to wake: on a host copying 11 GB/s,
+# this process had claimed 15.5 of the 16 pages of a 1 MiB move (64 KiB pages) before the node began, then
+# waited 59 us for its answer; below 2 MiB, such a put's last Commit run goes alone (64 KiB puts: 5-9% more
+# GB/s, alternated). And the node holds each page's slot before it copies any (a few microseconds of Python a
+# page): with pages of 4 KiB, gets of 1,024 from a shared buffer ran at 402k pages/s where the client alone
+# got 622k.
+MOVE_BYTES_MIN = 2 << 20
 MOVE_PAGE_BYTES_MIN = 64 << 10
 # When a call's deadline passes during a move, this process has claimed and copied every page the node did
 # not: the call waits this long for the node to finish those it claimed, so it never returns while the node

@@ -39,7 +39,10 @@ HEADER_BYTES = 4096
 CURSOR_STRIDE = 64
 CURSORS = HEADER_BYTES // CURSOR_STRIDE
 
-_live: dict[int, "SharedPages"] = {}   # id(SharedPages) -> it, while its array is alive
+# id(SharedPages) -> it, from its making until the first look after its release (_prune). A buffer's release
+# runs in a weakref finalizer, which the garbage collector may start in any thread at any allocation: inside a
+# section holding _live_lock too. So a release takes only its buffer's own lock, and never waits for this one.
+_live: dict[int, "SharedPages"] = {}
 _live_lock = threading.Lock()
 
 
@@ -52,6 +55,7 @@ def shared_page_buffer(pages: int, page_bytes: int) -> np.ndarray:
     array = np.frombuffer(memory, dtype=np.uint8, count=pages * page_bytes,
                           offset=HEADER_BYTES).reshape(pages, page_bytes)
     with _live_lock:
+        _prune()
         _live[id(shared)] = shared
     # The mapping lives as long as any view of it (every slice of the array holds it): once it goes, so does
     # the buffer's share on each connection.
@@ -104,7 +108,7 @@ class SharedPages:
 
     def dup_fd(self) -> int:
         """A duplicate of the memfd to hand over (closed by the caller); -1 once the buffer is released."""
-        with _live_lock:
+        with self._lock:
             return -1 if self.released else os.dup(self.fd)
 
     def take_cursor(self) -> int | None:
@@ -125,11 +129,17 @@ class SharedPages:
 
     def release(self) -> None:
         """The array is gone: no new move uses the buffer, and connections unshare it (AssistedCopies)."""
-        with _live_lock:
-            _live.pop(id(self), None)
+        with self._lock:
+            if self.released:
+                return
             self.released = True
             os.close(self.fd)
             self.fd = -1
+        if _live_lock.acquire(blocking=False):   # held (by this thread, maybe): the next look prunes it
+            try:
+                _prune()
+            finally:
+                _live_lock.release()
 
 
 def holding(segments: Any, page_bytes: int) -> tuple[SharedPages, np.ndarray] | None:
@@ -141,7 +151,9 @@ def holding(segments: Any, page_bytes: int) -> tuple[SharedPages, np.ndarray] | 
     else:
         return None
     with _live_lock:
-        candidates = [shared for shared in _live.values() if shared.base <= address < shared.base + shared.size]
+        _prune()
+        candidates = [shared for shared in _live.values()
+                      if not shared.released and shared.base <= address < shared.base + shared.size]
     for shared in candidates:
         offsets = shared.locate(segments, page_bytes)
         if offsets is not None:
@@ -151,4 +163,11 @@ def holding(segments: Any, page_bytes: int) -> tuple[SharedPages, np.ndarray] | 
 
 def live_buffers() -> Sequence[SharedPages]:
     with _live_lock:
-        return list(_live.values())
+        _prune()
+        return [shared for shared in _live.values() if not shared.released]
+
+
+def _prune() -> None:
+    """_live_lock held: forget the released buffers. A finalizer run meanwhile only sets a flag (release)."""
+    for key in [key for key, shared in _live.items() if shared.released]:
+        del _live[key]
