@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -38,6 +39,8 @@ from kvstore_client.shared_buffers import CURSORS, CURSOR_STRIDE, HEADER_BYTES
 _MADV_POPULATE_READ = 22   # Linux 5.14
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+log = logging.getLogger(__name__)
 
 # Buffers one connection may have shared at once, and the largest one.
 BUFFERS_MAX = 64
@@ -124,7 +127,10 @@ def _populate(address: int, nbytes: int) -> None:
     writable; called through ctypes, it leaves the GIL to the node's other threads (Python's MAP_POPULATE held
     it for all of 1.7 s/GiB). About 0.06 s a GiB on the sharing connection's thread; a kernel before 5.14
     refuses it, and the pages are faulted in as the node first touches them."""
-    _libc.madvise(address, nbytes, _MADV_POPULATE_READ)
+    if _libc.madvise(address, nbytes, _MADV_POPULATE_READ) != 0:
+        errno = ctypes.get_errno()
+        log.info("a shared page buffer's pages are mapped as the node first touches them (MADV_POPULATE_READ: %s)",
+                 os.strerror(errno))
 
 
 class _Mapped:

@@ -275,3 +275,27 @@ def test_the_async_client_moves_shared_buffers_with_the_node(server, ns, monkeyp
     assert np.array_equal(asyncio.run(main()), data)
     tail = (1 << 20) // PAGE   # the put's last Commit run, too small a move to share (assisted_copy.MOVE_BYTES_MIN)
     assert sum(moved) == (len(keys) - tail) + len(keys)
+
+
+def test_the_node_maps_a_buffer_whole_when_it_is_shared(server, ns):
+    """The node fills in its page tables for a buffer as it takes it (else its first touch of each 4 KiB page is a
+    fault inside its copy): after one move of 2 MiB out of a 16 MiB buffer, all 16 MiB are resident in the node."""
+    keys = [f"mapped{i}" for i in range(12)]   # one move of 8 pages, then the last 1 MiB alone
+    with KVStoreClient(server.address) as client:
+        source = shared_page_buffer(64, PAGE)
+        source[:12] = content(keys)
+        assert client.put(ns, keys, source[:12]) == len(keys)
+        assert _resident_bytes(server.process.pid, "/memfd:kvstore-shared-pages") >= 64 * PAGE
+
+
+def _resident_bytes(pid: int, name: str) -> int:
+    """What process `pid` has resident of its mappings of files named `name` (/proc/PID/smaps)."""
+    total, counting = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:   # a mapping's header: range, perms, offset, dev, inode, path
+                counting = len(fields) >= 6 and fields[5] == name
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
