@@ -14,7 +14,8 @@ holds the slot until the move ends, so a lease that expires meanwhile frees noth
 node claims pages from the counter the client claims from too and copies each one it claims (a put's page
 into its slot, hashed as it is written; a get's out of its slot, hashed where it landed), without the GIL.
 It claims at most as many pages as the frame names, whatever the client does to the counter, so the work a
-frame buys is bounded by its size.
+frame buys is bounded by its size. SHARE_BUFFER's is bounded by the buffer's: the node fills in its page tables
+for it (about 0.06 s a GiB, _populate), and the buffer's memory is the client's own.
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ def _populate(address: int, nbytes: int) -> None:
     """Fill in the node's page tables for a mapped buffer, as the client's own mapping was (MAP_POPULATE): else
     the node's first touch of each 4 KiB page is a fault inside its copy (64 KiB puts from a new 1 GiB buffer
     ran at 5.3-5.8 GB/s for five passes over it, then 8.5-9). MADV_POPULATE_READ maps a shared memfd's pages
-    writable; called through ctypes, it leaves the GIL to the node's other threads (Python's MAP_POPULATE held
-    it for all of 1.7 s/GiB). About 0.06 s a GiB on the sharing connection's thread; a kernel before 5.14
-    refuses it, and the pages are faulted in as the node first touches them."""
+    writable; called through ctypes, it leaves the GIL to the node's other threads (Python's MAP_POPULATE holds
+    it throughout: 0.11 s a GiB in which no other thread of the node runs). About 0.06 s a GiB on the sharing
+    connection's thread; a kernel before 5.14 refuses it, and the pages fault in as the node first touches them."""
     if _libc.madvise(address, nbytes, _MADV_POPULATE_READ) != 0:
         errno = ctypes.get_errno()
         log.info("a shared page buffer's pages are mapped as the node first touches them (MADV_POPULATE_READ: %s)",
