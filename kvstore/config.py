@@ -84,7 +84,12 @@ class ControllerConfig:
     # 5,677-5,856; two shards of 256 KiB, 2.41-2.42x and 3,642-3,885. A shard whose file still grows pays for it
     # in every commit's sync: LMDB alone committed the same transactions 1.45-1.6x faster into the freed pages of
     # a shard that had been written and emptied. Growing the file ahead (zeros written, or fallocate) gained
-    # nothing overall: the zeros cost the disk what the commits saved.
+    # nothing overall: the zeros cost the disk what the commits saved. What a reader feels is the kernel's work
+    # for these writes on its core, not the node's: a process doing nothing but such commits, under SCHED_IDLE on
+    # the core of an otherwise idle node (2,200-2,400 pages/s), moved a one-page get from p50 222-309 us and p99
+    # 427-1,264 us to 353-597 and 1,456-1,971. LMDB's writemap (the copy made in user space, which the kernel
+    # can preempt) did worse: p99 under write-down 2.1-4.0 ms against 1.6-2.0, at 2,150-2,600 pages/s against
+    # 3,070-3,310, alternated.
     write_txn_bytes: int = 256 << 10
     # The background's LMDB writes run on threads under SCHED_IDLE: a serving thread that wakes takes the core
     # from them at once (the kernel preempts an idle-policy thread for any other that wakes; a nice one only as
