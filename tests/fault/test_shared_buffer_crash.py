@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(native.copy_claimed is None, reason="kvstore_nat
 
 PAGE = 256 << 10
 # 4 MiB a chain: each get is a move the node takes part in, and so is each put's first Commit run (its last
-# 1 MiB goes alone: assisted_copy.MOVE_BYTES_MIN)
+# pipeline.TAIL_COMMIT_BYTES go alone: assisted_copy.MOVE_BYTES_MIN)
 LENGTH = 16
 NS = Namespace(model="shared-crash", page_bytes=PAGE)
 KILLS = 5

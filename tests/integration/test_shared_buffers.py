@@ -20,6 +20,7 @@ import pytest
 from kvstore_client import KVStoreClient, Namespace, errors, framing, native, shared_page_buffer
 from kvstore_client.assisted_copy import _Bytes, _merged as _real_merged
 from kvstore_client.channel import LocalChannel
+from kvstore_client.pipeline import TAIL_COMMIT_BYTES
 from kvstore_client.proto import pb
 
 pytestmark = pytest.mark.skipif(native.copy_claimed is None, reason="kvstore_native is not installed")
@@ -273,7 +274,7 @@ def test_the_async_client_moves_shared_buffers_with_the_node(server, ns, monkeyp
             return into
 
     assert np.array_equal(asyncio.run(main()), data)
-    tail = (1 << 20) // PAGE   # the put's last Commit run, too small a move to share (assisted_copy.MOVE_BYTES_MIN)
+    tail = TAIL_COMMIT_BYTES // PAGE   # the put's last Commit run, too small a move to share (MOVE_BYTES_MIN)
     assert sum(moved) == (len(keys) - tail) + len(keys)
 
 
@@ -294,7 +295,7 @@ def _resident_bytes(pid: int, name: str) -> int:
     with open(f"/proc/{pid}/smaps") as smaps:
         for line in smaps:
             fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:   # a mapping's header: range, perms, offset, dev, inode, path
+            if not fields[0].endswith(":"):   # a mapping's header: range, perms, offset, dev, inode, path
                 counting = len(fields) >= 6 and fields[5] == name
             elif counting and fields[0] == "Rss:":
                 total += int(fields[1]) * 1024

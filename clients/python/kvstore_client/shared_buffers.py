@@ -39,7 +39,8 @@ HEADER_BYTES = 4096
 CURSOR_STRIDE = 64
 CURSORS = HEADER_BYTES // CURSOR_STRIDE
 
-# id(SharedPages) -> it, from its making until the first look after its release (_prune). A buffer's release
+# id(SharedPages) -> it, from its making until its release, or until the next buffer is made where the release
+# found the lock held (_prune; look-ups skip released buffers meanwhile). A buffer's release
 # runs in a weakref finalizer, which the garbage collector may start in any thread at any allocation: inside a
 # section holding _live_lock too. So a release takes only its buffer's own lock, and never waits for this one.
 _live: dict[int, "SharedPages"] = {}
@@ -135,7 +136,7 @@ class SharedPages:
             self.released = True
             os.close(self.fd)
             self.fd = -1
-        if _live_lock.acquire(blocking=False):   # held (by this thread, maybe): the next look prunes it
+        if _live_lock.acquire(blocking=False):   # held (by this thread, maybe): the next buffer made prunes it
             try:
                 _prune()
             finally:
@@ -151,7 +152,6 @@ def holding(segments: Any, page_bytes: int) -> tuple[SharedPages, np.ndarray] | 
     else:
         return None
     with _live_lock:
-        _prune()
         candidates = [shared for shared in _live.values()
                       if not shared.released and shared.base <= address < shared.base + shared.size]
     for shared in candidates:
@@ -163,7 +163,6 @@ def holding(segments: Any, page_bytes: int) -> tuple[SharedPages, np.ndarray] | 
 
 def live_buffers() -> Sequence[SharedPages]:
     with _live_lock:
-        _prune()
         return [shared for shared in _live.values() if not shared.released]
 
 
