@@ -183,6 +183,17 @@ def commit_checksums(request: pb.CommitRequest) -> list[int]:
         raise errors.InvalidArgument(f"{exc}: send one little-endian uint64 per index") from None
 
 
+def copied_by_node(request: pb.CommitRequest) -> bytes:
+    """A Commit's copied_by_node flags (a byte per index, 0 or 1), which only a writer's checksums come with."""
+    flags = request.copied_by_node
+    if flags and not request.checksums_from_writer:
+        raise errors.InvalidArgument("copied_by_node comes with checksums_from_writer: without it the node hashes "
+                                     "every slot, and takes what it recorded where it copied a page itself")
+    if flags.strip(b"\x00\x01"):
+        raise errors.InvalidArgument("copied_by_node holds a byte per index, each 0 or 1")
+    return flags
+
+
 def promote_wait_s(request: pb.AcquireRequest, config: Config) -> float:
     """How long an Acquire may wait for promotions: never beyond controller.promote_wait_ms_max."""
     controller = config.controller

@@ -108,7 +108,7 @@ class KVStoreService:
             limits=pb.Limits(
                 batch_pages_max=self.limits.batch_pages_max, page_bytes_max=self.limits.page_bytes_max,
                 lookup_pages_max=self.limits.lookup_pages_max, lookup_keys_packed=True,
-                lookup_hex_digests=True, pages_packed=True,
+                lookup_hex_digests=True, pages_packed=True, commit_copied_by_node=True,
                 key_bytes_max=self.limits.key_bytes_max, read_lease_ttl_ms=leases.read_ttl_ms,
                 write_lease_ttl_ms=leases.write_ttl_ms, frame_bytes_max=self.limits.frame_bytes_max),
             tcp_endpoint=self.tcp_endpoint, tcp_tls=self.tcp_tls, tcp_calls=self.tcp_calls,
@@ -209,11 +209,12 @@ class KVStoreService:
     def commit(self, request: pb.CommitRequest, owner: object | None) -> pb.CommitResponse:
         indices = checks.commit_indices(request)
         checksums = checks.commit_checksums(request)
+        copied_by_node = checks.copied_by_node(request)
         if request.durable and self.controller is None:
             raise errors.InvalidArgument("durable=true needs the NVMe tier, and this node has none (nvme.enabled)")
         if request.checksums_from_writer:   # the writer hashed the pages as it copied them: no read-back
             states, sums, published = self.store.commit_written(request.lease_id, indices, checksums,
-                                                                records=request.durable)
+                                                                records=request.durable, copied_by_node=copied_by_node)
         else:
             states, sums, published = self.store.commit(request.lease_id, indices, checksums, records=request.durable)
         answer = _commit_answer(request, states, sums)

@@ -196,12 +196,14 @@ class WriteLeases:
         failpoints.hit("commit.after_publish")
         return states, sums, published
 
-    def commit_written(self, lease_id: int, indices: list[int], checksums: list[int],
-                       records: bool = False) -> tuple[list[int], list[int], list[PageRecord]]:
+    def commit_written(self, lease_id: int, indices: list[int], checksums: list[int], records: bool = False,
+                       copied_by_node: bytes = b"") -> tuple[list[int], list[int], list[PageRecord]]:
         """Publish slots whose checksums the lease's writer computed as it copied them in (one pass over
         the bytes: kvstore_native.copy_hash), without reading the slots back. A page is still never
         published without a checksum from its writer or from this node; the scrubber, promotion from
-        NVMe and reads with verify check it later, like any page. Returns what commit() returns."""
+        NVMe and reads with verify check it later, like any page. `copied_by_node`: a byte per index, 1
+        where this node copied the page in itself (a shared-buffer move) and recorded its checksum then;
+        that one is used, never the writer's. Returns what commit() returns."""
         failpoints.hit("commit.before_publish")   # the writer hashed the slots; nothing visible yet
         with self._lock:
             lease = self._lease(lease_id, WRITE)
@@ -209,6 +211,11 @@ class WriteLeases:
             if len(checksums) != len(indices):
                 raise errors.InvalidArgument(
                     f"{len(checksums)} checksums for {len(indices)} pages: checksums_from_writer needs one per page")
+            if copied_by_node and len(copied_by_node) != len(indices):
+                raise errors.InvalidArgument(
+                    f"{len(copied_by_node)} copied_by_node flags for {len(indices)} pages: give one per page or none")
+            if copied_by_node:
+                checksums = _node_copied(lease, indices, checksums, copied_by_node)
             states, published = self._publish(lease, indices, checksums, records)
             if not lease.slots:
                 self._end_lease(lease)
@@ -504,3 +511,17 @@ def _unclaim(claimed: dict[bytes, int], keys: list[bytes]) -> None:
         return
     for key in keys:
         del claimed[key]
+
+
+def _node_copied(lease: Lease, indices: list[int], checksums: list[int], copied_by_node: bytes) -> list[int]:
+    """The writer's checksums, but for each page this node copied in itself the one it recorded then
+    (Lease.arrived); InvalidArgument where it has none: no move of this node copied that page."""
+    sums = list(checksums)
+    for position in [position for position, flag in enumerate(copied_by_node) if flag]:
+        known = lease.arrived.get(indices[position])
+        if known is None:
+            raise errors.InvalidArgument(
+                f"index {indices[position]} of lease {lease.lease_id:#x} is flagged copied_by_node, but no move of "
+                "this node copied it: send its checksum, or MOVE_PAGES before this Commit on the same connection")
+        sums[position] = known
+    return sums

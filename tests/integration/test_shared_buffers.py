@@ -189,6 +189,57 @@ def test_moves_are_checked_before_any_byte_moves(server, ns):
         channel.close()
 
 
+def test_a_commit_sent_before_its_moves_answer_takes_the_checksums_the_node_took(server, ns):
+    """A put's Commit goes out before the answer to its move is read (CommitRequest.copied_by_node): the node has
+    served the move by then, and records, for each page it copied, the checksum it took, never the writer's."""
+    keys = [f"ahead{i}" for i in range(4)]
+    data = content(keys)
+    with KVStoreClient(server.address) as client:
+        ns_id = client._namespace_id(ns)
+    channel = LocalChannel(server.socket_path, 5)
+    fd = _memfd(4096 + 4 * PAGE)
+    buffer = mmap.mmap(fd, 4096 + 4 * PAGE)
+    buffer[4096:] = data.tobytes()
+    try:
+        buffer_id = _share(channel, fd)
+
+        def reserve(names: list[str]) -> pb.ReserveResponse:
+            return channel.call("Reserve", pb.ReserveRequest(namespace_id=ns_id, keys=[k.encode() for k in names],
+                                                             page_bytes=PAGE))
+
+        def commit(lease_id: int, flags: bytes, **fields) -> pb.CommitResponse:   # of both pages of the lease
+            fields = {"checksums_from_writer": True, **fields}
+            return channel.call("Commit", pb.CommitRequest(lease_id=lease_id, checksums=[0, 0], copied_by_node=flags,
+                                                           **fields))
+
+        lease = reserve(keys[:2])
+        for flags, fields, message in [
+            (b"\1\1", {"checksums_from_writer": False}, "comes with checksums_from_writer"),
+            (b"\1\2", {}, "each 0 or 1"),
+            (b"\1", {}, "1 copied_by_node flags for 2 pages"),
+            (b"\1\0", {}, "no move of this node copied it"),
+        ]:
+            with pytest.raises(errors.InvalidArgument, match=message):
+                commit(lease.lease_id, flags, **fields)
+        assert channel.call("Abort", pb.AbortRequest(lease_id=lease.lease_id)).aborted_pages == 2
+
+        lease = reserve(keys)
+        move = framing.encode_move(lease.lease_id, lease.data_token, buffer_id, 0, PAGE, False,
+                                   np.arange(4, dtype=np.uint32), np.arange(4, dtype=np.uint64) * PAGE + 4096)
+        moved = channel.submit_frame("MovePages", framing.encode(framing.MOVE_PAGES, move), _Bytes)
+        committed = channel.submit("Commit", pb.CommitRequest(lease_id=lease.lease_id, checksums=[0] * 4,
+                                                              checksums_from_writer=True, copied_by_node=b"\1" * 4))
+        assert np.frombuffer(moved.result(), np.uint8, 4).all()   # nobody else claimed: the node copied all four
+        assert list(committed.result().states) == [pb.COMMITTED] * 4
+    finally:
+        buffer.close()
+        os.close(fd)
+        channel.close()
+    with KVStoreClient(server.address) as client:   # recorded as the node took them: 0 would fail every get
+        out = np.zeros_like(data)
+        assert client.get(ns, keys, out, verify=True) == 4 and np.array_equal(out, data)
+
+
 def test_a_dropped_buffer_is_unshared(server, ns, monkeypatch):
     """More buffers than a connection may share at once (peer_buffers.BUFFERS_MAX), each used and dropped in
     turn: every one is still moved with the node, as each dropped one was unshared."""

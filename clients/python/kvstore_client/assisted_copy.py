@@ -6,11 +6,12 @@ ids the node gave them), the MOVE_PAGES of each large move, and this process's o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -49,10 +50,11 @@ class AssistedCopies:
         self._sharing = threading.Lock()   # threads of one client share a buffer once
 
     def move(self, into_buffer: bool, lease_id: int, token: bytes, indices: Sequence[int], offsets: Sequence[int],
-             segments: Any, page_bytes: int) -> memoryview | None:
+             segments: Any, page_bytes: int, settle_later: bool = False) -> memoryview | MoveInFlight | None:
         """Copy pages between their slots (arena offsets) and a shared buffer, with the node: each page's xxh3
         (of the bytes written, as the one-sided copies give it). None where this move is not one to share:
-        few bytes, pages outside any shared buffer, no kvstore_native, or a buffer the node did not take."""
+        few bytes, pages outside any shared buffer, no kvstore_native, or a buffer the node did not take.
+        `settle_later`: once this process has copied its part, a MoveInFlight, the node's answer not yet read."""
         count = len(indices)
         held = shared_buffers.holding(segments, page_bytes) if _large_enough(count, page_bytes) else None
         if held is None:
@@ -65,12 +67,16 @@ class AssistedCopies:
         request = framing.encode_move(lease_id, token, buffer_id, cursor, page_bytes, into_buffer,
                                       np.asarray(indices, dtype=np.uint32), buffer_offsets)
         pending = self._channel.submit_frame("MovePages", framing.encode(framing.MOVE_PAGES, request), _Bytes)
+        node_part = functools.partial(self._node_part, pending, shared, cursor)
         try:
             mine = native.copy_claimed(shared.cursor_address(cursor), into_buffer, self._arena_base, offsets,
                                        shared.base, _as_q(buffer_offsets), page_bytes)
-        finally:
-            theirs = self._node_part(pending, shared, cursor)
-        return _merged(mine, theirs, count)
+        except BaseException:
+            node_part()
+            raise
+        if settle_later:
+            return MoveInFlight(mine, count, node_part)
+        return _merged(mine, node_part(), count)
 
     @staticmethod
     def shares(pages: Pages, page_bytes: int) -> bool:
@@ -135,6 +141,30 @@ class AssistedCopies:
             if buffer_id is not None:
                 frame = framing.encode(framing.UNSHARE_BUFFER, framing.BUFFER_ID.pack(buffer_id))
                 self._channel.submit_frame("UnshareBuffer", frame, _Bytes).posted = True
+
+
+class MoveInFlight:
+    """A put's shared move once this process has copied its part, the node's answer not yet read: the pages' checksums
+    (0 where the node copied the page) and `copied_by_node` (a byte a page), for a Commit sent at once. The node serves
+    a connection's frames in order, so it has finished the move and recorded its pages' checksums before it reads
+    that Commit (CommitRequest.copied_by_node), and the Commit no longer waits for the move's answer (64 KiB puts
+    from a shared buffer: the answer came 60-80 us after this process's part). settle() reads the answer; a put
+    settles every move before it returns, as a call must not while the node may still read the caller's buffer."""
+
+    def __init__(self, mine: tuple[bytes, bytes], count: int, node_part: Callable[[], bytes]):
+        sums, claims = mine
+        self.checksums = memoryview(sums).cast("Q")
+        self.copied_by_node = (np.frombuffer(claims, dtype=np.uint8) == 0).astype(np.uint8).tobytes()
+        self._mine, self._count, self._node_part = mine, count, node_part
+        self._settled = False
+
+    def settle(self) -> memoryview | None:
+        """Wait for the node's part (at most once): each page's checksum, from whichever side copied it; Internal
+        unless each page was copied exactly once, or what the node answered. None once settled before."""
+        if self._settled:
+            return None
+        self._settled = True
+        return _merged(self._mine, self._node_part(), self._count)
 
 
 def _merged(mine: tuple[bytes, bytes], theirs: bytes, count: int) -> memoryview:

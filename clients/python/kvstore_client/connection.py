@@ -167,7 +167,7 @@ class NodeConnection:
         local = LocalChannel(self.hello.shm_socket, options.timeout_s, self.credentials.token,
                              (self.hello.local_challenge, self.hello.local_answer), options.spin_us / 1e6)
         try:
-            path = ShmDataPath(local, self.hello.instance_id)
+            path = ShmDataPath(local, self.hello.instance_id, commits_here=options.control == "local")
         except BaseException:
             local.close()
             raise

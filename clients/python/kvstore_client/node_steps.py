@@ -58,12 +58,22 @@ class Post:
 
 @dataclasses.dataclass(frozen=True)
 class PutPages:
-    """Copy pages into a write lease's slots; the result is the checksums taken while copying, or None."""
+    """Copy pages into a write lease's slots; the result is the checksums taken while copying, or None. `ahead`:
+    where the data path can, a move copied with the node comes back as an assisted_copy.MoveInFlight, for a
+    Commit sent before its answer is read (then Settle it)."""
 
     lease_id: int
     token: bytes
     pages: Any
     page_bytes: int
+    ahead: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Settle:
+    """Read the node's answer to a MoveInFlight (at most once): the result is MoveInFlight.settle()'s."""
+
+    move: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +176,12 @@ def take_on(conn: Any) -> Callable[[Any], Any]:
         if isinstance(step, Post):
             return conn.control.post(step.method, step.request)
         if isinstance(step, PutPages):
-            return conn.data.put(step.lease_id, step.token, step.pages, step.page_bytes)
+            put = getattr(conn.data, "put_ahead", conn.data.put) if step.ahead else conn.data.put
+            return put(step.lease_id, step.token, step.pages, step.page_bytes)
         if isinstance(step, GetPages):
             return conn.data.get(step.lease_id, step.token, step.pages, step.page_bytes)
+        if isinstance(step, Settle):
+            return step.move.settle()
         raise TypeError(f"an attempt yielded {step!r}, which is no step of one")
     return take
 

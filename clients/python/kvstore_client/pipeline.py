@@ -28,7 +28,8 @@ from typing import Any, Callable, Sequence
 from kvstore_client import checksums, errors, packed
 from kvstore_client.buffers import PageSegments, Segment
 from kvstore_client.data_path import PageColumns
-from kvstore_client.node_steps import CONTROL, GRPC, Answer, GetPages, Post, PutPages, Send, Steps
+from kvstore_client.assisted_copy import MoveInFlight
+from kvstore_client.node_steps import CONTROL, GRPC, Answer, GetPages, Post, PutPages, Send, Settle, Steps
 from kvstore_client.proto import pb
 
 # A transfer into or out of a leased slot must end this long before the lease can expire.
@@ -57,11 +58,13 @@ class PutBatch:
         """Store the batch (an attempt: node_steps.py); returns how many leading keys are now stored (see stored_pages)."""
         keys, in_order, shape = self.keys, conn.control.answers_in_order, conn.data.shape
         packs = conn.hello.limits.pages_packed   # the node reads and answers packed fields (packed.py)
+        ahead = conn.hello.limits.commit_copied_by_node and not self.verify   # a Commit before its move's answer
         groups = shape.reserve_groups(len(keys), self.page_bytes)
         run = shape.run_pages(self.page_bytes)
         states: list[int] = []
         commits: list[Any] = []
         move_until: dict[int, float] = {}    # write lease -> when moving pages under it must have ended
+        moving: list[MoveInFlight] = []      # moves whose Commit went out before their answer was read
         sent_at, next_reserve = time.monotonic(), (yield self._reserve(conn, ns_id, *groups[0], 0, packs))
         unread = next_reserve   # a Reserve sent whose answer (and the lease it may open) is not read yet
         try:
@@ -85,13 +88,21 @@ class PutBatch:
                 for first, stop in commit_runs(run, len(indices), self.page_bytes, last):
                     after = commits[-1] if commits and not in_order else None
                     commits.append((yield from self._move_and_commit(reserved, start, indices[first:stop],
-                                                                     move_until[reserved.lease_id], after, packs)))
+                                                                     move_until[reserved.lease_id], after, packs,
+                                                                     moving if ahead else None)))
                 if not chain_goes_on:
                     break
+            while moving:
+                yield Settle(moving.pop(0))
             answers = []
             for commit in commits:
                 answers.append((yield Answer(commit)))
         except BaseException:
+            for move in moving:   # the node's part read before the call ends: it may still be reading the buffer
+                try:
+                    yield Settle(move)
+                except Exception:   # the put fails with what failed first
+                    pass
             leases = set(move_until)
             if unread is not None:   # sent ahead: its lease, if it opened one, is aborted too
                 try:
@@ -116,20 +127,27 @@ class PutBatch:
         return Send("Reserve", request)
 
     def _move_and_commit(self, reserved: pb.ReserveResponse, start: int, indices: Sequence[int], move_until: float,
-                         after: Any, packs: bool) -> Steps[Any]:
+                         after: Any, packs: bool, moving: list[MoveInFlight] | None) -> Steps[Any]:
         """Move a run of reserved pages (keys[start + i] for i in indices) into their slots, then send its
         Commit, once `after` (the Commit before it, on a channel without order) has answered; `packs`: the
-        Commit in its packed form."""
+        Commit in its packed form. With `moving` (not None), a move the node copies with this process is sent
+        its Commit at once, the node's pages flagged (copied_by_node), and joins `moving`, to be settled before
+        the put returns (a put with verify sends the node's checksums, and reads them first)."""
         if time.monotonic() > move_until:
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
         pages = reserved_pages(reserved, indices, self.segments, start)
-        written = yield PutPages(reserved.lease_id, reserved.data_token, pages, self.page_bytes)
+        written = yield PutPages(reserved.lease_id, reserved.data_token, pages, self.page_bytes, ahead=moving is not None)
+        copied_by_node = b""
+        if isinstance(written, MoveInFlight):
+            moving.append(written)
+            written, copied_by_node = written.checksums, written.copied_by_node
         sums, from_writer = commit_checksums(written, pages.segments if written is None else [], self.verify)
         if after is not None:
             yield Answer(after)
-        return (yield Send("Commit", commit_request(reserved.lease_id, pages.indices, sums, self.durable, from_writer,
-                                                    packs)))
+        request = commit_request(reserved.lease_id, pages.indices, sums, self.durable, from_writer, packs)
+        request.copied_by_node = copied_by_node
+        return (yield Send("Commit", request))
 
 
 # The last Commit of a put is the one whose checking overlaps no copy, and over shared memory the node has

@@ -15,7 +15,7 @@ import dataclasses
 
 from kvstore_client import errors, native
 from kvstore_client.arena import ArenaMapping
-from kvstore_client.assisted_copy import AssistedCopies
+from kvstore_client.assisted_copy import AssistedCopies, MoveInFlight
 from kvstore_client.channel import LocalChannel
 from kvstore_client.data_path import Pages, PipelineShape, indices_of, offsets_and_segments
 from kvstore_client.proto import pb
@@ -49,8 +49,9 @@ class ShmDataPath:
     name = "shm"
     rdma_qp_num = 0
 
-    def __init__(self, channel: LocalChannel, instance_id: bytes):
-        """Map the arena of the node whose Hello said `instance_id`, over `channel` (borrowed, not closed here)."""
+    def __init__(self, channel: LocalChannel, instance_id: bytes, commits_here: bool = False):
+        """Map the arena of the node whose Hello said `instance_id`, over `channel` (borrowed, not closed here).
+        `commits_here`: the caller's Commits go over `channel` too, so put_ahead may leave a move's answer unread."""
         fd = channel.map_arena_fd()
         arena = ArenaMapping(fd, whole=not channel.arena_of_one_tenant)
         try:
@@ -63,10 +64,21 @@ class ShmDataPath:
         self._channel = channel
         self._assisted = AssistedCopies(channel, arena.base)
         self.shape = SHAPE if native.module is None else HASHING_SHAPE
+        self._commits_here = commits_here
 
     def put(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int] | None:
+        return self._put(lease_id, token, pages, page_bytes, False)
+
+    def put_ahead(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int) -> list[int] | MoveInFlight | None:
+        """put(), but a move shared with the node comes back as a MoveInFlight (its answer unread) where the
+        Commit that follows goes over this path's channel, which the node serves in order."""
+        return self._put(lease_id, token, pages, page_bytes, self._commits_here)
+
+    def _put(self, lease_id: int, token: bytes, pages: Pages, page_bytes: int,
+             settle_later: bool) -> list[int] | MoveInFlight | None:
         offsets, segments = offsets_and_segments(pages)
-        sums = self._assisted.move(False, lease_id, token, indices_of(pages), offsets, segments, page_bytes)
+        sums = self._assisted.move(False, lease_id, token, indices_of(pages), offsets, segments, page_bytes,
+                                   settle_later)
         if sums is None:
             sums = self.arena.write_hashed(offsets, segments)
         if sums is None:   # no kvstore_native: memmove, and the node hashes the slots at commit

@@ -130,7 +130,7 @@ class NamespaceSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_tokens: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., layout: _Optional[str] = ..., page_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed", "lookup_hex_digests", "pages_packed")
+    __slots__ = ("batch_pages_max", "page_bytes_max", "key_bytes_max", "read_lease_ttl_ms", "write_lease_ttl_ms", "frame_bytes_max", "lookup_pages_max", "lookup_keys_packed", "lookup_hex_digests", "pages_packed", "commit_copied_by_node")
     BATCH_PAGES_MAX_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class Limits(_message.Message):
     LOOKUP_KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HEX_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     PAGES_PACKED_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_COPIED_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     batch_pages_max: int
     page_bytes_max: int
     key_bytes_max: int
@@ -151,7 +152,8 @@ class Limits(_message.Message):
     lookup_keys_packed: bool
     lookup_hex_digests: bool
     pages_packed: bool
-    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ..., lookup_hex_digests: _Optional[bool] = ..., pages_packed: _Optional[bool] = ...) -> None: ...
+    commit_copied_by_node: bool
+    def __init__(self, batch_pages_max: _Optional[int] = ..., page_bytes_max: _Optional[int] = ..., key_bytes_max: _Optional[int] = ..., read_lease_ttl_ms: _Optional[int] = ..., write_lease_ttl_ms: _Optional[int] = ..., frame_bytes_max: _Optional[int] = ..., lookup_pages_max: _Optional[int] = ..., lookup_keys_packed: _Optional[bool] = ..., lookup_hex_digests: _Optional[bool] = ..., pages_packed: _Optional[bool] = ..., commit_copied_by_node: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -320,7 +322,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., states: _Optional[_Iterable[_Union[ReserveState, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_ttl_ms: _Optional[int] = ..., first_index: _Optional[int] = ..., data_token: _Optional[bytes] = ..., no_space_reason: _Optional[str] = ..., states_packed: _Optional[bytes] = ..., offsets_packed: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "indices", "checksums", "durable", "checksums_from_writer", "first_index", "index_count", "checksums_packed", "packed_answer")
+    __slots__ = ("lease_id", "indices", "checksums", "durable", "checksums_from_writer", "first_index", "index_count", "checksums_packed", "packed_answer", "copied_by_node")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +332,7 @@ class CommitRequest(_message.Message):
     INDEX_COUNT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_PACKED_FIELD_NUMBER: _ClassVar[int]
     PACKED_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -339,7 +342,8 @@ class CommitRequest(_message.Message):
     index_count: int
     checksums_packed: bytes
     packed_answer: bool
-    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., checksums_from_writer: _Optional[bool] = ..., first_index: _Optional[int] = ..., index_count: _Optional[int] = ..., checksums_packed: _Optional[bytes] = ..., packed_answer: _Optional[bool] = ...) -> None: ...
+    copied_by_node: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., checksums_from_writer: _Optional[bool] = ..., first_index: _Optional[int] = ..., index_count: _Optional[int] = ..., checksums_packed: _Optional[bytes] = ..., packed_answer: _Optional[bool] = ..., copied_by_node: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("states", "checksums", "durable_pages", "states_packed", "checksums_packed")
