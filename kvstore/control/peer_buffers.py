@@ -15,7 +15,9 @@ node claims pages from the counter the client claims from too and copies each on
 into its slot, hashed as it is written; a get's out of its slot, hashed where it landed), without the GIL.
 It claims at most as many pages as the frame names, whatever the client does to the counter, so the work a
 frame buys is bounded by its size. SHARE_BUFFER's is bounded by the buffer's: the node fills in its page tables
-for it (about 0.06 s a GiB, _populate), and the buffer's memory is the client's own.
+for it (about 0.06 s a GiB, _populate), and the buffer's memory is the client's own. What the node copied into
+a write lease's slots it records with each slot's checksum (Lease.arrived): a put's Commit, sent on the same
+connection before the client reads this answer, names those pages copied_by_node and gets them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ path's PipelineShape: the first group may be short and a long last group is comm
 the first Reserve and the last Commit overlap no copy). The next group's Reserve is in flight while
 this group moves, and the server checksums one run while the next one moves (unless the pages were
 checksummed as they were copied: by the data path, then the Commit carries those, or by the node as
-each TCP page landed; either way the server reads nothing back). Pages become visible in chain
+each TCP page landed; either way the server reads nothing back). A move the node copies with this process
+(a shared page buffer's) has its Commit sent before the move's answer is read (assisted_copy.MoveInFlight),
+and the put reads every such answer before it returns. Pages become visible in chain
 order, because a page whose parent is not yet visible is dropped at commit:
 
 - on a control channel that answers in order (the local channel), everything is submitted
