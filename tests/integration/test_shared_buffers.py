@@ -17,7 +17,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore_client import KVStoreClient, Namespace, errors, framing, native, shared_page_buffer
+from kvstore_client import (KVStoreClient, Namespace, assisted_copy, errors, framing, native, shared_buffers,
+                            shared_page_buffer)
+from kvstore_client.arena import ArenaMapping
 from kvstore_client.assisted_copy import _Bytes, _merged as _real_merged
 from kvstore_client.channel import LocalChannel
 from kvstore_client.pipeline import TAIL_COMMIT_BYTES
@@ -238,6 +240,56 @@ def test_a_commit_sent_before_its_moves_answer_takes_the_checksums_the_node_took
     with KVStoreClient(server.address) as client:   # recorded as the node took them: 0 would fail every get
         out = np.zeros_like(data)
         assert client.get(ns, keys, out, verify=True) == 4 and np.array_equal(out, data)
+
+
+class _Injected(Exception):
+    pass
+
+
+def _tail_copy_fails(*args):
+    raise _Injected("the copy of the put's last run failed")
+
+
+@pytest.mark.parametrize("how", ["commit refused", "copy after it failed"])
+def test_a_put_that_fails_after_a_commit_sent_ahead_reads_its_moves_answer_first(server, ns, monkeypatch, how):
+    """A Commit sent ahead of its move's answer may be refused, or a later step of the put may fail: either way the
+    put reads that answer before it raises (the node is done with the buffer, and the claim counter goes back to
+    it), and aborts its lease: what a Commit published before the failure stays, whole."""
+    keys = [f"{how}{i}" for i in range(16)]   # a shared move of 12 pages, then the last 4 copied alone
+    data = content(keys)
+    made, settled = [], []
+
+    class Watched(assisted_copy.MoveInFlight):
+        def __init__(self, *args):
+            super().__init__(*args)
+            if how == "commit refused":
+                self.copied_by_node = b"\2" * len(self.copied_by_node)   # refused by the node's checks
+            made.append(self)
+
+        def settle(self):
+            settled.append(self)
+            return super().settle()
+
+    monkeypatch.setattr(assisted_copy, "MoveInFlight", Watched)
+    if how == "copy after it failed":
+        monkeypatch.setattr(ArenaMapping, "write_hashed", _tail_copy_fails)
+    with KVStoreClient(server.address) as client:
+        source = shared_page_buffer(len(keys), PAGE)
+        source[:] = data
+        with pytest.raises((errors.InvalidArgument, _Injected), match="each 0 or 1|last run failed"):
+            client.put(ns, keys, source)
+        assert len(made) == 1 and settled == made
+        [shared] = [b for b in shared_buffers.live_buffers() if b.base <= source.ctypes.data < b.base + b.size]
+        assert len(shared._free) == shared_buffers.CURSORS   # every claim counter is back
+        # The refused Commit made nothing visible; the one sent before a later step failed stands, read whole.
+        visible = client.lookup(ns, keys)
+        assert visible == (0 if how == "commit refused" else 12)
+        out = np.zeros_like(data)
+        assert client.get(ns, keys, out, verify=True) == visible and np.array_equal(out[:visible], data[:visible])
+        monkeypatch.undo()
+        assert client.put(ns, keys, source) == len(keys)
+        out = np.zeros_like(data)
+        assert client.get(ns, keys, out, verify=True) == len(keys) and np.array_equal(out, data)
 
 
 def test_a_dropped_buffer_is_unshared(server, ns, monkeypatch):
