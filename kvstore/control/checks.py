@@ -189,7 +189,7 @@ def copied_by_node(request: pb.CommitRequest) -> bytes:
     if flags and not request.checksums_from_writer:
         raise errors.InvalidArgument("copied_by_node comes with checksums_from_writer: without it the node hashes "
                                      "every slot, and takes what it recorded where it copied a page itself")
-    if flags.strip(b"\x00\x01"):
+    if flags.translate(None, b"\x00\x01"):
         raise errors.InvalidArgument("copied_by_node holds a byte per index, each 0 or 1")
     return flags
 

@@ -28,9 +28,9 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvstore_client import checksums, errors, packed
+from kvstore_client.assisted_copy import MoveInFlight
 from kvstore_client.buffers import PageSegments, Segment
 from kvstore_client.data_path import PageColumns
-from kvstore_client.assisted_copy import MoveInFlight
 from kvstore_client.node_steps import CONTROL, GRPC, Answer, GetPages, Post, PutPages, Send, Settle, Steps
 from kvstore_client.proto import pb
 
@@ -139,7 +139,8 @@ class PutBatch:
             raise errors.LeaseNotFound("the write lease would expire before the pages moved; "
                                        "raise leases.write_ttl_ms or put fewer pages per call")
         pages = reserved_pages(reserved, indices, self.segments, start)
-        written = yield PutPages(reserved.lease_id, reserved.data_token, pages, self.page_bytes, ahead=moving is not None)
+        written = yield PutPages(reserved.lease_id, reserved.data_token, pages, self.page_bytes,
+                                 ahead=moving is not None)
         copied_by_node = b""
         if isinstance(written, MoveInFlight):
             moving.append(written)
