@@ -517,7 +517,9 @@ def _node_copied(lease: Lease, indices: list[int], checksums: list[int], copied_
     """The writer's checksums, but for each page this node copied in itself the one it recorded then
     (Lease.arrived); InvalidArgument where it has none: no move of this node copied that page."""
     sums = list(checksums)
-    for position in [position for position, flag in enumerate(copied_by_node) if flag]:
+    for position, flag in enumerate(copied_by_node):
+        if not flag:
+            continue
         known = lease.arrived.get(indices[position])
         if known is None:
             raise errors.InvalidArgument(

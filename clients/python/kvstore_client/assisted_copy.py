@@ -158,13 +158,12 @@ class MoveInFlight:
         self._mine, self._count, self._node_part = mine, count, node_part
         self._settled = False
 
-    def settle(self) -> memoryview | None:
-        """Wait for the node's part (at most once): each page's checksum, from whichever side copied it; Internal
-        unless each page was copied exactly once, or what the node answered. None once settled before."""
-        if self._settled:
-            return None
-        self._settled = True
-        return _merged(self._mine, self._node_part(), self._count)
+    def settle(self) -> None:
+        """Wait for the node's part (at most once); Internal unless each page was copied exactly once, or the error
+        the node answered."""
+        if not self._settled:
+            self._settled = True
+            _merged(self._mine, self._node_part(), self._count)
 
 
 def _merged(mine: tuple[bytes, bytes], theirs: bytes, count: int) -> memoryview:

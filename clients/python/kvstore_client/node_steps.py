@@ -71,7 +71,7 @@ class PutPages:
 
 @dataclasses.dataclass(frozen=True)
 class Settle:
-    """Read the node's answer to a MoveInFlight (at most once): the result is MoveInFlight.settle()'s."""
+    """Read the node's answer to a MoveInFlight (MoveInFlight.settle: at most once); the result is None."""
 
     move: Any
 

@@ -40,9 +40,9 @@ CURSOR_STRIDE = 64
 CURSORS = HEADER_BYTES // CURSOR_STRIDE
 
 # id(SharedPages) -> it, from its making until its release, or until the next buffer is made where the release
-# found the lock held (_prune; look-ups skip released buffers meanwhile). A buffer's release
-# runs in a weakref finalizer, which the garbage collector may start in any thread at any allocation: inside a
-# section holding _live_lock too. So a release takes only its buffer's own lock, and never waits for this one.
+# found the lock held (_prune; look-ups skip released buffers meanwhile). A buffer's release runs in a weakref
+# finalizer, which the garbage collector may start in any thread at any allocation: inside a section holding
+# _live_lock too. So a release takes only its buffer's own lock, and never waits for this one.
 _live: dict[int, "SharedPages"] = {}
 _live_lock = threading.Lock()
 
